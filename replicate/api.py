@@ -1,0 +1,262 @@
+"""``replicate.transform``: the public entry point that runs the pass pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
+
+from replicate import io, meta
+from replicate.errors import DeviceError, InputError, ReplicateError
+from replicate.facts import Analysis, Towers
+from replicate.ir import IR, parse_tensor
+from replicate.passes.aggregate import Aggregate
+from replicate.passes.analyze import Analyze
+from replicate.passes.clone import Clone
+from replicate.passes.place import Place
+from replicate.passes.rebatch import Rebatch
+from replicate.passes.rewire import Rewire
+from replicate.passes.split import Split
+from replicate.passes.validate import Validate
+from replicate.pipeline import PassRecord, run_pipeline
+from replicate.report import Report
+from replicate import registry
+
+__all__ = ["transform", "Result", "normalize_device", "analyze_only"]
+
+log = logging.getLogger(__name__)
+
+
+def normalize_device(device: str, what: str = "device") -> str:
+    """The canonical spelling of ``device`` (``/gpu:0`` -> ``/device:GPU:0``).
+
+    Raises:
+        DeviceError: the string is empty or not a TensorFlow device.
+    """
+    import tensorflow as tf
+
+    if not isinstance(device, str) or not device.strip():
+        raise DeviceError(f"{what} {device!r} is empty; use e.g. '/gpu:0' or '/cpu:0'")
+    try:
+        spec = tf.DeviceSpec.from_string(device.strip())
+    except (ValueError, TypeError):
+        raise DeviceError(f"{what} '{device}' is not a TensorFlow device (e.g. '/gpu:0', "
+                          "'/job:worker/task:0/device:GPU:0')") from None
+    if spec.device_type is None and spec.job is None:
+        raise DeviceError(f"{what} '{device}' names no device type or job")
+    return spec.to_string()
+
+
+def _devices(devices: Sequence[str], controller: str) -> tuple[list[str], str]:
+    if isinstance(devices, str):
+        devices = [d for d in devices.split(",") if d.strip()] or [devices]
+    devices = list(devices)
+    if not devices:
+        raise DeviceError("devices is empty; give at least one tower device")
+    normal = [normalize_device(d) for d in devices]
+    seen: dict[str, str] = {}
+    for raw, dev in zip(devices, normal):
+        if dev in seen:
+            raise DeviceError(f"device '{raw}' is listed twice (as '{seen[dev]}' and '{raw}')")
+        seen[dev] = raw
+    return normal, normalize_device(controller, "controller")
+
+
+@dataclasses.dataclass
+class Result:
+    """The replicated graph and handles into it.
+
+    Attributes:
+        graph_def: the rewritten GraphDef.
+        meta_graph_def: the same with collections, saver and signatures carried over.
+        report: what was found and whether the result is exact.
+        analysis: the analyze pass's facts (for tools).
+        records: timing of each pass.
+    """
+
+    graph_def: graph_pb2.GraphDef
+    meta_graph_def: meta_graph_pb2.MetaGraphDef
+    report: Report
+    analysis: Analysis
+    towers: Towers
+    records: list[PassRecord]
+    aggregates: dict[str, str]
+    transform_seconds: float
+
+    @functools.cached_property
+    def graph(self):
+        """A new tf.Graph holding the result (built on first use)."""
+        import tensorflow as tf
+
+        graph = tf.Graph()
+        with graph.as_default():
+            if self.meta_graph_def.collection_def or self.meta_graph_def.HasField("saver_def"):
+                tf.compat.v1.train.import_meta_graph(self.meta_graph_def, clear_devices=False)
+            else:
+                tf.graph_util.import_graph_def(self.graph_def, name="")
+        return graph
+
+    @property
+    def train_op(self):
+        """The train op (same name as the original)."""
+        return self.graph.get_operation_by_name(self.analysis.train_op)
+
+    @property
+    def loss(self):
+        """The global-batch loss under the original loss name, or None."""
+        if self.analysis.loss is None:
+            return None
+        return self.graph.get_tensor_by_name(self.analysis.loss)
+
+    @property
+    def tower_losses(self) -> list:
+        """Each tower's loss on its slice of the batch."""
+        if self.analysis.loss is None:
+            return []
+        return [self.tower_tensor(self.analysis.loss, k) for k in range(len(self.towers.devices))]
+
+    def tower_tensor(self, name: str, tower: int):
+        """Tower ``tower``'s copy of the tensor (or op, without ``:k``) called ``name``."""
+        prefix = self.towers.prefixes[tower]
+        if ":" in name:
+            return self.graph.get_tensor_by_name(f"{prefix}/{name}")
+        return self.graph.get_operation_by_name(f"{prefix}/{name}")
+
+    @property
+    def grads_and_vars(self) -> list[tuple[Any, Any]]:
+        """(aggregated gradient, variable) for every optimizer update, as the optimizer reads them."""
+        import tensorflow as tf
+
+        graph = self.graph
+        variables = {v.op.name: v for v in graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)}
+        out = []
+        for apply in self.analysis.apply_ops:
+            op = graph.get_operation_by_name(apply.name)
+            node = next(n for n in self.graph_def.node if n.name == apply.name)
+            grad_pos = _input_position(node, apply.grad)
+            grad = op.inputs[grad_pos]
+            if apply.indices is not None:
+                grad = tf.IndexedSlices(grad, op.inputs[_input_position(node, apply.indices)])
+            var = variables.get(apply.variable) or graph.get_operation_by_name(apply.variable).outputs[0]
+            out.append((grad, var))
+        return out
+
+    @property
+    def update_ops(self) -> list:
+        """State updates inside the model (batch-norm moving averages), as they run (tower 0)."""
+        return [self.graph.get_operation_by_name(f"{self.towers.prefixes[0]}/{n}")
+                for n in self.analysis.update_ops]
+
+
+def _input_position(node, ref: str) -> int:
+    inputs = [i for i in node.input if not i.startswith("^")]
+    want = parse_tensor(ref)
+    for i, r in enumerate(inputs):
+        if parse_tensor(r) == want:
+            return i
+    return 0
+
+
+def prepare(graph: Any, *, train_op: str | None = None, loss: str | None = None,
+            outputs: Sequence[str] = (), merge_forward: bool = True) -> tuple[IR, io.Loaded, Analyze]:
+    """Load ``graph`` into an IR with static shapes, and build the analyze pass for it."""
+    loaded = io.load(graph)
+    tf_graph = loaded.graph if loaded.graph is not None else registry.import_checked(
+        loaded.graph_def, loaded.origin)
+    ir = IR.from_graph_def(loaded.graph_def, loaded.meta)
+    ir.load_static_shapes(tf_graph)
+    external = frozenset(meta.referenced_names(loaded.meta))
+    analyze = Analyze(train_op=train_op, loss=loss, outputs=tuple(outputs or ()),
+                      merge_forward=merge_forward, external=external)
+    return ir, loaded, analyze
+
+
+def analyze_only(graph: Any, **options: Any) -> IR:
+    """Run only the analysis; return the IR with ``ir.facts["analysis"]`` set."""
+    ir, _, analyze = prepare(graph, **options)
+    run_pipeline(ir, [analyze])
+    return ir
+
+
+def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
+              train_op: str | None = None, loss: str | None = None,
+              outputs: Sequence[str] | None = None, merge_forward: bool = True,
+              param_devices: Sequence[str] | None = None, verify_each: bool = False,
+              dump_dir: str | None = None,
+              progress: Callable[[str, int, int], None] | None = None) -> Result:
+    """Rewrite a single-device training graph into in-graph data-parallel training.
+
+    Args:
+        graph: a tf.Graph, GraphDef, MetaGraphDef, or a path (.meta, .pb, .pbtxt, SavedModel dir).
+        devices: one device per tower, e.g. ``["/gpu:0", "/gpu:1"]``.
+        controller: device holding the variables and running the optimizer.
+        train_op: the train op's name, when the graph has several candidates.
+        loss: the loss tensor's name, when it cannot be recovered from the gradients.
+        outputs: more tensor names to keep fetchable (merged over towers) under their names.
+        merge_forward: merge every per-example forward tensor under its name (default True).
+        param_devices: spread variables over these devices by size instead of the controller.
+        verify_each: validate the IR after every pass.
+        dump_dir: write the IR after each pass to this directory.
+        progress: called with (pass name, index, total) before each pass.
+
+    Returns:
+        A :class:`Result`; the input is never modified.
+
+    Raises:
+        ReplicateError: for any bad input; the message names the file, node or option.
+    """
+    start = time.perf_counter()
+    devices, controller = _devices(devices, controller)
+    params = [normalize_device(d, "parameter device") for d in (param_devices or [])]
+    try:
+        ir, loaded, analyze = prepare(graph, train_op=train_op, loss=loss, outputs=outputs or (),
+                                      merge_forward=merge_forward)
+        validator = Validate()
+        passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
+                  Rebatch(), Aggregate(controller), Rewire(controller), validator]
+        ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
+                                   dump_dir=dump_dir, progress=progress)
+    except ReplicateError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{getattr(graph, 'name', None) or 'input'}: {exc}") from exc
+    analysis: Analysis = ir.facts["analysis"]
+    warnings = list(analysis.warnings)
+    graph_def = ir.to_graph_def()
+    meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
+    towers: Towers = ir.facts["towers"]
+    seconds = time.perf_counter() - start
+    report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
+                     warnings)
+    return Result(graph_def, meta_out, report, analysis, towers, records,
+                  ir.facts.get("aggregates", {}), seconds)
+
+
+def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], controller: str,
+            records: list[PassRecord], input_nodes: int, warnings: list[str]) -> Report:
+    grads: dict[str, int] = {}
+    for f in analysis.frontier:
+        grads[f.role] = grads.get(f.role, 0) + 1
+    per_tower = len(analysis.needed) if len(devices) > 1 else len(analysis.region)
+    tower_nodes = sum(1 for n in ir.nodes if n.split("/", 1)[0] in towers.prefixes)
+    return Report(
+        devices=devices, controller=controller, train_op=analysis.train_op, loss=analysis.loss,
+        loss_reductions={s.prefix: s.kind for s in analysis.scopes},
+        inputs=[{"tensor": b.tensor, "axis": b.axis, "static_size": b.static_size}
+                for b in analysis.batch_inputs],
+        shared_inputs=list(analysis.shared_inputs), optimizers=list(analysis.optimizers),
+        updates=len(analysis.apply_ops), variables=len(analysis.variables),
+        trainable_variables=sum(1 for v in analysis.variables.values() if v.trainable),
+        variable_bytes=sum(v.bytes for v in analysis.variables.values()),
+        global_step=analysis.global_step, input_nodes=input_nodes, nodes_per_tower=per_tower,
+        shared_nodes=len(ir.nodes) - tower_nodes, output_nodes=len(ir.nodes), gradients=grads,
+        merged_outputs=len(analysis.outputs), update_ops=list(analysis.update_ops),
+        rebatched=list(ir.facts.get("rebatched", [])), exact=not analysis.reasons,
+        reasons=list(analysis.reasons), warnings=warnings,
+        passes=[dataclasses.asdict(r) for r in records])

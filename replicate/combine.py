@@ -1,0 +1,92 @@
+"""Build the ops that combine N tower copies of a tensor into one value.
+
+Used by the aggregate pass (gradients) and the rewire pass (forward outputs). A kind names
+the combination: ``dense``/``mean`` (sum of example-count-weighted parts), ``sum``,
+``concat`` (along the batch axis), ``sparse_values`` (weighted, then concatenated),
+``sparse_indices`` (concatenated), ``max``, ``min`` and ``first`` (tower 0's part).
+Weights use ``MulNoNan`` so a tower with no examples contributes zero, not NaN.
+"""
+
+from __future__ import annotations
+
+from tensorflow.python.framework import dtypes
+
+from replicate.facts import Towers
+from replicate.ir import IR, parse_tensor
+
+__all__ = ["combine", "weight", "KINDS"]
+
+KINDS = frozenset({"dense", "mean", "sum", "concat", "sparse_values", "sparse_indices", "max",
+                   "min", "first"})
+WEIGHTS = "replicate/weights"
+
+
+def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str) -> str:
+    """Tower ``k``'s share of the global batch as a scalar of ``dtype`` (created once)."""
+    key = (k, int(dtype))
+    if key in towers.weights:
+        return towers.weights[key]
+    tf_dtype = dtypes.as_dtype(dtype)
+    scope = f"{WEIGHTS}/{tf_dtype.name}"
+    total = f"{scope}/batch_size"
+    if total not in ir.nodes:
+        ir.add(total, "Cast", [towers.batch_size], device=device,
+               attrs={"SrcT": dtypes.int32, "DstT": tf_dtype})
+    count = ir.add(f"{scope}/count_{k}", "Cast", [towers.counts[k]], device=device,
+                   attrs={"SrcT": dtypes.int32, "DstT": tf_dtype}).name
+    node = ir.add(f"{scope}/weight_{k}", "DivNoNan", [count, total], device=device,
+                  attrs={"T": tf_dtype})
+    towers.weights[key] = node.name
+    return node.name
+
+
+def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtype: int,
+            device: str, controller: str) -> str:
+    """Add the ops combining ``parts`` (one tensor per tower) by ``kind``; return the result.
+
+    Args:
+        ir: the graph.
+        towers: tower facts (devices, counts, weight cache).
+        name: node name of the final op; helper ops go under ``<name>_parts/``.
+        parts: the tower tensors, in tower order.
+        kind: one of :data:`KINDS`.
+        dtype: DataType enum of the parts.
+        device: device of the combining op (a variable's device or the controller).
+        controller: device of the weight computation.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown combine kind '{kind}'")
+    tf_dtype = dtypes.as_dtype(dtype)
+    refs = [_ref(p) for p in parts]
+    if kind == "first":
+        return ir.add(name, "Identity", [refs[0]], device=device, attrs={"T": tf_dtype}).name
+    if kind in ("dense", "mean", "sparse_values"):
+        scaled = []
+        for k, ref in enumerate(refs):
+            w = weight(ir, towers, k, dtype, controller)
+            scaled.append(ir.add(f"{name}_parts/scaled_{k}", "MulNoNan", [ref, w],
+                                 device=towers.devices[k], attrs={"T": tf_dtype}).name)
+        refs = scaled
+    if kind in ("dense", "mean", "sum"):
+        if len(refs) == 1:
+            return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
+        return ir.add(name, "AddN", refs, device=device, attrs={"T": tf_dtype, "N": len(refs)}).name
+    if kind in ("concat", "sparse_values", "sparse_indices"):
+        axis = f"{name}_parts/axis"
+        ir.const(axis, 0, dtypes.int32, device)
+        return ir.add(name, "ConcatV2", refs + [axis], device=device,
+                      attrs={"T": tf_dtype, "N": len(refs), "Tidx": dtypes.int32}).name
+    op = "Maximum" if kind == "max" else "Minimum"
+    acc = refs[0]
+    for k, ref in enumerate(refs[1:], start=1):
+        last = k == len(refs) - 1
+        acc = ir.add(name if last else f"{name}_parts/{kind}_{k}", op, [acc, ref], device=device,
+                     attrs={"T": tf_dtype}).name
+    if len(refs) == 1:
+        return ir.add(name, "Identity", [acc], device=device, attrs={"T": tf_dtype}).name
+    return acc
+
+
+def _ref(tensor: str) -> str:
+    node, idx = parse_tensor(tensor)
+    return node if idx == 0 else f"{node}:{idx}"

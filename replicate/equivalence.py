@@ -1,0 +1,152 @@
+"""Run a graph's training steps and compare single-device with replicated training.
+
+Both graphs start from the same variable values (the single-device graph's initial
+values are copied into the replicated one), take the same feeds step by step, and their
+variables are compared afterwards. Used by the tests, the examples and ``replicate verify``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["session_config", "Trainer", "Comparison", "compare"]
+
+log = logging.getLogger(__name__)
+
+
+def session_config(cpus: int = 4, threads: int = 0):
+    """A ConfigProto with ``cpus`` logical CPU devices (``/cpu:0`` ... ``/cpu:{cpus-1}``)."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus}, allow_soft_placement=False)
+    if threads:
+        config.intra_op_parallelism_threads = threads
+        config.inter_op_parallelism_threads = threads
+    return config
+
+
+class Trainer:
+    """A session over an imported copy of a training graph.
+
+    Args:
+        source: a tf.Graph or MetaGraphDef (a copy is imported; the source is not touched).
+        train_op: name of the op to run per step.
+        cpus: logical CPU devices of the session.
+    """
+
+    def __init__(self, source: Any, train_op: str, cpus: int = 4, threads: int = 0):
+        import tensorflow as tf
+
+        meta = source
+        if isinstance(source, tf.Graph):
+            meta = tf.compat.v1.train.export_meta_graph(graph=source, clear_devices=False)
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+            self.variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+            self.init = tf.compat.v1.variables_initializer(list(self.variables.values()))
+            local = tf.compat.v1.local_variables()
+            self.local_init = tf.compat.v1.variables_initializer(local) if local else None
+            table_init = self.graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS)
+            self.table_init = tf.group(*table_init) if table_init else None
+        self.train_op = self.graph.get_operation_by_name(train_op)
+        self.session = tf.compat.v1.Session(graph=self.graph, config=session_config(cpus, threads))
+        self.session.run(self.init)
+        for extra in (self.local_init, self.table_init):
+            if extra is not None:
+                self.session.run(extra)
+
+    def values(self) -> dict[str, np.ndarray]:
+        """Current value of every global variable, by variable name."""
+        names = sorted(self.variables)
+        got = self.session.run([self.variables[n].value() if hasattr(self.variables[n], "value")
+                                else self.variables[n] for n in names])
+        return dict(zip(names, got))
+
+    def load(self, values: dict[str, np.ndarray]) -> None:
+        """Set variables to ``values`` (names missing here are ignored)."""
+        for name, value in values.items():
+            var = self.variables.get(name)
+            if var is not None:
+                var.load(value, self.session)
+
+    def step(self, feed: dict[str, Any] | None = None, fetch: Sequence[str] = ()) -> list[Any]:
+        """Run the train op once (plus ``fetch`` tensor names); return the fetched values."""
+        fetches = [self.train_op] + [self.graph.get_tensor_by_name(n) for n in fetch]
+        return self.session.run(fetches, feed_dict=dict(feed or {}))[1:]
+
+    def close(self) -> None:
+        """Close the session."""
+        self.session.close()
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Largest differences between single-device and replicated training."""
+
+    max_abs: float
+    max_rel: float
+    worst: str
+    per_variable: dict[str, float]
+    fetched: list[tuple[list[Any], list[Any]]]
+    unchanged: list[str]
+
+    def ok(self, rtol: float = 1e-5) -> bool:
+        """True when every variable agrees within ``rtol`` (relative to its scale)."""
+        return self.max_rel <= rtol
+
+
+def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| / max(max |a|, 1e-6): a scale-aware difference of two arrays."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    if a.size == 0:
+        return 0.0
+    scale = max(float(np.max(np.abs(a))), 1e-6)
+    return float(np.max(np.abs(a - b))) / scale
+
+
+def compare(original: Any, replicated: Any, train_op: str, feeds: Sequence[dict[str, Any]] | int,
+            cpus: int = 4, fetch: Sequence[str] = (), on_step: Callable[[int], None] | None = None
+            ) -> Comparison:
+    """Train ``original`` and ``replicated`` side by side and compare their variables.
+
+    Args:
+        original: the single-device graph (tf.Graph or MetaGraphDef).
+        replicated: the replicated graph (tf.Graph or MetaGraphDef).
+        train_op: name of the train op in both.
+        feeds: one feed dict per step (tensor name -> array), or a step count for graphs
+            that read their own input (iterators).
+        cpus: logical CPU devices.
+        fetch: tensor names fetched at every step in both graphs (e.g. the loss).
+        on_step: called with the step index after each step.
+    """
+    steps = [None] * feeds if isinstance(feeds, int) else list(feeds)
+    single = Trainer(original, train_op, cpus)
+    multi = Trainer(replicated, train_op, cpus)
+    try:
+        start = single.values()
+        multi.load(start)
+        fetched = []
+        for i, feed in enumerate(steps):
+            fetched.append((single.step(feed, fetch), multi.step(feed, fetch)))
+            if on_step is not None:
+                on_step(i)
+        a, b = single.values(), multi.values()
+    finally:
+        single.close()
+        multi.close()
+    per_var = {n: relative_difference(a[n], b[n]) for n in a if n in b}
+    abs_diff = {n: float(np.max(np.abs(np.asarray(a[n], np.float64) - np.asarray(b[n], np.float64))))
+                if np.asarray(a[n]).size else 0.0 for n in a if n in b}
+    worst = max(per_var, key=per_var.get) if per_var else ""
+    unchanged = [n for n in a if n in start and np.array_equal(a[n], start[n])]
+    return Comparison(max(abs_diff.values(), default=0.0), max(per_var.values(), default=0.0), worst,
+                      per_var, fetched, unchanged)

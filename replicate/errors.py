@@ -1,0 +1,46 @@
+"""Errors raised by replicate: every bad input surfaces as a ReplicateError subclass."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ReplicateError",
+    "InputError",
+    "AnalysisError",
+    "DeviceError",
+    "PassError",
+    "OutputError",
+]
+
+
+class ReplicateError(Exception):
+    """Base class of every error replicate raises on purpose.
+
+    The message is one sentence that names the file, node or option at fault.
+    """
+
+
+class InputError(ReplicateError):
+    """The input could not be read: missing file, not a graph, corrupt protobuf, bad NodeDef."""
+
+
+class AnalysisError(ReplicateError):
+    """The graph was read but is not a training graph replicate can rewrite."""
+
+
+class DeviceError(ReplicateError):
+    """A device or controller string is malformed, duplicated or unusable."""
+
+
+class OutputError(ReplicateError):
+    """The output could not be written (exists without --force, unwritable, too large)."""
+
+
+class PassError(ReplicateError):
+    """A pass failed; the message names the pass and the passes that ran before it."""
+
+    def __init__(self, pass_name: str, done: list[str], cause: BaseException):
+        self.pass_name = pass_name
+        self.done = list(done)
+        self.cause = cause
+        after = ", ".join(done) if done else "nothing"
+        super().__init__(f"pass '{pass_name}' failed (after {after}): {cause}")

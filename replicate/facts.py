@@ -1,0 +1,126 @@
+"""What passes learn about a graph and hand to later passes (stored in ``ir.facts``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+__all__ = ["BatchInput", "GradScope", "Frontier", "ApplyOp", "VarInfo", "Reason", "Analysis",
+           "Towers"]
+
+
+@dataclasses.dataclass
+class BatchInput:
+    """A tensor that carries examples along ``axis``; split across towers."""
+
+    tensor: str
+    axis: int
+    static_size: int | None
+    source_op: str
+
+
+@dataclasses.dataclass
+class GradScope:
+    """One ``tf.gradients`` call: its name scope, its loss and how that loss reduces the batch."""
+
+    prefix: str
+    loss: str | None
+    kind: str
+
+
+@dataclasses.dataclass
+class Frontier:
+    """A tensor computed in every tower and read by shared nodes.
+
+    ``role`` is ``dense``, ``sparse_values`` or ``sparse_indices`` for gradients (aggregated), and
+    ``concat``, ``mean``, ``sum``, ``max``, ``min`` or ``first`` for forward tensors (merged).
+    """
+
+    tensor: str
+    role: str
+    gradient: bool
+    variable: str | None = None
+    weight_kind: str = "mean"
+
+
+@dataclasses.dataclass
+class ApplyOp:
+    """An optimizer update and the (gradient, variable) pair it consumes."""
+
+    name: str
+    op: str
+    optimizer: str
+    variable: str
+    grad: str
+    indices: str | None
+
+
+@dataclasses.dataclass
+class VarInfo:
+    """A variable of the graph."""
+
+    name: str
+    op: str
+    kind: str
+    dtype: str
+    shape: list[int | None] | None
+    bytes: int
+    trainable: bool
+
+
+@dataclasses.dataclass
+class Reason:
+    """Why the result is not exactly single-device training: the op, what, and what to do."""
+
+    node: str
+    what: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.what} ({self.fix})"
+
+
+@dataclasses.dataclass
+class Analysis:
+    """Roles of the nodes of a training graph, as found by the analyze pass."""
+
+    train_op: str
+    variables: dict[str, VarInfo]
+    batch_inputs: list[BatchInput]
+    shared_inputs: list[str]
+    scopes: list[GradScope]
+    loss: str | None
+    apply_ops: list[ApplyOp]
+    optimizers: list[str]
+    global_step: str | None
+    region: list[str]
+    needed: set[str]
+    batch_dependent: set[str]
+    keep: set[str]
+    update_ops: list[str]
+    random_ops: list[str]
+    frontier: list[Frontier]
+    outputs: list[Frontier]
+    external_controls: dict[str, list[str]]
+    static_batch: int | None
+    dead: set[str] = dataclasses.field(default_factory=set)
+    reasons: list[Reason] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @functools.cached_property
+    def region_set(self) -> frozenset[str]:
+        """The region as a set, for membership tests."""
+        return frozenset(self.region)
+
+
+@dataclasses.dataclass
+class Towers:
+    """What the split pass made: per-tower input tensors, example counts and weights."""
+
+    devices: list[str]
+    prefixes: list[str]
+    inputs: list[dict[str, str]]
+    counts: list[str]
+    static_counts: list[int] | None
+    weights: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+    batch_size: str = ""

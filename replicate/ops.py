@@ -1,0 +1,200 @@
+"""Op knowledge in tables: what each TensorFlow op type means to the rewrite.
+
+Passes consult these tables instead of branching on op types themselves. Input
+positions are not written here: they are read from TensorFlow's op registry by
+argument name (``grad``, ``indices``, ``var``), so a table row is just the op
+type and the names of its arguments.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "VARIABLE_OPS",
+    "RESOURCE_VARIABLE_OPS",
+    "REF_VARIABLE_OPS",
+    "INPUT_SOURCE_OPS",
+    "BATCH_SOURCE_OPS",
+    "APPLY_OPS",
+    "MUTATING_OPS",
+    "RANDOM_OPS",
+    "REDUCTION_KINDS",
+    "AFFINE_OPS",
+    "SHAPE_CONSUMERS",
+    "SHAPE_ATTRS",
+    "PER_TOWER_NAME_ATTRS",
+    "STATEFUL_NAME_ATTRS",
+    "UNSAFE_OPS",
+    "ApplySpec",
+    "apply_spec",
+]
+
+import dataclasses
+
+#: Ops that own variable storage. They are always shared, never replicated.
+REF_VARIABLE_OPS = frozenset({"VariableV2", "Variable", "AutoReloadVariable", "TemporaryVariable"})
+RESOURCE_VARIABLE_OPS = frozenset({"VarHandleOp", "_VarHandlesOp"})
+VARIABLE_OPS = REF_VARIABLE_OPS | RESOURCE_VARIABLE_OPS | frozenset(
+    {"MutableHashTable", "MutableHashTableV2", "MutableHashTableOfTensors",
+     "MutableHashTableOfTensorsV2", "MutableDenseHashTable", "MutableDenseHashTableV2"}
+)
+
+#: Ops that bring data into the graph. Shared; batch inputs among them are split.
+BATCH_SOURCE_OPS = frozenset(
+    {"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
+     "IteratorGetNextSync", "QueueDequeueMany", "QueueDequeueManyV2", "QueueDequeueUpTo",
+     "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueV2"}
+)
+INPUT_SOURCE_OPS = BATCH_SOURCE_OPS | frozenset(
+    {"Iterator", "IteratorV2", "OneShotIterator", "AnonymousIterator", "AnonymousIteratorV2",
+     "AnonymousIteratorV3", "MakeIterator", "FIFOQueue", "FIFOQueueV2", "RandomShuffleQueue",
+     "RandomShuffleQueueV2", "PaddingFIFOQueue", "PaddingFIFOQueueV2", "PriorityQueue",
+     "PriorityQueueV2", "ReaderReadV2", "ReaderReadUpToV2"}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplySpec:
+    """How an optimizer op consumes its gradient.
+
+    Attributes:
+        optimizer: the family name shown in reports (``Adam``, ``Momentum``...).
+        grad_arg: name of the input argument carrying the gradient (or its values).
+        indices_arg: name of the indices argument for sparse updates, else ``None``.
+        var_arg: name of the argument holding the updated variable.
+    """
+
+    optimizer: str
+    grad_arg: str = "grad"
+    indices_arg: str | None = None
+    var_arg: str = "var"
+
+
+def _family(optimizer: str, names: list[str], grad_arg: str = "grad") -> dict[str, ApplySpec]:
+    table: dict[str, ApplySpec] = {}
+    for name in names:
+        table[f"Apply{name}"] = ApplySpec(optimizer, grad_arg)
+        table[f"ResourceApply{name}"] = ApplySpec(optimizer, grad_arg)
+    return table
+
+
+def _sparse_family(optimizer: str, names: list[str], grad_arg: str = "grad") -> dict[str, ApplySpec]:
+    table: dict[str, ApplySpec] = {}
+    for name in names:
+        table[f"SparseApply{name}"] = ApplySpec(optimizer, grad_arg, "indices")
+        table[f"ResourceSparseApply{name}"] = ApplySpec(optimizer, grad_arg, "indices")
+    return table
+
+
+#: Optimizer update ops: op type -> how it takes its gradient.
+APPLY_OPS: dict[str, ApplySpec] = {
+    **_family("GradientDescent", ["GradientDescent"], grad_arg="delta"),
+    **_family("ProximalGradientDescent", ["ProximalGradientDescent"], grad_arg="delta"),
+    **_family("Momentum", ["Momentum", "KerasMomentum"]),
+    **_family("Adam", ["Adam", "AdamWithAmsgrad"]),
+    **_family("AdaMax", ["AdaMax"]),
+    **_family("RMSProp", ["RMSProp", "CenteredRMSProp"]),
+    **_family("Adagrad", ["Adagrad", "AdagradV2"]),
+    **_family("AdagradDA", ["AdagradDA"], grad_arg="gradient"),
+    **_family("Adadelta", ["Adadelta"]),
+    **_family("Ftrl", ["Ftrl", "FtrlV2"]),
+    **_family("ProximalAdagrad", ["ProximalAdagrad"]),
+    **_family("PowerSign", ["PowerSign"]),
+    **_family("AddSign", ["AddSign"]),
+    **_sparse_family("Momentum", ["Momentum", "KerasMomentum"]),
+    **_sparse_family("RMSProp", ["RMSProp", "CenteredRMSProp"]),
+    **_sparse_family("Adagrad", ["Adagrad", "AdagradV2"]),
+    **_sparse_family("AdagradDA", ["AdagradDA"]),
+    **_sparse_family("Adadelta", ["Adadelta"]),
+    **_sparse_family("Ftrl", ["Ftrl", "FtrlV2"]),
+    **_sparse_family("ProximalAdagrad", ["ProximalAdagrad"]),
+    **_sparse_family("ProximalGradientDescent", ["ProximalGradientDescent"]),
+}
+
+#: Ops that write to a variable other than through an optimizer kernel:
+#: op type -> (name of the variable argument, name of the value argument, name of indices or None).
+MUTATING_OPS: dict[str, tuple[str, str, str | None]] = {
+    "Assign": ("ref", "value", None),
+    "AssignAdd": ("ref", "value", None),
+    "AssignSub": ("ref", "value", None),
+    "AssignVariableOp": ("resource", "value", None),
+    "AssignAddVariableOp": ("resource", "value", None),
+    "AssignSubVariableOp": ("resource", "value", None),
+    **{f"Scatter{k}": ("ref", "updates", "indices")
+       for k in ("Add", "Sub", "Mul", "Div", "Update", "Min", "Max")},
+    **{f"ScatterNd{k}": ("ref", "updates", "indices") for k in ("Add", "Sub", "Update")},
+    **{f"ResourceScatter{k}": ("resource", "updates", "indices")
+       for k in ("Add", "Sub", "Mul", "Div", "Update", "Min", "Max")},
+    **{f"ResourceScatterNd{k}": ("ref", "updates", "indices") for k in ("Add", "Sub", "Update")},
+}
+
+#: Ops that draw random numbers: each tower must get its own stream.
+RANDOM_OPS = frozenset(
+    {"RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+     "RandomShuffle", "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
+     "ParameterizedTruncatedNormal", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+     "StatelessTruncatedNormalV2", "RandomCrop"}
+)
+
+#: Reductions over the batch and how tower results combine into the global value:
+#: ``mean`` is weighted by example counts, ``sum`` adds, ``max``/``min`` take extremes.
+REDUCTION_KINDS: dict[str, str] = {
+    "Mean": "mean",
+    "Sum": "sum",
+    "Max": "max",
+    "Min": "min",
+    "EuclideanNorm": "other",
+    "Prod": "other",
+    "L2Loss": "sum",
+}
+
+#: Ops through which a batch-mean stays a batch-mean when their other inputs do not
+#: depend on the batch (affine with weights that sum to one across towers).
+AFFINE_OPS = frozenset(
+    {"Identity", "Add", "AddV2", "AddN", "Sub", "Neg", "Mul", "RealDiv", "Cast", "Snapshot",
+     "StopGradient", "CheckNumerics", "EnsureShape", "Reshape", "Squeeze", "ExpandDims"}
+)
+
+#: Inputs that carry a shape (or tile multiples) as a constant: (op type, input index).
+#: With a static global batch these constants hold the batch size at element 0.
+SHAPE_CONSUMERS = frozenset(
+    {("Reshape", 1), ("Tile", 1), ("Fill", 0), ("BroadcastTo", 1), ("Zeros", 0),
+     ("RandomUniform", 0), ("RandomStandardNormal", 0), ("TruncatedNormal", 0),
+     ("SplitV", 1), ("Slice", 2), ("BroadcastGradientArgs", 0), ("BroadcastGradientArgs", 1)}
+)
+
+#: Shape-valued attributes that repeat a static batch size: op type -> attribute names.
+SHAPE_ATTRS: dict[str, tuple[str, ...]] = {
+    "EnsureShape": ("shape",),
+    "TensorArrayV3": ("element_shape",),
+    "PlaceholderWithDefault": ("shape",),
+}
+
+#: String attributes that name per-instance runtime state; each tower needs its own.
+PER_TOWER_NAME_ATTRS: dict[str, tuple[str, ...]] = {
+    "Enter": ("frame_name",),
+    "RefEnter": ("frame_name",),
+    "StackV2": ("stack_name",),
+    "Stack": ("stack_name",),
+    "TensorArrayV3": ("tensor_array_name",),
+    "TensorArrayV2": ("tensor_array_name",),
+}
+
+#: Attributes that share state between ops by name when non-empty.
+STATEFUL_NAME_ATTRS = ("shared_name", "container")
+
+#: Ops that touch files, the network or Python: never executed by `verify`.
+UNSAFE_OPS = frozenset(
+    {"ReadFile", "WriteFile", "PyFunc", "PyFuncStateless", "EagerPyFunc", "Save", "SaveV2",
+     "SaveSlices", "Restore", "RestoreV2", "RestoreSlice", "MergeV2Checkpoints",
+     "WholeFileReader", "WholeFileReaderV2", "TFRecordReader", "TFRecordReaderV2",
+     "TextLineReader", "TextLineReaderV2", "FixedLengthRecordReader",
+     "FixedLengthRecordReaderV2", "MatchingFiles", "DeleteFile", "WriteSummary",
+     "CreateSummaryFileWriter", "ImmutableConst", "DebugIdentity", "PrintV2", "Print",
+     "TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset", "FixedLengthRecordDataset",
+     "FixedLengthRecordDatasetV2"}
+)
+
+
+def apply_spec(op_type: str) -> ApplySpec | None:
+    """Return the optimizer table row for ``op_type``, or ``None`` if it is not an update op."""
+    return APPLY_OPS.get(op_type)

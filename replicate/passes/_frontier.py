@@ -1,0 +1,132 @@
+"""Helper of the analyze pass: classify the tensors that cross from towers to shared nodes.
+
+Gradients (tensors of a ``gradients`` scope read by shared ops) are aggregated: dense
+ones by a count-weighted sum, sparse ones (IndexedSlices values and indices) by
+concatenation. Forward tensors (the loss, logits, anything a shared op or a driver
+reads) are merged under their original names by concatenation, a count-weighted
+mean, a sum, a max or a min.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from replicate import ops
+from replicate.errors import AnalysisError
+from replicate.facts import ApplyOp, Frontier, GradScope, Reason
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.roles import FLOAT_TYPES, merge_kind, sparse_roles
+
+__all__ = ["classify"]
+
+_MERGEABLE = frozenset({"concat", "mean", "sum", "max", "min"})
+
+
+def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
+             scopes: list[GradScope], apply_ops: list[ApplyOp], static_batch: int | None,
+             losses: list[str], outputs: tuple[str, ...], merge_forward: bool,
+             dead: set[str] = frozenset()) -> tuple[list[Frontier], list[Frontier], list[Reason]]:
+    """Return (gradient frontier, forward outputs to merge, reasons for inexactness)."""
+    inside = set(region)
+    crossing: dict[str, None] = {}
+    for name in region:
+        for consumer in ir.consumers(name):
+            if consumer.name in inside or consumer.name in dead:
+                continue
+            for ref in consumer.inputs:
+                if node_of(ref) == name:
+                    crossing.setdefault(tensor_name(*parse_tensor(ref)), None)
+    crossing_sorted = _sorted(ir, crossing)
+    grads = [t for t in crossing_sorted if node_of(t) in in_grad and node_of(t) in dependent]
+    roles = sparse_roles(ir, set(grads))
+    variables = _nearest_variables(ir, grads, apply_ops)
+    frontier: list[Frontier] = []
+    for t in grads:
+        role = roles.get(t)
+        if role is None:
+            shape = ir.static_shape(t)
+            if ir.output_dtype(t) in FLOAT_TYPES:
+                role = "dense"
+            elif shape is None or len(shape) == 1:
+                role = "sparse_indices"
+            else:
+                role = "first"
+        frontier.append(Frontier(t, role, True, variables.get(t), _scope_kind(t, scopes)))
+
+    reasons: list[Reason] = []
+    merged: dict[str, Frontier] = {}
+
+    def add(t: str, required: bool) -> None:
+        if t in merged or node_of(t) not in dependent:
+            return
+        kind = merge_kind(ir, t, dependent, static_batch)
+        if kind not in _MERGEABLE:
+            if not required:
+                return
+            if kind == "none":
+                raise AnalysisError(f"'{t}' is a handle computed per tower and read by shared op; "
+                                    "it cannot be merged")
+            reasons.append(Reason(node_of(t), "value read outside the towers cannot be merged across "
+                                  "towers; tower 0's value is used", "compute it outside the model or "
+                                  "accept per-tower values"))
+            kind = "first"
+        merged[t] = Frontier(t, kind, False)
+
+    for t in crossing_sorted:
+        if node_of(t) not in in_grad:
+            add(t, True)
+    for t in losses:
+        add(t, True)
+    for name in outputs:
+        for t in _resolve(ir, name):
+            if node_of(t) in in_grad and node_of(t) in dependent and t not in crossing:
+                frontier.append(Frontier(t, "dense", True, None, _scope_kind(t, scopes)))
+            else:
+                add(t, True)
+    if merge_forward:
+        updates = {n for n in region if ir.nodes[n].op in ops.MUTATING_OPS}
+        for name in region:
+            if name in in_grad or name in updates or name not in dependent:
+                continue
+            for i in range(len(ir.output_types(ir.nodes[name]))):
+                add(tensor_name(name, i), False)
+    return frontier, [merged[t] for t in _sorted(ir, merged)], reasons
+
+
+def _sorted(ir: IR, tensors) -> list[str]:
+    index = {name: i for i, name in enumerate(ir.nodes)}
+    return sorted(tensors, key=lambda t: (index[node_of(t)], parse_tensor(t)[1]))
+
+
+def _scope_kind(t: str, scopes: list[GradScope]) -> str:
+    for scope in scopes:
+        if t.startswith(scope.prefix + "/"):
+            return scope.kind
+    return "mean"
+
+
+def _resolve(ir: IR, name: str) -> list[str]:
+    node, idx = parse_tensor(name)
+    if node not in ir.nodes:
+        raise AnalysisError(f"output '{name}' is not a node of the graph")
+    if ":" in name:
+        return [tensor_name(node, idx)]
+    return [tensor_name(node, i) for i in range(max(1, len(ir.output_types(ir.nodes[node]))))]
+
+
+def _nearest_variables(ir: IR, grads: list[str], apply_ops: list[ApplyOp]) -> dict[str, str]:
+    """The variable of the optimizer update nearest (breadth-first) to each gradient."""
+    target = {a.name: a.variable for a in apply_ops}
+    out: dict[str, str] = {}
+    for t in grads:
+        queue, seen = collections.deque([node_of(t)]), {node_of(t)}
+        while queue:
+            name = queue.popleft()
+            if name in target:
+                out[t] = target[name]
+                break
+            for consumer in ir.consumers(name):
+                if consumer.name not in seen:
+                    seen.add(consumer.name)
+                    queue.append(consumer.name)
+    return out

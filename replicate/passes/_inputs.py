@@ -1,0 +1,116 @@
+"""Helpers of the analyze pass: batch inputs, variables, the global step, loss terms."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+from tensorflow.python.framework import dtypes
+
+from replicate import ops
+from replicate.facts import ApplyOp, BatchInput, VarInfo
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+
+__all__ = ["find", "variables", "global_step", "independent_terms"]
+
+log = logging.getLogger(__name__)
+
+
+def find(ir: IR, region: list[str], sources: set[str]
+         ) -> tuple[list[BatchInput], list[str], int | None, list[str]]:
+    """Split the input tensors the region reads into batch inputs and shared inputs.
+
+    A placeholder or iterator output of rank >= 1 is a batch input (axis 0) unless its
+    static leading dimension disagrees with the other batch inputs'.
+
+    Returns:
+        (batch inputs, shared input tensors, static global batch size or None, warnings)
+    """
+    used: dict[str, None] = {}
+    for name in region:
+        for ref in ir.nodes[name].inputs:
+            if node_of(ref) in sources:
+                used.setdefault(tensor_name(*parse_tensor(ref)), None)
+    warnings: list[str] = []
+    shared: list[str] = []
+    candidates: list[tuple[str, int | None]] = []
+    for ref in used:
+        source = ir.nodes[node_of(ref)]
+        if source.op not in ops.BATCH_SOURCE_OPS:
+            continue
+        shape = ir.static_shape(ref)
+        if shape is None:
+            warnings.append(f"input '{ref}' has unknown rank; it is shared, not split")
+            shared.append(ref)
+        elif not shape:
+            shared.append(ref)
+        else:
+            candidates.append((ref, shape[0]))
+    statics = collections.Counter(d for _, d in candidates if d is not None)
+    static_batch = max(statics, key=lambda d: (statics[d], d)) if statics else None
+    batch = []
+    for ref, dim in candidates:
+        if dim is None or dim == static_batch:
+            batch.append(BatchInput(ref, 0, dim, ir.nodes[node_of(ref)].op))
+        else:
+            warnings.append(f"input '{ref}' has leading dimension {dim}, not the batch size "
+                            f"{static_batch}; it is shared, not split")
+            shared.append(ref)
+    if any(b.static_size is None for b in batch):
+        static_batch = None
+    return batch, shared, static_batch, warnings
+
+
+def variables(ir: IR, region: list[str], apply_ops: list[ApplyOp]) -> dict[str, VarInfo]:
+    """Every variable of the graph, with its size and whether an optimizer updates it."""
+    updated = {a.variable for a in apply_ops}
+    out: dict[str, VarInfo] = {}
+    for node in ir:
+        if node.op not in ops.VARIABLE_OPS:
+            continue
+        kind = ("ref" if node.op in ops.REF_VARIABLE_OPS else
+                "resource" if node.op in ops.RESOURCE_VARIABLE_OPS else "table")
+        dtype_enum = node.attr("dtype")
+        dtype = dtypes.as_dtype(dtype_enum).base_dtype if dtype_enum else None
+        shape = node.attr("shape")
+        size = int(np.prod([d for d in shape])) if shape and all(d is not None for d in shape) else (
+            1 if shape == [] else 0)
+        nbytes = size * (dtype.size if dtype is not None else 0)
+        out[node.name] = VarInfo(node.name, node.op, kind, dtype.name if dtype else "?", shape,
+                                 nbytes, node.name in updated)
+    return out
+
+
+def global_step(ir: IR, apply_ops: list[ApplyOp]) -> str | None:
+    """The integer variable incremented next to the optimizer updates, if any.
+
+    Removes its increment from ``apply_ops`` (it is not a gradient update).
+    """
+    for op in list(apply_ops):
+        node = ir.nodes[op.variable]
+        dtype = node.attr("dtype")
+        if dtype is not None and dtypes.as_dtype(dtype).base_dtype.is_integer:
+            apply_ops.remove(op)
+            return op.variable
+    return None
+
+
+def independent_terms(ir: IR, loss: str, dependent: set[str], region: set[str]) -> list[str]:
+    """Nodes added into the loss that depend on variables but not on the batch."""
+    out, work, seen = [], [node_of(loss)], set()
+    while work:
+        name = work.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = ir.nodes[name]
+        if node.op not in ("Add", "AddV2", "AddN", "Sub", "Identity"):
+            continue
+        for ref in node.inputs:
+            producer = node_of(ref)
+            if producer in dependent:
+                work.append(producer)
+            elif producer in region and ir.nodes[producer].op != "Const":
+                out.append(producer)
+    return out

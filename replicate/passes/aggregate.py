@@ -1,0 +1,65 @@
+"""Combine the towers' gradients into one aggregated gradient per gradient tensor.
+
+Requires: ``ir.facts["analysis"]`` (the gradient frontier: tensors of a ``gradients``
+scope read by shared ops, with their role and weighting), ``ir.facts["towers"]`` and the
+tower copies from the clone pass.
+
+Produces: for each frontier gradient ``g`` an op under ``replicate/aggregate/`` on the
+device of the variable it updates, and ``ir.facts["aggregates"]``, tensor -> aggregate.
+Dense gradients of a mean loss are summed with weights ``n_k / B`` (each tower's share of
+the global batch), which equals the single-device gradient for even and uneven splits;
+gradients of a sum loss are summed. Sparse gradients stay sparse: values are weighted and
+concatenated, indices concatenated in tower order. ``MulNoNan`` makes a tower with no
+examples contribute zero.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from replicate.combine import combine
+from replicate.ir import IR, parse_tensor
+from replicate.pipeline import PassResult
+
+__all__ = ["Aggregate", "SCOPE"]
+
+log = logging.getLogger(__name__)
+
+SCOPE = "replicate/aggregate"
+
+
+class Aggregate:
+    """Gradient aggregation.
+
+    Args:
+        controller: device for the weights and for gradients with no known variable.
+    """
+
+    name = "aggregate"
+
+    def __init__(self, controller: str):
+        self.controller = controller
+
+    def run(self, ir: IR) -> PassResult:
+        analysis = ir.facts["analysis"]
+        towers = ir.facts["towers"]
+        copies = ir.facts["copies"]
+        var_devices = ir.facts.get("var_devices", {})
+        aggregates: dict[str, str] = {}
+        for f in analysis.frontier:
+            name, idx = parse_tensor(f.tensor)
+            parts = [f"{copies[k][name]}:{idx}" for k in range(len(towers.devices))]
+            kind = f.role
+            if kind == "dense" and f.weight_kind == "sum":
+                kind = "sum"
+            elif kind == "sparse_values" and f.weight_kind == "sum":
+                kind = "concat"
+            device = var_devices.get(f.variable or "", self.controller)
+            suffix = "" if idx == 0 else f"_{idx}"
+            aggregates[f.tensor] = combine(ir, towers, f"{SCOPE}/{name}{suffix}", parts, kind,
+                                           ir.output_dtype(f.tensor), device, self.controller)
+        ir.facts["aggregates"] = aggregates
+        sparse = sum(1 for f in analysis.frontier if f.role.startswith("sparse"))
+        log.info("aggregated %d gradient tensors (%d sparse parts)", len(aggregates), sparse)
+        return PassResult(ir, bool(aggregates))
+

@@ -1,0 +1,325 @@
+"""Find the roles of a training graph's nodes: what to replicate, share, split and aggregate.
+
+Requires: an IR of a single-device training graph with static shapes loaded; the
+optimizer's gradients computed by ``tf.gradients`` (``minimize`` or
+``compute_gradients``), so they live under a ``gradients`` name scope.
+
+Produces: ``ir.facts["analysis"]``, an :class:`~replicate.facts.Analysis`: the train op,
+variables, batch inputs, loss and its reduction, optimizer updates, the tower region
+(ancestors of the gradient frontier and the loss, minus variables and input sources),
+the gradient and forward frontier with how each tensor combines across towers, and
+the reasons the result may not be exact. The graph itself is not changed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+
+from replicate import ops
+from replicate.errors import AnalysisError
+from replicate.facts import Analysis, ApplyOp, GradScope, Reason
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.passes import _inputs
+from replicate.passes._frontier import classify
+from replicate.pipeline import PassResult
+from replicate.roles import FLOAT_TYPES, gradient_scopes, reduction_kind, scope_loss, variable_of
+
+__all__ = ["Analyze"]
+
+log = logging.getLogger(__name__)
+
+#: Constants above this size are shared by all towers instead of copied into each.
+LARGE_CONST_BYTES = 1 << 20
+
+
+class Analyze:
+    """Configuration of the analysis.
+
+    Args:
+        train_op: name of the train op; found automatically when None.
+        loss: name of the loss tensor; recovered from the gradient seed when None.
+        outputs: extra tensor or node names to keep fetchable under their names.
+        merge_forward: also merge every per-example forward tensor under its name.
+        external: node names referenced from outside the graph (collections, saver).
+    """
+
+    name = "analyze"
+
+    def __init__(self, train_op: str | None = None, loss: str | None = None,
+                 outputs: tuple[str, ...] = (), merge_forward: bool = True,
+                 external: frozenset[str] = frozenset()):
+        self.train_op = train_op
+        self.loss = loss
+        self.outputs = tuple(outputs)
+        self.merge_forward = merge_forward
+        self.external = external
+
+    def run(self, ir: IR) -> PassResult:
+        scopes = gradient_scopes(ir)
+        if not scopes:
+            raise AnalysisError("no train op found: the graph has no gradient computation "
+                                "(build it with optimizer.minimize or compute_gradients)")
+        in_grad = {n for n in ir.nodes if any(n.startswith(p + "/") for p in scopes)}
+        graph = ir.to_networkx()
+        train_op, apply_ops = self._train_op(ir, graph, in_grad)
+        grad_scopes = self._scopes(ir, scopes, train_op, graph)
+        losses = [s.loss for s in grad_scopes if s.loss]
+        seeds = [tensor_name(n, parse_tensor(r)[1]) for n in in_grad for c in ir.consumers(n)
+                 if c.name not in in_grad for r in c.inputs if node_of(r) == n]
+        seeds = list(dict.fromkeys(sorted(seeds, key=_order(ir))))
+        region, sources = self._region(ir, graph, [node_of(t) for t in seeds + losses])
+        batch_inputs, shared_inputs, static_batch, warnings = _inputs.find(ir, region, sources)
+        if not batch_inputs:
+            raise AnalysisError("no batch input found: no placeholder or iterator of rank >= 1 "
+                                "feeds the loss")
+        dependent = _descendants(graph, {node_of(b.tensor) for b in batch_inputs}, region)
+        inside = set(region)
+        updates = [n for n in region if ir.nodes[n].op in ops.MUTATING_OPS]
+        outside = {n for n in region for c in ir.consumers(n) if c.name not in inside}
+        needed = self._needed(ir, graph, region, updates, [node_of(t) for t in seeds + losses]
+                              + sorted(outside, key=_order(ir)))
+        keep_targets = {n for n in region if n not in dependent and (n in outside or n in self.external)}
+        keep = ir.ancestors(keep_targets, graph) & inside
+        reasons = _loss_kinds(ir, grad_scopes, dependent, inside)
+        dead = _dead_gradient_code(ir, in_grad - inside)
+        frontier, outputs, more = classify(ir, region, dependent, in_grad, grad_scopes, apply_ops,
+                                           static_batch, losses, self.outputs, self.merge_forward,
+                                           dead)
+        step = _inputs.global_step(ir, apply_ops)
+        controls: dict[str, list[str]] = {}
+        for n in region:
+            for c in ir.consumers(n):
+                if c.name not in inside and n in c.control:
+                    controls[c.name] = [x for x in c.control if x in inside]
+        analysis = Analysis(
+            train_op=train_op,
+            variables=_inputs.variables(ir, region, apply_ops),
+            batch_inputs=batch_inputs,
+            shared_inputs=shared_inputs,
+            scopes=grad_scopes,
+            loss=tensor_name(*parse_tensor(self.loss)) if self.loss else (losses[0] if losses else None),
+            apply_ops=apply_ops,
+            optimizers=list(dict.fromkeys(a.optimizer for a in apply_ops)),
+            global_step=step,
+            region=region,
+            needed=needed,
+            batch_dependent=dependent,
+            keep=keep,
+            update_ops=updates,
+            random_ops=[n for n in region if ir.nodes[n].op in ops.RANDOM_OPS],
+            frontier=frontier,
+            outputs=outputs,
+            external_controls=controls,
+            static_batch=static_batch,
+            dead=dead,
+            reasons=reasons + more,
+            warnings=warnings,
+        )
+        _exactness(ir, analysis)
+        ir.facts["analysis"] = analysis
+        return PassResult(ir, False)
+
+    # ------------------------------------------------------------------ pieces
+    def _train_op(self, ir: IR, graph: nx.DiGraph, in_grad: set[str]) -> tuple[str, list[ApplyOp]]:
+        below = _descendants(graph, in_grad, list(ir.nodes))
+        data_only = nx.DiGraph()
+        data_only.add_nodes_from(graph)
+        data_only.add_edges_from((node_of(r), n.name) for n in ir for r in n.inputs)
+        fed = _descendants(data_only, in_grad, list(ir.nodes)) | in_grad
+        updates = [n for n in ir.nodes if n in below and n not in in_grad
+                   and (ir.nodes[n].op in ops.APPLY_OPS or ir.nodes[n].op in ops.MUTATING_OPS)]
+        if self.train_op is not None:
+            name = node_of(self.train_op)
+            if name not in ir.nodes:
+                raise AnalysisError(f"train op '{self.train_op}' is not a node of the graph")
+            ancestors = ir.ancestors([name], graph)
+            chosen = [u for u in updates if u in ancestors]
+            if not chosen:
+                raise AnalysisError(f"train op '{name}' updates no variable from a gradient")
+            return name, _apply_ops(ir, chosen, fed)
+        reach: set[str] = set()
+        for u in updates:
+            if u not in reach:
+                reach |= nx.descendants(graph, u) | {u}
+        sinks = [n for n in ir.nodes if n in reach and graph.out_degree(n) == 0]
+        if not sinks:
+            raise AnalysisError("no train op found: no optimizer update consumes a gradient")
+        if len(sinks) > 1:
+            sinks = _widest(ir, graph, sinks, updates)
+        if len(sinks) > 1:
+            collected = [s for s in _collection_names(ir, "train_op") if s in sinks]
+            if len(collected) == 1:
+                sinks = collected
+            else:
+                names = ", ".join(f"'{s}'" for s in sinks[:6])
+                raise AnalysisError(f"several candidate train ops ({names}); "
+                                    "choose one with train_op=")
+        ancestors = ir.ancestors(sinks, graph)
+        return sinks[0], _apply_ops(ir, [u for u in updates if u in ancestors], fed)
+
+    def _scopes(self, ir: IR, scopes: list[str], train_op: str, graph: nx.DiGraph) -> list[GradScope]:
+        if self.loss is not None:
+            name, _ = parse_tensor(self.loss)
+            if name not in ir.nodes:
+                raise AnalysisError(f"loss '{self.loss}' is not a node of the graph")
+        ancestors = ir.ancestors([train_op], graph)
+        out = []
+        for prefix in scopes:
+            if not any(n.startswith(prefix + "/") for n in ancestors):
+                continue
+            loss = scope_loss(ir, prefix)
+            if loss is None and self.loss is not None:
+                loss = tensor_name(*parse_tensor(self.loss))
+            out.append(GradScope(prefix, loss, "mean"))
+        if not out:
+            raise AnalysisError(f"train op '{train_op}' does not depend on any gradient")
+        return out
+
+    def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str]) -> tuple[list[str], set[str]]:
+        stop: set[str] = set()
+        for name, node in ir.nodes.items():
+            if node.op in ops.VARIABLE_OPS or node.op in ops.INPUT_SOURCE_OPS or _large_const(ir, node):
+                stop.add(name)
+        seen = ir.ancestors(targets, graph, stop=stop)
+        applies = [n for n in seen if ir.nodes[n].op in ops.APPLY_OPS]
+        if applies:
+            raise AnalysisError(f"optimizer update '{applies[0]}' runs before a gradient is "
+                                "computed; sequential optimizers cannot be replicated")
+        region = [n for n in ir.nodes if n in seen and n not in stop]
+        return region, {n for n in seen if n in stop}
+
+    def _needed(self, ir: IR, graph: nx.DiGraph, region: list[str], updates: list[str],
+                targets: list[str]) -> set[str]:
+        """Region nodes every tower needs; the rest only feed update ops (tower 0's job)."""
+        pruned = graph.copy()
+        for u in updates:
+            for consumer in list(pruned.successors(u)):
+                if u in ir.nodes[consumer].control and not any(
+                        node_of(r) == u for r in ir.nodes[consumer].inputs):
+                    pruned.remove_edge(u, consumer)
+        return ir.ancestors(targets, pruned) & set(region)
+
+
+def _order(ir: IR):
+    index = {name: i for i, name in enumerate(ir.nodes)}
+    return lambda ref: (index.get(node_of(ref), 0), ref)
+
+
+def _descendants(graph: nx.DiGraph, starts: set[str], region: list[str]) -> set[str]:
+    inside = set(region)
+    out: set[str] = set()
+    work = [s for n in starts for s in graph.successors(n) if s in inside]
+    while work:
+        name = work.pop()
+        if name in out:
+            continue
+        out.add(name)
+        work.extend(s for s in graph.successors(name) if s in inside and s not in out)
+    return out
+
+
+def _widest(ir: IR, graph: nx.DiGraph, sinks: list[str], updates: list[str]) -> list[str]:
+    """Sinks whose set of ancestor updates no other sink strictly contains; reads dropped
+    when an op that is not a read remains."""
+    update_set = set(updates)
+    covers = {s: frozenset(ir.ancestors([s], graph) & update_set) for s in sinks}
+    out = [s for s in sinks if not any(covers[s] < covers[o] for o in sinks)]
+    non_reads = [s for s in out if ir.nodes[s].op not in ("ReadVariableOp", "Identity")]
+    return non_reads or out
+
+
+def _dead_gradient_code(ir: IR, candidates: set[str]) -> set[str]:
+    """Gradient-scope nodes outside the region whose results nothing outside them reads
+    (e.g. the gradient with respect to the labels): removed by the rewrite."""
+    dead = set(candidates)
+    changed = True
+    while changed:
+        changed = False
+        for name in list(dead):
+            if any(c.name not in dead for c in ir.consumers(name)):
+                dead.discard(name)
+                changed = True
+    return dead
+
+
+def _large_const(ir: IR, node) -> bool:
+    if node.op != "Const":
+        return False
+    value = node.attrs.get("value")
+    return value is not None and value.ByteSize() > LARGE_CONST_BYTES
+
+
+def _apply_ops(ir: IR, names: list[str], fed: set[str]) -> list[ApplyOp]:
+    """Updates among ``names`` whose value input is computed from a gradient (in ``fed``),
+    plus integer counters (the global step), which the caller separates."""
+    out = []
+    for name in names:
+        node = ir.nodes[name]
+        spec = ops.APPLY_OPS.get(node.op)
+        if spec is not None:
+            var_arg, grad_arg, idx_arg, family = spec.var_arg, spec.grad_arg, spec.indices_arg, spec.optimizer
+        else:
+            var_arg, grad_arg, idx_arg = ops.MUTATING_OPS[node.op]
+            family = name.split("/")[0]
+        vpos, gpos = ir.arg_index(node, var_arg), ir.arg_index(node, grad_arg)
+        ipos = ir.arg_index(node, idx_arg) if idx_arg else None
+        variable = variable_of(ir, node.inputs[vpos]) if vpos is not None else None
+        if variable is None or gpos is None:
+            continue
+        counter = node.op in ("AssignAdd", "AssignAddVariableOp") and _is_integer(ir, variable)
+        if node_of(node.inputs[gpos]) not in fed and not counter:
+            continue
+        out.append(ApplyOp(name, node.op, family, variable, node.inputs[gpos],
+                           node.inputs[ipos] if ipos is not None else None))
+    return out
+
+
+def _is_integer(ir: IR, variable: str) -> bool:
+    from tensorflow.python.framework import dtypes
+
+    dtype = ir.nodes[variable].attr("dtype")
+    return dtype is not None and dtypes.as_dtype(dtype).base_dtype.is_integer
+
+
+def _collection_names(ir: IR, key: str) -> list[str]:
+    if ir.meta is None or key not in ir.meta.collection_def:
+        return []
+    return [node_of(v.decode() if isinstance(v, bytes) else v)
+            for v in ir.meta.collection_def[key].node_list.value]
+
+
+def _loss_kinds(ir: IR, scopes: list[GradScope], dependent: set[str], region: set[str]) -> list[Reason]:
+    """Set each scope's reduction kind (mean or sum) and say where the choice is inexact."""
+    reasons: list[Reason] = []
+    for scope in scopes:
+        if scope.loss is None:
+            continue
+        kind = reduction_kind(ir, scope.loss, dependent)
+        scope.kind = kind if kind in ("mean", "sum") else "mean"
+        if kind == "sum":
+            terms = _inputs.independent_terms(ir, scope.loss, dependent, region)
+            if terms:
+                reasons.append(Reason(terms[0], "a term that does not depend on the batch is added to "
+                                      "a sum-reduced loss, so its gradient would count once per tower",
+                                      "reduce the data loss with a mean, or scale the term by 1/N"))
+        elif kind != "mean":
+            reasons.append(Reason(node_of(scope.loss), "the loss is not a mean or sum over the batch; "
+                                  "tower gradients are averaged by example count",
+                                  "make the loss a batch mean (tf.reduce_mean) or pass loss="))
+    return reasons
+
+
+def _exactness(ir: IR, analysis: Analysis) -> None:
+    """Record why the replicated graph may differ from single-device training."""
+    reasons = analysis.reasons
+    for name in analysis.random_ops[:8]:
+        reasons.append(Reason(name, f"random op ({ir.nodes[name].op}) draws a separate stream in "
+                              "each tower", "results match single-device training in distribution only"))
+    for name in analysis.update_ops[:8]:
+        reasons.append(Reason(name, "state update in the replicated region runs on tower 0's slice "
+                              "of the batch only", "statistics come from 1/N of the batch"))
+    for f in analysis.frontier:
+        if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
+            reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))

@@ -1,0 +1,109 @@
+"""Copy the tower region once per tower, renamed under ``tower_<k>/`` and put on its device.
+
+Requires: ``ir.facts["analysis"]`` (the region, the nodes every tower needs) and
+``ir.facts["towers"]`` (prefixes, devices, per-tower input slices); shared nodes placed.
+
+Produces: tower copies of every region node (tower 0) or every needed region node (other
+towers: ops that only feed state updates such as batch-norm moving averages run in tower 0
+alone). Inputs from the region point at the same tower's copy; batch inputs at the tower's
+slice; everything else at the shared node. Control inputs to region nodes a tower does not
+copy are dropped. Copies run on the tower's device, except ops that read a shared
+variable's handle or are colocated with a shared op, which stay with it. ``_class``
+colocation, while-loop frame names, stack and TensorArray names, and ``shared_name`` are
+renamed per tower; random ops with fixed seeds get a distinct seed per tower.
+The originals are left in place for the rewire pass.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tensorflow.core.framework import attr_value_pb2
+
+from replicate import ops
+from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
+from replicate.pipeline import PassResult
+
+__all__ = ["Clone", "SEED_STRIDE"]
+
+log = logging.getLogger(__name__)
+
+#: Added to ``seed2`` of a random op once per tower index, so towers draw distinct streams.
+SEED_STRIDE = 104729
+
+
+class Clone:
+    """Tower copies of the region (no options: everything comes from the facts)."""
+
+    name = "clone"
+
+    def run(self, ir: IR) -> PassResult:
+        analysis = ir.facts["analysis"]
+        towers = ir.facts["towers"]
+        region = analysis.region
+        anchors = {name: self._anchor(ir, ir.nodes[name], set(region)) for name in region}
+        copies: list[dict[str, str]] = []
+        for k, (prefix, device) in enumerate(zip(towers.prefixes, towers.devices)):
+            members = [n for n in region if k == 0 or n in analysis.needed]
+            inside = set(members)
+            slices = towers.inputs[k]
+            for name in members:
+                node = ir.nodes[name]
+                inputs = [self._map_input(ref, inside, slices, prefix) for ref in node.inputs]
+                control = [f"{prefix}/{c}" if c in inside else c for c in node.control
+                           if c in inside or c not in analysis.region_set]
+                attrs = self._attrs(node, k, prefix, inside)
+                ir.add_node(Node(f"{prefix}/{name}", node.op, inputs, control,
+                                 anchors[name] or device, attrs))
+            copies.append({n: f"{prefix}/{n}" for n in members})
+        ir.facts["copies"] = copies
+        log.info("cloned %d region nodes into %d towers", len(region), len(towers.prefixes))
+        return PassResult(ir, True)
+
+    @staticmethod
+    def _map_input(ref: str, inside: set[str], slices: dict[str, str], prefix: str) -> str:
+        name, idx = parse_tensor(ref)
+        if name in inside:
+            return f"{prefix}/{ref}"
+        sliced = slices.get(tensor_name(name, idx))
+        if sliced is not None:
+            node, out = parse_tensor(sliced)
+            return node if out == 0 else sliced
+        return ref
+
+    @staticmethod
+    def _anchor(ir: IR, node: Node, region: set[str]) -> str | None:
+        """Device of the shared op a copy must stay with, if any."""
+        for target in node.colocation():
+            if target not in region and target in ir.nodes:
+                return ir.nodes[target].device or None
+        for ref in node.inputs:
+            producer = node_of(ref)
+            if producer not in region and producer in ir.nodes and ir.is_handle(ref):
+                return ir.nodes[producer].device or None
+        return None
+
+    @staticmethod
+    def _attrs(node: Node, k: int, prefix: str, inside: set[str]) -> dict[str, attr_value_pb2.AttrValue]:
+        attrs = node.attrs
+        changed: dict[str, attr_value_pb2.AttrValue] = {}
+        if "_class" in attrs:
+            locs = []
+            for loc in node.attr("_class", []):
+                target = loc[len("loc:@"):] if loc.startswith("loc:@") else None
+                locs.append(f"loc:@{prefix}/{target}" if target in inside else loc)
+            value = attr_value_pb2.AttrValue()
+            value.list.s.extend(s.encode() for s in locs)
+            changed["_class"] = value
+        for key in ops.PER_TOWER_NAME_ATTRS.get(node.op, ()):
+            if key in attrs:
+                changed[key] = attr_value_pb2.AttrValue(s=f"{prefix}/{node.attr(key)}".encode())
+        if node.attr("shared_name"):
+            changed["shared_name"] = attr_value_pb2.AttrValue(
+                s=f"{prefix}/{node.attr('shared_name')}".encode())
+        if k > 0 and node.op in ops.RANDOM_OPS and (node.attr("seed", 0) or node.attr("seed2", 0)):
+            seed2 = (int(node.attr("seed2", 0)) + k * SEED_STRIDE) % (2 ** 31 - 1)
+            changed["seed2"] = attr_value_pb2.AttrValue(i=seed2)
+        if not changed:
+            return attrs
+        return {**attrs, **changed}

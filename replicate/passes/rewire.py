@@ -1,0 +1,133 @@
+"""Connect the shared graph to the towers and give merged values the original names.
+
+Requires: the facts of analyze, split, clone and aggregate.
+
+Produces: shared ops that read a gradient now read its aggregate (so processing such as
+``clip_by_global_norm`` and the optimizer see exactly the single-device gradient); control
+edges from shared ops into the region point at every tower's copy (state updates: tower 0's);
+the original region nodes are removed, except those that do not depend on the batch and are
+still read by shared ops or named in collections; forward tensors that a driver or a shared
+op reads (the loss, logits, accuracy inputs...) are rebuilt under their original names by
+merging the tower copies (concatenated in batch order, or count-weighted means, sums, max,
+min); each aggregated gradient is also fetchable under its original name. The global step
+and the optimizer are shared and untouched, so they run once per step.
+``ir.facts["renamed"]`` maps removed names without a merged replacement to tower 0's copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+from replicate.combine import combine
+from replicate.ir import IR, node_of, parse_tensor
+from replicate.pipeline import PassResult
+
+__all__ = ["Rewire"]
+
+log = logging.getLogger(__name__)
+
+
+class Rewire:
+    """Rewiring of shared consumers and merged outputs.
+
+    Args:
+        controller: device of merged forward outputs.
+    """
+
+    name = "rewire"
+
+    def __init__(self, controller: str):
+        self.controller = controller
+
+    def run(self, ir: IR) -> PassResult:
+        analysis = ir.facts["analysis"]
+        towers = ir.facts["towers"]
+        copies = ir.facts["copies"]
+        aggregates = ir.facts["aggregates"]
+        region = analysis.region_set
+        doomed = [n for n in analysis.region if n not in analysis.keep]
+        arity = {n: len(ir.output_types(ir.nodes[n])) for n in doomed}
+        out_types = {f.tensor: ir.output_dtype(f.tensor) for f in analysis.outputs}
+        self._controls(ir, analysis, copies)
+        for tensor, aggregate in aggregates.items():
+            users = [c.name for c, _ in ir.data_consumers(tensor) if c.name not in region]
+            ir.replace_uses(tensor, aggregate, only=users)
+        ir.remove_many(doomed + sorted(analysis.dead))
+        merged = self._merge_outputs(ir, analysis, towers, copies, arity, out_types)
+        aliases = 0
+        for tensor, aggregate in aggregates.items():
+            name, idx = parse_tensor(tensor)
+            if idx == 0 and arity.get(name) == 1 and name not in ir.nodes:
+                ir.add(name, "Identity", [aggregate], device=ir.nodes[node_of(aggregate)].device,
+                       attrs={"T": ir.nodes[node_of(aggregate)].attrs["T"]})
+                aliases += 1
+        stale = self._colocation(ir, towers.prefixes)
+        ir.facts["renamed"] = {n: copies[0][n] for n in doomed if n not in ir.nodes and n in copies[0]}
+        log.info("rewire: %d region originals removed, %d outputs merged, %d gradient aliases, "
+                 "%d stale colocations dropped", len(doomed), merged, aliases, stale)
+        return PassResult(ir, True)
+
+    @staticmethod
+    def _colocation(ir: IR, prefixes: list[str]) -> int:
+        """Drop ``loc:@`` entries of shared ops that name a node no longer in the graph."""
+        dropped = 0
+        for node in ir:
+            if "_class" not in node.attrs or node.name.split("/", 1)[0] in prefixes:
+                continue
+            entries = node.attr("_class", [])
+            kept = [e for e in entries if not e.startswith("loc:@") or e[5:] in ir.nodes]
+            if len(kept) != len(entries):
+                dropped += len(entries) - len(kept)
+                if kept:
+                    ir.set_attr(node.name, "_class", kept, kind="list(string)")
+                else:
+                    ir.drop_attr(node.name, "_class")
+        return dropped
+
+    @staticmethod
+    def _controls(ir: IR, analysis, copies: list[dict[str, str]]) -> None:
+        replicated = analysis.region_set - analysis.keep
+        for consumer in analysis.external_controls:
+            new: list[str] = []
+            for ctl in ir.nodes[consumer].control:
+                if ctl in replicated:
+                    new.extend(c[ctl] for c in copies if ctl in c)
+                else:
+                    new.append(ctl)
+            ir.set_control(consumer, new)
+
+    def _merge_outputs(self, ir: IR, analysis, towers, copies, arity, out_types) -> int:
+        by_node: dict[str, dict[int, str]] = defaultdict(dict)
+        for out in analysis.outputs:
+            name, idx = parse_tensor(out.tensor)
+            by_node[name][idx] = out.role
+        count = 0
+        n = len(towers.devices)
+        for name, roles in by_node.items():
+            if name in ir.nodes or any(name not in copies[k] for k in range(n)):
+                continue
+            if arity.get(name, 1) == 1 and list(roles) == [0]:
+                combine(ir, towers, name, [copies[k][name] for k in range(n)], roles[0],
+                        out_types[f"{name}:0"], self.controller, self.controller)
+                count += 1
+                continue
+            outputs, types = [], []
+            for i in range(arity[name]):
+                tensor = f"{name}:{i}"
+                if i in roles:
+                    outputs.append(combine(ir, towers, f"{name}_merged/output_{i}",
+                                           [f"{copies[k][name]}:{i}" for k in range(n)], roles[i],
+                                           out_types[tensor], self.controller, self.controller))
+                    count += 1
+                else:
+                    outputs.append(f"{copies[0][name]}:{i}")
+                types.append(ir.output_dtype(outputs[-1]))
+            ir.add(name, "IdentityN", [_ref(o) for o in outputs], device=self.controller,
+                   attrs={"T": types})
+        return count
+
+
+def _ref(tensor: str) -> str:
+    node, idx = parse_tensor(tensor)
+    return node if idx == 0 else f"{node}:{idx}"

@@ -1,0 +1,90 @@
+"""Check the invariants of a (replicated) graph; change nothing.
+
+Requires: an IR. With the facts of the earlier passes it also checks the replication.
+
+Produces: nothing, or a :class:`~replicate.errors.PassError` naming the first broken
+invariant: every input names an existing node and output; names are unique (by
+construction of the IR); the graph has no cycle other than while-loop back edges; and,
+after replication, no tower reads another tower's nodes, every variable is shared (none
+inside a tower scope), and every optimizer update reads a shared gradient, not one tower's.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+
+from replicate import ops
+from replicate.ir import IR, node_of, parse_tensor
+from replicate.pipeline import PassResult
+
+__all__ = ["Validate", "InvariantError"]
+
+log = logging.getLogger(__name__)
+
+
+class InvariantError(Exception):
+    """An invariant of the IR does not hold."""
+
+
+class Validate:
+    """Invariant checks (no options)."""
+
+    name = "validate"
+
+    def run(self, ir: IR) -> PassResult:
+        self._inputs_resolve(ir)
+        self._acyclic(ir)
+        towers = ir.facts.get("towers")
+        if towers is not None and "copies" in ir.facts:
+            self._towers(ir, towers.prefixes)
+        return PassResult(ir, False)
+
+    @staticmethod
+    def _inputs_resolve(ir: IR) -> None:
+        for node in ir:
+            for ref in node.inputs:
+                name, idx = parse_tensor(ref)
+                producer = ir.nodes.get(name)
+                if producer is None:
+                    raise InvariantError(f"node '{node.name}' reads '{ref}', which does not exist")
+                outputs = ir.output_types(producer)
+                if outputs and idx >= len(outputs):
+                    raise InvariantError(f"node '{node.name}' reads output {idx} of '{name}', "
+                                         f"which has {len(outputs)}")
+            for ctl in node.control:
+                if ctl not in ir.nodes:
+                    raise InvariantError(f"node '{node.name}' waits for '{ctl}', which does not exist")
+
+    @staticmethod
+    def _acyclic(ir: IR) -> None:
+        graph = ir.to_networkx()
+        for node in ir:
+            if node.op in ("NextIteration", "RefNextIteration"):
+                for succ in list(graph.successors(node.name)):
+                    graph.remove_edge(node.name, succ)
+        if not nx.is_directed_acyclic_graph(graph):
+            cycle = nx.find_cycle(graph)
+            raise InvariantError(f"the graph has a cycle through '{cycle[0][0]}'")
+
+    @staticmethod
+    def _towers(ir: IR, prefixes: list[str]) -> None:
+        def tower_of(name: str) -> str | None:
+            head = name.split("/", 1)[0]
+            return head if head in prefixes else None
+
+        for node in ir:
+            mine = tower_of(node.name)
+            if node.op in ops.VARIABLE_OPS and mine is not None:
+                raise InvariantError(f"variable '{node.name}' lives inside tower '{mine}'")
+            for ref in node.inputs + node.control:
+                theirs = tower_of(node_of(ref))
+                if mine is not None and theirs is not None and theirs != mine:
+                    raise InvariantError(f"'{node.name}' in {mine} reads '{ref}' of {theirs}")
+            spec = ops.APPLY_OPS.get(node.op)
+            if spec is not None and mine is None:
+                pos = ir.arg_index(node, spec.grad_arg)
+                if pos is not None and tower_of(node_of(node.inputs[pos])) is not None:
+                    raise InvariantError(f"optimizer update '{node.name}' reads one tower's "
+                                         f"gradient '{node.inputs[pos]}'")

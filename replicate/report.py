@@ -1,0 +1,95 @@
+"""The report of a transform: what was found, replicated and shared, and whether it is exact."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from replicate.facts import Reason
+
+__all__ = ["Report"]
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@dataclasses.dataclass
+class Report:
+    """A summary of one transform, for people (``str(report)``) and machines (``to_dict()``).
+
+    Attributes:
+        exact: True when N towers train exactly as one device would on the same global batch.
+        reasons: why not, each naming the op and what to do about it.
+    """
+
+    devices: list[str]
+    controller: str
+    train_op: str
+    loss: str | None
+    loss_reductions: dict[str, str]
+    inputs: list[dict[str, Any]]
+    shared_inputs: list[str]
+    optimizers: list[str]
+    updates: int
+    variables: int
+    trainable_variables: int
+    variable_bytes: int
+    global_step: str | None
+    input_nodes: int
+    nodes_per_tower: int
+    shared_nodes: int
+    output_nodes: int
+    gradients: dict[str, int]
+    merged_outputs: int
+    update_ops: list[str]
+    rebatched: list[str]
+    exact: bool
+    reasons: list[Reason]
+    warnings: list[str]
+    passes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict of the report."""
+        out = dataclasses.asdict(self)
+        out["reasons"] = [dataclasses.asdict(r) for r in self.reasons]
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"replicate: {len(self.devices)} towers on {', '.join(self.devices)}; "
+                 f"shared state on {self.controller}"]
+        lines.append(f"  train op      {self.train_op}")
+        loss = self.loss or "(not found)"
+        kinds = ", ".join(f"{k}: {v}" for k, v in self.loss_reductions.items())
+        lines.append(f"  loss          {loss}  (reduction over the batch: {kinds or 'unknown'})")
+        for inp in self.inputs:
+            size = inp["static_size"] if inp["static_size"] is not None else "dynamic"
+            lines.append(f"  batch input   {inp['tensor']}  axis {inp['axis']}, batch size {size}")
+        for name in self.shared_inputs:
+            lines.append(f"  shared input  {name}  (not split)")
+        lines.append(f"  optimizers    {', '.join(self.optimizers) or 'none'}  ({self.updates} updates)")
+        lines.append(f"  variables     {self.variables} ({self.trainable_variables} updated by the optimizer), "
+                     f"{_human_bytes(self.variable_bytes)}")
+        if self.global_step:
+            lines.append(f"  global step   {self.global_step}  (incremented once per step)")
+        grads = ", ".join(f"{v} {k}" for k, v in sorted(self.gradients.items())) or "none"
+        lines.append(f"  gradients     {grads}")
+        lines.append(f"  nodes         {self.input_nodes} in; {self.nodes_per_tower} per tower, "
+                     f"{self.shared_nodes} shared; {self.output_nodes} out")
+        lines.append(f"  merged        {self.merged_outputs} forward tensors under their original names")
+        if self.update_ops:
+            lines.append(f"  update ops    {len(self.update_ops)} run in tower 0 only "
+                         f"(first: {self.update_ops[0]})")
+        if self.rebatched:
+            lines.append(f"  static batch  {len(self.rebatched)} constants rewritten per tower")
+        if self.exact:
+            lines.append("  exact         yes: N towers train as one device on the same global batch")
+        else:
+            lines.append(f"  exact         NO ({len(self.reasons)} reasons)")
+            lines.extend(f"    - {r}" for r in self.reasons)
+        lines.extend(f"  warning       {w}" for w in self.warnings)
+        return "\n".join(lines)

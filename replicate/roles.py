@@ -1,0 +1,206 @@
+"""Recognizers used by the analyze pass: gradient scopes, losses, reductions, sparse roles.
+
+Each function reads the IR and answers one question about a node or tensor; none
+changes the graph. They rely on TensorFlow's naming of gradient code
+(``<scope>/<op>_grad/...`` under a ``gradients`` name scope) and on the op tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+
+from replicate import ops
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+
+__all__ = ["gradient_scopes", "scope_loss", "forward_op_of", "reduction_kind", "sparse_roles",
+           "merge_kind", "FLOAT_TYPES", "variable_of", "reduces_batch_axis"]
+
+log = logging.getLogger(__name__)
+
+_SCOPE = re.compile(r"^((?:.*?/)?gradients(?:_\d+)?)/")
+_SEED = re.compile(r"^(?:grad_ys_\d+|Fill|ones|grad_ys)$")
+
+FLOAT_TYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16, types_pb2.DT_FLOAT,
+                         types_pb2.DT_DOUBLE, types_pb2.DT_COMPLEX64, types_pb2.DT_COMPLEX128})
+
+
+def gradient_scopes(ir: IR) -> list[str]:
+    """Name scopes made by ``tf.gradients`` (e.g. ``gradients``, ``gradients_1``), in graph order.
+
+    A scope counts when some node below it lives in an ``<op>_grad`` sub-scope.
+    """
+    found: dict[str, None] = {}
+    for name in ir.nodes:
+        match = _SCOPE.match(name)
+        if match and "_grad/" in name[len(match.group(1)):]:
+            found.setdefault(match.group(1), None)
+    return list(found)
+
+
+def forward_op_of(ir: IR, prefix: str, name: str) -> str | None:
+    """The forward op whose gradient code contains node ``name`` (``prefix/<op>_grad/...``)."""
+    rest = name[len(prefix) + 1:]
+    parts = rest.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part.endswith("_grad"):
+            candidate = "/".join(parts[:i] + [part[: -len("_grad")]])
+            if candidate in ir.nodes:
+                return candidate
+    return None
+
+
+def scope_loss(ir: IR, prefix: str) -> str | None:
+    """The loss tensor a gradient scope differentiates, recovered from the seed.
+
+    ``tf.gradients`` seeds with ``Fill(Shape(loss), 1)``: with a dynamic loss shape the
+    Shape op reads the loss; otherwise the seed's consumers live in ``<loss op>_grad``.
+    """
+    shape = ir.nodes.get(f"{prefix}/Shape")
+    if shape is not None and shape.op == "Shape" and shape.inputs:
+        return tensor_name(*parse_tensor(shape.inputs[0]))
+    seeds = [n for n in ir.nodes.values()
+             if n.name.startswith(prefix + "/") and "/" not in n.name[len(prefix) + 1:]
+             and _SEED.match(n.name[len(prefix) + 1:])]
+    for seed in seeds:
+        for consumer in ir.consumers(seed.name):
+            op = forward_op_of(ir, prefix, consumer.name)
+            if op is not None:
+                return tensor_name(op, 0)
+    candidates: dict[str, None] = {}
+    for name in ir.nodes:
+        if name.startswith(prefix + "/"):
+            op = forward_op_of(ir, prefix, name)
+            if op is not None:
+                candidates.setdefault(op, None)
+    # The loss is the candidate no other candidate's forward op reads.
+    consumed = {node_of(r) for c in candidates for r in ir.nodes[c].inputs}
+    downstream = [c for c in candidates if c not in consumed]
+    return tensor_name(downstream[-1], 0) if downstream else None
+
+
+def reduces_batch_axis(ir: IR, node) -> bool:
+    """True when reduction ``node`` reduces axis 0 (its reduction indices include 0)."""
+    if len(node.inputs) < 2:
+        return True
+    axes = ir.const_value(node_of(node.inputs[1]))
+    if axes is None:
+        return True
+    shape = ir.static_shape(node.inputs[0])
+    rank = len(shape) if shape is not None else None
+    axes = np.atleast_1d(axes).tolist()
+    return any(a == 0 or (rank is not None and a == -rank) for a in axes)
+
+
+def reduction_kind(ir: IR, ref: str, batch_dependent: set[str], depth: int = 0) -> str:
+    """How a batch-reduced tensor combines across towers: mean, sum, max, min or other.
+
+    Walks back from ``ref`` through affine ops whose other inputs do not depend on the
+    batch, to the op that reduces the batch axis.
+    """
+    name, idx = parse_tensor(ref)
+    node = ir.nodes[name]
+    if node.op in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"):
+        return "mean" if idx == 1 else "other"
+    kind = ops.REDUCTION_KINDS.get(node.op)
+    if kind is not None and reduces_batch_axis(ir, node):
+        if kind == "sum" and node.op == "L2Loss":
+            return "sum"
+        return kind
+    if node.op in ops.AFFINE_OPS and depth < 64:
+        dependent = [r for r in node.inputs if node_of(r) in batch_dependent]
+        if node.op in ("Mul", "RealDiv") and len(dependent) != 1:
+            return "other"
+        if node.op == "RealDiv" and dependent and node.inputs[0] != dependent[0]:
+            return "other"
+        kinds = {reduction_kind(ir, r, batch_dependent, depth + 1) for r in dependent}
+        if len(kinds) == 1:
+            return kinds.pop()
+    return "other"
+
+
+def merge_kind(ir: IR, ref: str, batch_dependent: set[str], static_batch: int | None) -> str:
+    """How tower copies of forward tensor ``ref`` merge under its original name."""
+    if ir.is_handle(ref):
+        return "none"
+    shape = ir.static_shape(ref)
+    if shape and (shape[0] is None or shape[0] == static_batch):
+        return "concat"
+    kind = reduction_kind(ir, ref, batch_dependent)
+    dtype = ir.output_dtype(ref)
+    if kind == "mean" and dtype not in FLOAT_TYPES:
+        return "other"
+    return kind
+
+
+def variable_of(ir: IR, ref: str) -> str | None:
+    """The variable node behind a ref/resource input, looking through identities."""
+    for _ in range(32):
+        name = node_of(ref)
+        node = ir.nodes.get(name)
+        if node is None:
+            return None
+        if node.op in ops.VARIABLE_OPS:
+            return name
+        if node.op not in ("Identity", "RefIdentity", "Enter", "RefEnter", "Switch", "RefSwitch") \
+                or not node.inputs:
+            return None
+        ref = node.inputs[0]
+    return None
+
+
+#: Ops a sparse gradient's values pass through on their way to a sparse update, with the
+#: name of the argument holding the values.
+_SPARSE_VALUE_ARGS = {"UnsortedSegmentSum": "data", "UnsortedSegmentMean": "data",
+                      "SparseSegmentSum": "data", "ScatterNd": "updates"}
+_VALUE_PASSTHROUGH = frozenset({"Identity", "Mul", "RealDiv", "Neg", "Cast", "Reshape",
+                                "Snapshot", "GatherV2", "Gather", "Square", "Sub", "AddV2",
+                                "Add", "Maximum", "Minimum", "ClipByValue", "Sqrt", "Rsqrt"})
+_INDEX_PASSTHROUGH = frozenset({"Identity", "Unique", "Reshape", "Cast", "Snapshot"})
+
+
+def sparse_roles(ir: IR, frontier: set[str]) -> dict[str, str]:
+    """Tensors of ``frontier`` that are values or indices of a sparse (IndexedSlices) gradient.
+
+    Walks back from the values and indices inputs of sparse updates (``SparseApply*``,
+    ``Scatter*``, ``UnsortedSegmentSum`` of a deduplication) to the frontier.
+    """
+    roles: dict[str, str] = {}
+
+    def walk(ref: str, role: str, passthrough: frozenset[str]) -> None:
+        stack, seen = [ref], set()
+        while stack:
+            cur = stack.pop()
+            key = tensor_name(*parse_tensor(cur))
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in frontier:
+                roles.setdefault(key, role)
+                continue
+            node = ir.nodes.get(node_of(cur))
+            if node is None or node.op not in passthrough:
+                continue
+            stack.extend(node.inputs[:1] if node.op in ("Unique", "GatherV2", "Gather") else node.inputs)
+
+    for node in ir.nodes.values():
+        spec = ops.APPLY_OPS.get(node.op)
+        pairs: list[tuple[str, str]] = []
+        if spec is not None and spec.indices_arg:
+            pairs.append((spec.grad_arg, spec.indices_arg))
+        elif node.op in ops.MUTATING_OPS and ops.MUTATING_OPS[node.op][2]:
+            _, value_arg, index_arg = ops.MUTATING_OPS[node.op]
+            pairs.append((value_arg, index_arg))
+        elif node.op in _SPARSE_VALUE_ARGS:
+            pairs.append((_SPARSE_VALUE_ARGS[node.op],
+                          "segment_ids" if node.op != "ScatterNd" else "indices"))
+        for value_arg, index_arg in pairs:
+            vpos, ipos = ir.arg_index(node, value_arg), ir.arg_index(node, index_arg)
+            if vpos is not None and vpos < len(node.inputs):
+                walk(node.inputs[vpos], "sparse_values", _VALUE_PASSTHROUGH)
+            if ipos is not None and ipos < len(node.inputs):
+                walk(node.inputs[ipos], "sparse_indices", _INDEX_PASSTHROUGH)
+    return roles
