@@ -1,0 +1,75 @@
+"""The ``replicate`` command line: one subcommand per module in ``replicate.commands``.
+
+Every subcommand exits 0 on success and 2 on bad input, printing one line that names the
+file, node or option (``--debug`` adds the traceback). Nothing is written on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+
+__all__ = ["main", "COMMANDS"]
+
+#: Subcommands, in the order ``replicate --help`` lists them.
+COMMANDS = ("convert", "inspect", "verify", "show", "cluster", "demo")
+
+
+def _commands() -> dict[str, object]:
+    found = {}
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"replicate.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"replicate.commands.{name}":
+                continue
+            raise
+        found[name] = module
+    return found
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The argument parser with every available subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="replicate",
+        description="Rewrite single-device TensorFlow training graphs into exact N-tower training.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log each pass (-v) or everything (-vv)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    modules = _commands()
+    for name, module in modules.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; return the exit code."""
+    parser, modules = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(message)s")
+    if args.verbose < 2:
+        logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    from replicate.errors import ReplicateError
+
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except ReplicateError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"replicate {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"replicate {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
