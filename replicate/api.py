@@ -222,14 +222,15 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
                   Rebatch(), Aggregate(controller), Rewire(controller), validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
+        analysis: Analysis = ir.facts["analysis"]
+        warnings = list(analysis.warnings)
+        graph_def = ir.to_graph_def()
+        meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
     except ReplicateError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InputError(f"{getattr(graph, 'name', None) or 'input'}: {exc}") from exc
-    analysis: Analysis = ir.facts["analysis"]
-    warnings = list(analysis.warnings)
-    graph_def = ir.to_graph_def()
-    meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
+    except Exception as exc:  # noqa: BLE001 - the contract: only ReplicateError escapes
+        origin = graph if isinstance(graph, str) else type(graph).__name__
+        raise InputError(f"{origin}: cannot be replicated ({type(exc).__name__}: {exc})") from exc
     towers: Towers = ir.facts["towers"]
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
