@@ -16,32 +16,63 @@ from replicate.ir import IR, parse_tensor
 
 __all__ = ["combine", "weight", "KINDS"]
 
-KINDS = frozenset({"dense", "mean", "sum", "concat", "sparse_values", "sparse_indices", "max",
-                   "min", "first"})
+KINDS = frozenset({"dense", "mean", "ratio", "sum", "concat", "sparse_values", "sparse_indices",
+                   "max", "min", "first"})
 WEIGHTS = "replicate/weights"
 
 
-def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str) -> str:
-    """Tower ``k``'s share of the global batch as a scalar of ``dtype`` (created once)."""
-    key = (k, int(dtype))
+def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
+           spec: tuple = ("count",)) -> str:
+    """Tower ``k``'s weight as a scalar of ``dtype`` (the ops are created once per spec).
+
+    Args:
+        spec: ``("count",)`` for the tower's share of the examples, ``("size", t)`` for its share
+            of the elements of its copy of tensor ``t``, ``("value", t)`` for its share of the
+            value of its copy of ``t``.
+    """
+    key = (k, int(dtype), spec)
     if key in towers.weights:
         return towers.weights[key]
     tf_dtype = dtypes.as_dtype(dtype)
     scope = f"{WEIGHTS}/{tf_dtype.name}"
-    total = f"{scope}/batch_size"
+    if spec[0] != "count":
+        scope += f"/{spec[0]}_" + spec[1].replace(":", "_")
+    numerators = [f"{scope}/part_{j}" for j in range(len(towers.devices))]
+    total = f"{scope}/total"
     if total not in ir.nodes:
-        ir.add(total, "Cast", [towers.batch_size], device=device,
-               attrs={"SrcT": dtypes.int32, "DstT": tf_dtype})
-    count = ir.add(f"{scope}/count_{k}", "Cast", [towers.counts[k]], device=device,
-                   attrs={"SrcT": dtypes.int32, "DstT": tf_dtype}).name
-    node = ir.add(f"{scope}/weight_{k}", "DivNoNan", [count, total], device=device,
+        for j, name in enumerate(numerators):
+            _numerator(ir, towers, j, name, tf_dtype, spec, device)
+        if spec[0] == "count":
+            ir.add(total, "Cast", [towers.batch_size], device=device,
+                   attrs={"SrcT": dtypes.int32, "DstT": tf_dtype})
+        elif len(numerators) == 1:
+            ir.add(total, "Identity", numerators, device=device, attrs={"T": tf_dtype})
+        else:
+            ir.add(total, "AddN", numerators, device=device, attrs={"T": tf_dtype, "N": len(numerators)})
+    node = ir.add(f"{scope}/weight_{k}", "DivNoNan", [numerators[k], total], device=device,
                   attrs={"T": tf_dtype})
     towers.weights[key] = node.name
     return node.name
 
 
+def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple, device: str) -> None:
+    if spec[0] == "count":
+        ir.add(name, "Cast", [towers.counts[k]], device=device,
+               attrs={"SrcT": dtypes.int32, "DstT": tf_dtype})
+        return
+    node, idx = parse_tensor(spec[1])
+    copy = _ref(f"{towers.prefixes[k]}/{node}:{idx}")
+    if spec[0] == "size":
+        size = ir.add(f"{name}_size", "Size", [copy], device=towers.devices[k],
+                      attrs={"T": dtypes.as_dtype(ir.output_dtype(spec[1])), "out_type": dtypes.int64}).name
+        ir.add(name, "Cast", [size], device=towers.devices[k], attrs={"SrcT": dtypes.int64, "DstT": tf_dtype})
+    else:
+        src = dtypes.as_dtype(ir.output_dtype(spec[1]))
+        ir.add(name, "Cast", [copy], device=towers.devices[k], attrs={"SrcT": src, "DstT": tf_dtype})
+
+
 def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtype: int,
-            device: str, controller: str) -> str:
+            device: str, controller: str, weights: tuple = ("count",)) -> str:
     """Add the ops combining ``parts`` (one tensor per tower) by ``kind``; return the result.
 
     Args:
@@ -53,6 +84,8 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
         dtype: DataType enum of the parts.
         device: device of the combining op (a variable's device or the controller).
         controller: device of the weight computation.
+        weights: how towers are weighted for ``dense``, ``mean``, ``ratio`` and
+            ``sparse_values`` (see :func:`weight`); ``("ones",)`` sums them unweighted.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown combine kind '{kind}'")
@@ -60,14 +93,14 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
     refs = [_ref(p) for p in parts]
     if kind == "first":
         return ir.add(name, "Identity", [refs[0]], device=device, attrs={"T": tf_dtype}).name
-    if kind in ("dense", "mean", "sparse_values"):
+    if kind in ("dense", "mean", "ratio", "sparse_values") and weights != ("ones",):
         scaled = []
         for k, ref in enumerate(refs):
-            w = weight(ir, towers, k, dtype, controller)
+            w = weight(ir, towers, k, dtype, controller, weights)
             scaled.append(ir.add(f"{name}_parts/scaled_{k}", "MulNoNan", [ref, w],
                                  device=towers.devices[k], attrs={"T": tf_dtype}).name)
         refs = scaled
-    if kind in ("dense", "mean", "sum"):
+    if kind in ("dense", "mean", "ratio", "sum"):
         if len(refs) == 1:
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
         return ir.add(name, "AddN", refs, device=device, attrs={"T": tf_dtype, "N": len(refs)}).name

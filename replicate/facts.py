@@ -26,6 +26,7 @@ class GradScope:
     prefix: str
     loss: str | None
     kind: str
+    weights: tuple = ("count",)
 
 
 @dataclasses.dataclass
@@ -33,14 +34,15 @@ class Frontier:
     """A tensor computed in every tower and read by shared nodes.
 
     ``role`` is ``dense``, ``sparse_values`` or ``sparse_indices`` for gradients (aggregated), and
-    ``concat``, ``mean``, ``sum``, ``max``, ``min`` or ``first`` for forward tensors (merged).
+    ``concat``, ``mean``, ``sum``, ``ratio``, ``max``, ``min`` or ``first`` for forward tensors
+    (merged). ``weights`` says how towers are weighted (see :class:`replicate.reductions.Reduction`).
     """
 
     tensor: str
     role: str
     gradient: bool
     variable: str | None = None
-    weight_kind: str = "mean"
+    weights: tuple = ("count",)
 
 
 @dataclasses.dataclass
@@ -103,6 +105,7 @@ class Analysis:
     outputs: list[Frontier]
     external_controls: dict[str, list[str]]
     static_batch: int | None
+    couplings: list[str] = dataclasses.field(default_factory=list)
     dead: set[str] = dataclasses.field(default_factory=set)
     reasons: list[Reason] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)

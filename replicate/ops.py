@@ -17,6 +17,7 @@ __all__ = [
     "APPLY_OPS",
     "MUTATING_OPS",
     "RANDOM_OPS",
+    "CONTROL_FLOW_OPS",
     "REDUCTION_KINDS",
     "AFFINE_OPS",
     "SHAPE_CONSUMERS",
@@ -127,6 +128,13 @@ MUTATING_OPS: dict[str, tuple[str, str, str | None]] = {
     **{f"ResourceScatterNd{k}": ("ref", "updates", "indices") for k in ("Add", "Sub", "Update")},
 }
 
+#: TF1 (v1) control-flow ops: a loop or cond is replicated whole, never split between a tower
+#: and the shared graph.
+CONTROL_FLOW_OPS = frozenset(
+    {"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge", "RefMerge",
+     "NextIteration", "RefNextIteration", "LoopCond"}
+)
+
 #: Ops that draw random numbers: each tower must get its own stream.
 RANDOM_OPS = frozenset(
     {"RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
@@ -145,6 +153,7 @@ REDUCTION_KINDS: dict[str, str] = {
     "EuclideanNorm": "other",
     "Prod": "other",
     "L2Loss": "sum",
+    "Size": "sum",
 }
 
 #: Ops through which a batch-mean stays a batch-mean when their other inputs do not

@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import re
 
-import numpy as np
 from tensorflow.core.framework import types_pb2
 
 from replicate import ops
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["gradient_scopes", "scope_loss", "forward_op_of", "reduction_kind", "sparse_roles",
-           "merge_kind", "FLOAT_TYPES", "variable_of", "reduces_batch_axis"]
+__all__ = ["gradient_scopes", "scope_loss", "forward_op_of", "sparse_roles", "FLOAT_TYPES",
+           "variable_of"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,8 @@ def gradient_scopes(ir: IR) -> list[str]:
         match = _SCOPE.match(name)
         if match and "_grad/" in name[len(match.group(1)):]:
             found.setdefault(match.group(1), None)
-    return list(found)
+    # Gradient code of control flow nests scopes (gradients/while_grad/gradients): keep outer ones.
+    return [p for p in found if not any(p.startswith(q + "/") for q in found if q != p)]
 
 
 def forward_op_of(ir: IR, prefix: str, name: str) -> str | None:
@@ -80,60 +80,6 @@ def scope_loss(ir: IR, prefix: str) -> str | None:
     consumed = {node_of(r) for c in candidates for r in ir.nodes[c].inputs}
     downstream = [c for c in candidates if c not in consumed]
     return tensor_name(downstream[-1], 0) if downstream else None
-
-
-def reduces_batch_axis(ir: IR, node) -> bool:
-    """True when reduction ``node`` reduces axis 0 (its reduction indices include 0)."""
-    if len(node.inputs) < 2:
-        return True
-    axes = ir.const_value(node_of(node.inputs[1]))
-    if axes is None:
-        return True
-    shape = ir.static_shape(node.inputs[0])
-    rank = len(shape) if shape is not None else None
-    axes = np.atleast_1d(axes).tolist()
-    return any(a == 0 or (rank is not None and a == -rank) for a in axes)
-
-
-def reduction_kind(ir: IR, ref: str, batch_dependent: set[str], depth: int = 0) -> str:
-    """How a batch-reduced tensor combines across towers: mean, sum, max, min or other.
-
-    Walks back from ``ref`` through affine ops whose other inputs do not depend on the
-    batch, to the op that reduces the batch axis.
-    """
-    name, idx = parse_tensor(ref)
-    node = ir.nodes[name]
-    if node.op in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"):
-        return "mean" if idx == 1 else "other"
-    kind = ops.REDUCTION_KINDS.get(node.op)
-    if kind is not None and reduces_batch_axis(ir, node):
-        if kind == "sum" and node.op == "L2Loss":
-            return "sum"
-        return kind
-    if node.op in ops.AFFINE_OPS and depth < 64:
-        dependent = [r for r in node.inputs if node_of(r) in batch_dependent]
-        if node.op in ("Mul", "RealDiv") and len(dependent) != 1:
-            return "other"
-        if node.op == "RealDiv" and dependent and node.inputs[0] != dependent[0]:
-            return "other"
-        kinds = {reduction_kind(ir, r, batch_dependent, depth + 1) for r in dependent}
-        if len(kinds) == 1:
-            return kinds.pop()
-    return "other"
-
-
-def merge_kind(ir: IR, ref: str, batch_dependent: set[str], static_batch: int | None) -> str:
-    """How tower copies of forward tensor ``ref`` merge under its original name."""
-    if ir.is_handle(ref):
-        return "none"
-    shape = ir.static_shape(ref)
-    if shape and (shape[0] is None or shape[0] == static_batch):
-        return "concat"
-    kind = reduction_kind(ir, ref, batch_dependent)
-    dtype = ir.output_dtype(ref)
-    if kind == "mean" and dtype not in FLOAT_TYPES:
-        return "other"
-    return kind
 
 
 def variable_of(ir: IR, ref: str) -> str | None:

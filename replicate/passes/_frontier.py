@@ -13,20 +13,22 @@ import collections
 
 from replicate import ops
 from replicate.errors import AnalysisError
-from replicate.facts import ApplyOp, Frontier, GradScope, Reason
+from replicate.facts import ApplyOp, Frontier, GradScope
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.roles import FLOAT_TYPES, merge_kind, sparse_roles
+from replicate.reductions import merge_kind
+from replicate.roles import FLOAT_TYPES, sparse_roles
 
 __all__ = ["classify"]
 
-_MERGEABLE = frozenset({"concat", "mean", "sum", "max", "min"})
+_MERGEABLE = frozenset({"concat", "mean", "sum", "ratio", "max", "min"})
 
 
 def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
              scopes: list[GradScope], apply_ops: list[ApplyOp], static_batch: int | None,
              losses: list[str], outputs: tuple[str, ...], merge_forward: bool,
-             dead: set[str] = frozenset()) -> tuple[list[Frontier], list[Frontier], list[Reason]]:
-    """Return (gradient frontier, forward outputs to merge, reasons for inexactness)."""
+             dead: set[str] = frozenset()) -> tuple[list[Frontier], list[Frontier], list[str]]:
+    """Return (gradient frontier, forward outputs to merge, tensors read by shared ops that
+    cannot be merged: tower 0's value stands in for them)."""
     inside = set(region)
     crossing: dict[str, None] = {}
     for name in region:
@@ -51,26 +53,25 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 role = "sparse_indices"
             else:
                 role = "first"
-        frontier.append(Frontier(t, role, True, variables.get(t), _scope_kind(t, scopes)))
+        frontier.append(Frontier(t, role, True, variables.get(t), _scope_weights(t, scopes)))
 
-    reasons: list[Reason] = []
+    unmergeable: list[str] = []
     merged: dict[str, Frontier] = {}
 
     def add(t: str, required: bool) -> None:
         if t in merged or node_of(t) not in dependent:
             return
-        kind = merge_kind(ir, t, dependent, static_batch)
-        if kind not in _MERGEABLE:
+        red = merge_kind(ir, t, dependent, static_batch)
+        if red.kind not in _MERGEABLE:
             if not required:
                 return
-            if kind == "none":
-                raise AnalysisError(f"'{t}' is a handle computed per tower and read by shared op; "
+            if red.kind == "none":
+                raise AnalysisError(f"'{t}' is a handle computed per tower and read by a shared op; "
                                     "it cannot be merged")
-            reasons.append(Reason(node_of(t), "value read outside the towers cannot be merged across "
-                                  "towers; tower 0's value is used", "compute it outside the model or "
-                                  "accept per-tower values"))
-            kind = "first"
-        merged[t] = Frontier(t, kind, False)
+            unmergeable.append(t)
+            merged[t] = Frontier(t, "first", False)
+            return
+        merged[t] = Frontier(t, red.kind, False, weights=red.weights)
 
     for t in crossing_sorted:
         if node_of(t) not in in_grad:
@@ -80,7 +81,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     for name in outputs:
         for t in _resolve(ir, name):
             if node_of(t) in in_grad and node_of(t) in dependent and t not in crossing:
-                frontier.append(Frontier(t, "dense", True, None, _scope_kind(t, scopes)))
+                frontier.append(Frontier(t, "dense", True, None, _scope_weights(t, scopes)))
             else:
                 add(t, True)
     if merge_forward:
@@ -90,7 +91,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 continue
             for i in range(len(ir.output_types(ir.nodes[name]))):
                 add(tensor_name(name, i), False)
-    return frontier, [merged[t] for t in _sorted(ir, merged)], reasons
+    return frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable
 
 
 def _sorted(ir: IR, tensors) -> list[str]:
@@ -98,11 +99,11 @@ def _sorted(ir: IR, tensors) -> list[str]:
     return sorted(tensors, key=lambda t: (index[node_of(t)], parse_tensor(t)[1]))
 
 
-def _scope_kind(t: str, scopes: list[GradScope]) -> str:
+def _scope_weights(t: str, scopes: list[GradScope]) -> tuple:
     for scope in scopes:
         if t.startswith(scope.prefix + "/"):
-            return scope.kind
-    return "mean"
+            return scope.weights
+    return ("count",)
 
 
 def _resolve(ir: IR, name: str) -> list[str]:

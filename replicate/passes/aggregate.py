@@ -50,14 +50,15 @@ class Aggregate:
             name, idx = parse_tensor(f.tensor)
             parts = [f"{copies[k][name]}:{idx}" for k in range(len(towers.devices))]
             kind = f.role
-            if kind == "dense" and f.weight_kind == "sum":
+            if kind == "dense" and f.weights == ("ones",):
                 kind = "sum"
-            elif kind == "sparse_values" and f.weight_kind == "sum":
+            elif kind == "sparse_values" and f.weights == ("ones",):
                 kind = "concat"
             device = var_devices.get(f.variable or "", self.controller)
             suffix = "" if idx == 0 else f"_{idx}"
             aggregates[f.tensor] = combine(ir, towers, f"{SCOPE}/{name}{suffix}", parts, kind,
-                                           ir.output_dtype(f.tensor), device, self.controller)
+                                           ir.output_dtype(f.tensor), device, self.controller,
+                                           f.weights)
         ir.facts["aggregates"] = aggregates
         sparse = sum(1 for f in analysis.frontier if f.role.startswith("sparse"))
         log.info("aggregated %d gradient tensors (%d sparse parts)", len(aggregates), sparse)

@@ -24,7 +24,8 @@ from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.passes import _inputs
 from replicate.passes._frontier import classify
 from replicate.pipeline import PassResult
-from replicate.roles import FLOAT_TYPES, gradient_scopes, reduction_kind, scope_loss, variable_of
+from replicate.reductions import FUSED_BATCH_NORM, couplings, reduction
+from replicate.roles import FLOAT_TYPES, gradient_scopes, scope_loss, variable_of
 
 __all__ = ["Analyze"]
 
@@ -84,9 +85,10 @@ class Analyze:
         keep = ir.ancestors(keep_targets, graph) & inside
         reasons = _loss_kinds(ir, grad_scopes, dependent, inside)
         dead = _dead_gradient_code(ir, in_grad - inside)
-        frontier, outputs, more = classify(ir, region, dependent, in_grad, grad_scopes, apply_ops,
-                                           static_batch, losses, self.outputs, self.merge_forward,
-                                           dead)
+        frontier, outputs, unmergeable = classify(ir, region, dependent, in_grad, grad_scopes,
+                                                  apply_ops, static_batch, losses, self.outputs,
+                                                  self.merge_forward, dead)
+        reasons += _unmergeable(ir, graph, train_op, unmergeable, inside, warnings)
         step = _inputs.global_step(ir, apply_ops)
         controls: dict[str, list[str]] = {}
         for n in region:
@@ -113,8 +115,9 @@ class Analyze:
             outputs=outputs,
             external_controls=controls,
             static_batch=static_batch,
+            couplings=couplings(ir, region, dependent, in_grad, static_batch),
             dead=dead,
-            reasons=reasons + more,
+            reasons=reasons,
             warnings=warnings,
         )
         _exactness(ir, analysis)
@@ -187,6 +190,13 @@ class Analyze:
         if applies:
             raise AnalysisError(f"optimizer update '{applies[0]}' runs before a gradient is "
                                 "computed; sequential optimizers cannot be replicated")
+        # A v1 loop's unused exits and switches belong with the rest of the loop.
+        work = [n for n in seen if n not in stop]
+        while work:
+            for consumer in ir.consumers(work.pop()):
+                if consumer.name not in seen and consumer.op in ops.CONTROL_FLOW_OPS:
+                    seen.add(consumer.name)
+                    work.append(consumer.name)
         region = [n for n in ir.nodes if n in seen and n not in stop]
         return region, {n for n in seen if n in stop}
 
@@ -291,23 +301,49 @@ def _collection_names(ir: IR, key: str) -> list[str]:
 
 
 def _loss_kinds(ir: IR, scopes: list[GradScope], dependent: set[str], region: set[str]) -> list[Reason]:
-    """Set each scope's reduction kind (mean or sum) and say where the choice is inexact."""
+    """Set each scope's reduction and tower weights; say where that choice is inexact."""
     reasons: list[Reason] = []
     for scope in scopes:
         if scope.loss is None:
             continue
-        kind = reduction_kind(ir, scope.loss, dependent)
-        scope.kind = kind if kind in ("mean", "sum") else "mean"
-        if kind == "sum":
+        red = reduction(ir, scope.loss, dependent)
+        scope.kind = red.kind if red.kind in ("mean", "sum", "ratio") else "mean"
+        scope.weights = red.weights if red.kind in ("mean", "sum", "ratio") else ("count",)
+        if red.kind == "sum":
             terms = _inputs.independent_terms(ir, scope.loss, dependent, region)
             if terms:
                 reasons.append(Reason(terms[0], "a term that does not depend on the batch is added to "
                                       "a sum-reduced loss, so its gradient would count once per tower",
                                       "reduce the data loss with a mean, or scale the term by 1/N"))
-        elif kind != "mean":
-            reasons.append(Reason(node_of(scope.loss), "the loss is not a mean or sum over the batch; "
-                                  "tower gradients are averaged by example count",
-                                  "make the loss a batch mean (tf.reduce_mean) or pass loss="))
+        elif red.kind not in ("mean", "ratio"):
+            reasons.append(Reason(node_of(scope.loss), "the loss is not a mean, sum or normalized sum "
+                                  f"over the batch ({red.note}); tower gradients are averaged by "
+                                  "example count", "make the loss a batch mean or pass loss="))
+        elif red.note:
+            reasons.append(Reason(node_of(scope.loss), red.note, "average every term over the batch"))
+    return reasons
+
+
+def _unmergeable(ir: IR, graph: nx.DiGraph, train_op: str, tensors: list[str], region: set[str],
+                 warnings: list[str]) -> list[Reason]:
+    """Tensors read by shared ops that towers cannot merge: a reason when training uses them,
+    otherwise one warning (only the fetched value is tower 0's)."""
+    if not tensors:
+        return []
+    training = ir.ancestors([train_op], graph)
+    reasons, fetch_only = [], []
+    for t in tensors:
+        readers = [c.name for c, _ in ir.data_consumers(t) if c.name not in region]
+        if any(r in training for r in readers):
+            reasons.append(Reason(node_of(t), f"'{t}' is read by '{readers[0]}' outside the towers "
+                                  "and cannot be merged across towers; tower 0's value is used",
+                                  "compute it from merged values or outside the model"))
+        else:
+            fetch_only.append(t)
+    if fetch_only:
+        more = f" and {len(fetch_only) - 3} more" if len(fetch_only) > 3 else ""
+        warnings.append("fetching " + ", ".join(f"'{t}'" for t in fetch_only[:3]) + more +
+                        " gives tower 0's value (not mergeable across towers)")
     return reasons
 
 
@@ -320,6 +356,13 @@ def _exactness(ir: IR, analysis: Analysis) -> None:
     for name in analysis.update_ops[:8]:
         reasons.append(Reason(name, "state update in the replicated region runs on tower 0's slice "
                               "of the batch only", "statistics come from 1/N of the batch"))
+    for name in analysis.couplings:
+        what = ("batch norm normalizes each tower by its own slice's statistics"
+                if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name
+                else f"batch reduction ({ir.nodes[name].op}) feeds per-example values; each tower "
+                     "sees its own slice's value")
+        reasons.append(Reason(name, what, "use batch_norm='sync' (--sync-batch-norm) to compute it "
+                              "over the global batch"))
     for f in analysis.frontier:
         if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
             reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))

@@ -24,7 +24,8 @@ from replicate import ops
 from replicate.facts import Reason
 from replicate.ir import IR, node_of
 from replicate.pipeline import PassResult
-from replicate.roles import forward_op_of, gradient_scopes, reduces_batch_axis
+from replicate.reductions import reduces_batch_axis
+from replicate.roles import forward_op_of, gradient_scopes
 
 __all__ = ["Rebatch"]
 

@@ -98,18 +98,18 @@ class Rewire:
             ir.set_control(consumer, new)
 
     def _merge_outputs(self, ir: IR, analysis, towers, copies, arity, out_types) -> int:
-        by_node: dict[str, dict[int, str]] = defaultdict(dict)
+        by_node: dict[str, dict[int, object]] = defaultdict(dict)
         for out in analysis.outputs:
             name, idx = parse_tensor(out.tensor)
-            by_node[name][idx] = out.role
+            by_node[name][idx] = out
         count = 0
         n = len(towers.devices)
         for name, roles in by_node.items():
             if name in ir.nodes or any(name not in copies[k] for k in range(n)):
                 continue
             if arity.get(name, 1) == 1 and list(roles) == [0]:
-                combine(ir, towers, name, [copies[k][name] for k in range(n)], roles[0],
-                        out_types[f"{name}:0"], self.controller, self.controller)
+                combine(ir, towers, name, [copies[k][name] for k in range(n)], roles[0].role,
+                        out_types[f"{name}:0"], self.controller, self.controller, roles[0].weights)
                 count += 1
                 continue
             outputs, types = [], []
@@ -117,8 +117,9 @@ class Rewire:
                 tensor = f"{name}:{i}"
                 if i in roles:
                     outputs.append(combine(ir, towers, f"{name}_merged/output_{i}",
-                                           [f"{copies[k][name]}:{i}" for k in range(n)], roles[i],
-                                           out_types[tensor], self.controller, self.controller))
+                                           [f"{copies[k][name]}:{i}" for k in range(n)], roles[i].role,
+                                           out_types[tensor], self.controller, self.controller,
+                                           roles[i].weights))
                     count += 1
                 else:
                     outputs.append(f"{copies[0][name]}:{i}")
