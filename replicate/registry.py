@@ -1,32 +1,156 @@
 """Check NodeDefs against TensorFlow's op registry before TensorFlow sees them.
 
 TensorFlow's importer trusts NodeDefs; some malformed ones abort the process instead of
-raising. Every node is checked here first: the op exists (or is a library function), each
-attribute the op requires is present with the right kind, and the number of data inputs
-matches the op's signature. Then the graph is imported into a scratch ``tf.Graph`` (for
-static shapes), with any TensorFlow error turned into an :class:`InputError`.
+raising (a function that calls itself segfaults the importer), and many others raise
+errors that do not say which node is at fault. :func:`check_graph_def` looks at every
+node first: names, the op (registered or a library function), each attribute's presence,
+kind, enum value, allowed values and minimum, tensors and shapes, devices, colocation,
+input syntax and counts, output indexes and cycles; then the function library (names,
+bodies, no recursion). :func:`import_checked` then imports the graph into a scratch
+``tf.Graph`` with any TensorFlow error turned into a one-line :class:`InputError`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 
-from tensorflow.core.framework import graph_pb2
+import networkx as nx
+from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from replicate.errors import InputError
+from replicate.errors import InputError, OutputError
 
-__all__ = ["check_graph_def", "import_checked"]
+__all__ = ["check_graph_def", "import_checked", "check_message_size", "PROTOBUF_LIMIT",
+           "MAX_RANK"]
 
 log = logging.getLogger(__name__)
 
+#: Protobuf refuses to serialize or parse messages of 2 GiB or more.
+PROTOBUF_LIMIT = (1 << 31) - 1
+#: TensorFlow's largest tensor rank (``TensorShape::MaxDimensions``).
+MAX_RANK = 254
+
+_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\-/>]*\Z")
 _KIND_FIELD = {"type": "type", "int": "i", "float": "f", "bool": "b", "string": "s",
                "shape": "shape", "tensor": "tensor", "func": "func"}
+_DTYPES = frozenset(v for v in types_pb2.DataType.values() if 0 < v < 100)
+_BACK_EDGE_OPS = ("NextIteration", "RefNextIteration")
 
 
-def _expected_inputs(node, op_def) -> int | None:
+def _fail(origin: str, node, what: str) -> InputError:
+    where = f"node '{node.name}' ({node.op})" if node is not None else "the graph"
+    return InputError(f"{origin}: {where} {what}")
+
+
+@functools.lru_cache(maxsize=256)
+def _device_error(device: str) -> str | None:
+    import tensorflow as tf
+
+    try:
+        tf.DeviceSpec.from_string(device)
+    except (ValueError, TypeError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else "malformed"
+    return None
+
+
+def _dtype_bytes(dtype: int) -> int:
+    from tensorflow.python.framework import dtypes
+
+    try:
+        return max(dtypes.as_dtype(dtype).size, 1)
+    except (TypeError, ValueError):
+        return 1
+
+
+def _shape_error(shape, full: bool) -> str | None:
+    """Why a TensorShapeProto is malformed (``full``: every dimension known), or None."""
+    if shape.unknown_rank:
+        return "has an unknown rank but lists dimensions" if shape.dim else (
+            "has an unknown rank" if full else None)
+    if len(shape.dim) > MAX_RANK:
+        return f"has rank {len(shape.dim)}, above TensorFlow's limit of {MAX_RANK}"
+    for d in shape.dim:
+        if d.size < (0 if full else -1):
+            return f"has dimension {d.size}"
+    return None
+
+
+def _tensor_error(tensor) -> str | None:
+    """Why a TensorProto cannot be a valid tensor, or None."""
+    if tensor.dtype not in _DTYPES:
+        return f"has invalid dtype {tensor.dtype}"
+    problem = _shape_error(tensor.tensor_shape, full=True)
+    if problem:
+        return f"shape {problem}"
+    count = 1
+    for d in tensor.tensor_shape.dim:
+        count *= d.size
+    nbytes = count * _dtype_bytes(tensor.dtype)
+    if nbytes > PROTOBUF_LIMIT:
+        return f"declares {nbytes / (1 << 30):.1f} GiB, more than a GraphDef can hold"
+    if tensor.tensor_content:
+        if tensor.dtype in (types_pb2.DT_STRING, types_pb2.DT_VARIANT, types_pb2.DT_RESOURCE):
+            return "stores a string, variant or resource tensor as raw bytes"
+        if len(tensor.tensor_content) != nbytes:
+            return f"holds {len(tensor.tensor_content)} bytes for a {nbytes}-byte shape"
+        return None
+    for field, value in tensor.ListFields():
+        if field.name.endswith("_val") and len(value) > count * (2 if "complex" in field.name else 1):
+            return f"holds {len(value)} values in {field.name} for {count} elements"
+    return None
+
+
+def _attr_error(attr_def, value, in_function: bool, functions) -> str | None:
+    """Why ``value`` does not fit the op's attribute definition, or None."""
+    kind = value.WhichOneof("value")
+    if kind == "placeholder":
+        return None if in_function else "is an unresolved placeholder"
+    is_list = attr_def.type.startswith("list(")
+    base = attr_def.type[5:-1] if is_list else attr_def.type
+    want = "list" if is_list else _KIND_FIELD.get(base)
+    if want is not None and kind != want and not (is_list and kind is None):
+        return f"should be {attr_def.type}, not {kind or 'empty'}"
+    field = _KIND_FIELD.get(base)
+    if is_list:
+        others = [f.name for f, _ in value.list.ListFields() if f.name != field]
+        if others:
+            return f"should be {attr_def.type}, not a list of {others[0]}"
+        items = list(getattr(value.list, field)) if field else []
+        if attr_def.has_minimum and len(items) < attr_def.minimum:
+            return f"has {len(items)} items, fewer than {attr_def.minimum}"
+    else:
+        items = [getattr(value, field)] if field else []
+        if base == "int" and attr_def.has_minimum and value.i < attr_def.minimum:
+            return f"is {value.i}, below its minimum {attr_def.minimum}"
+    for item in items:
+        if base == "type":
+            if item not in _DTYPES:
+                return f"holds invalid DataType {item}"
+            allowed = attr_def.allowed_values.list.type
+            if allowed and item not in allowed:
+                return f"holds type {types_pb2.DataType.Name(item)}, which the op does not allow"
+        elif base == "string" and attr_def.allowed_values.list.s and item not in (
+                attr_def.allowed_values.list.s):
+            return f"is {item[:40]!r}, not one of the allowed values"
+        elif base == "shape":
+            problem = _shape_error(item, full=False)
+            if problem:
+                return f"shape {problem}"
+        elif base == "tensor":
+            problem = _tensor_error(item)
+            if problem:
+                return f"tensor {problem}"
+        elif base == "func" and item.name not in functions and op_def_registry.get(item.name) is None:
+            return f"names function '{item.name}', which the library does not define"
+    return None
+
+
+def _arity(node, args) -> int | None:
+    """Number of tensors ``args`` (input_arg or output_arg of an OpDef) take on ``node``."""
     total = 0
-    for arg in op_def.input_arg:
+    for arg in args:
         if arg.number_attr:
             if arg.number_attr not in node.attr:
                 return None
@@ -40,42 +164,168 @@ def _expected_inputs(node, op_def) -> int | None:
     return total
 
 
-def check_graph_def(graph_def: graph_pb2.GraphDef, origin: str) -> None:
-    """Raise InputError naming the first node that does not match the op registry."""
-    functions = {f.signature.name: f.signature for f in graph_def.library.function}
-    names: set[str] = set()
-    for node in graph_def.node:
-        if node.name in names:
-            raise InputError(f"{origin}: duplicate node name '{node.name}'")
-        names.add(node.name)
-    for node in graph_def.node:
-        op_def = functions.get(node.op) or op_def_registry.get(node.op)
-        if op_def is None:
-            raise InputError(f"{origin}: node '{node.name}' has unknown op type '{node.op}'")
-        if node.op in functions:
+def _check_node(node, origin: str, functions, in_function: bool = False) -> None:
+    """Raise InputError when ``node`` does not match its op's definition."""
+    op_def = functions.get(node.op) or op_def_registry.get(node.op)
+    if op_def is None:
+        raise _fail(origin, node, f"has unknown op type '{node.op}'")
+    known = {a.name for a in op_def.attr}
+    for key, value in node.attr.items():
+        if key not in known and not key.startswith("_") and node.op not in functions:
+            raise _fail(origin, node, f"has attribute '{key}', which {node.op} does not define")
+        if key == "_class" and (value.WhichOneof("value") not in ("list", None) or any(
+                f.name != "s" for f, _ in value.list.ListFields())):
+            raise _fail(origin, node, "attribute '_class' should be a list of strings")
+    for attr_def in op_def.attr:
+        if attr_def.name not in node.attr:
+            if not attr_def.HasField("default_value"):
+                raise _fail(origin, node, f"lacks required attribute '{attr_def.name}'")
             continue
-        for attr in op_def.attr:
-            if attr.name not in node.attr:
-                if not attr.HasField("default_value"):
-                    raise InputError(f"{origin}: node '{node.name}' ({node.op}) lacks required "
-                                     f"attribute '{attr.name}'")
-                continue
-            value = node.attr[attr.name]
-            kind = value.WhichOneof("value")
-            want = "list" if attr.type.startswith("list(") else _KIND_FIELD.get(attr.type)
-            if want is not None and kind not in (want, "placeholder") and not (
-                    want == "list" and kind is None):
-                raise InputError(f"{origin}: node '{node.name}' ({node.op}) attribute "
-                                 f"'{attr.name}' should be {attr.type}, not {kind or 'empty'}")
-        data = [i for i in node.input if not i.startswith("^")]
-        expected = _expected_inputs(node, op_def)
-        if expected is not None and len(data) != expected:
-            raise InputError(f"{origin}: node '{node.name}' ({node.op}) has {len(data)} data inputs, "
-                             f"expected {expected}")
+        problem = _attr_error(attr_def, node.attr[attr_def.name], in_function, functions)
+        if problem:
+            raise _fail(origin, node, f"attribute '{attr_def.name}' {problem}")
+    if node.op == "Const" and "value" in node.attr and "dtype" in node.attr and (
+            node.attr["value"].tensor.dtype != node.attr["dtype"].type) and not in_function:
+        raise _fail(origin, node, "attribute 'value' has a dtype other than attribute 'dtype'")
+    if node.device and not in_function and _device_error(node.device):
+        raise _fail(origin, node, f"has malformed device '{node.device}': {_device_error(node.device)}")
+
+
+def _check_inputs(node, origin: str, nodes: dict, functions) -> None:
+    """Input syntax, order, counts, producers and output indexes of a graph node."""
+    data, seen_control = [], False
+    for ref in node.input:
+        if ref.startswith("^"):
+            seen_control = True
+            if ref[1:] not in nodes:
+                raise _fail(origin, node, f"waits for '{ref[1:]}', which does not exist")
+            continue
+        if seen_control:
+            raise _fail(origin, node, f"lists data input '{ref}' after a control input")
+        name, sep, index = ref.rpartition(":")
+        name, index = (name, index) if sep else (ref, "0")
+        if not index.isdigit() or name not in nodes:
+            raise _fail(origin, node, f"reads '{ref}', which does not exist")
+        producer = nodes[name]
+        op_def = functions.get(producer.op) or op_def_registry.get(producer.op)
+        outputs = _arity(producer, op_def.output_arg)
+        if outputs is not None and int(index) >= outputs:
+            raise _fail(origin, node, f"reads output {int(index)} of '{name}', which has {outputs}")
+        data.append(ref)
+    op_def = functions.get(node.op) or op_def_registry.get(node.op)
+    expected = _arity(node, op_def.input_arg)
+    if expected is not None and len(data) != expected:
+        raise _fail(origin, node, f"has {len(data)} data inputs, expected {expected}")
+    for loc in node.attr["_class"].list.s if "_class" in node.attr else ():
+        target = loc.decode("utf-8", "replace")
+        if target.startswith("loc:@") and target[5:] not in nodes:
+            raise _fail(origin, node, f"is colocated with '{target[5:]}', which does not exist")
+
+
+def _check_cycles(graph_def: graph_pb2.GraphDef, origin: str, nodes: dict) -> None:
+    edges = []
+    for node in graph_def.node:
         for ref in node.input:
-            target = ref.lstrip("^").rsplit(":", 1)[0] if ":" in ref else ref.lstrip("^")
-            if target not in names:
-                raise InputError(f"{origin}: node '{node.name}' reads '{ref}', which does not exist")
+            producer = ref.lstrip("^").rpartition(":")[0] if ":" in ref else ref.lstrip("^")
+            if nodes[producer].op not in _BACK_EDGE_OPS:
+                edges.append((producer, node.name))
+    graph = nx.DiGraph(edges)
+    if nx.is_directed_acyclic_graph(graph):
+        return
+    cycle = nx.find_cycle(graph)
+    path = " -> ".join([u for u, _ in cycle[:6]] + [cycle[0][0] if len(cycle) <= 6 else "..."])
+    raise InputError(f"{origin}: node '{cycle[0][0]}' is on a cycle ({path})")
+
+
+def _check_library(graph_def: graph_pb2.GraphDef, origin: str, functions) -> None:
+    calls = nx.DiGraph()
+    for fdef in graph_def.library.function:
+        name = fdef.signature.name
+        where = f"{origin}: function '{name}'"
+        if not _NAME.match(name or "-") and not name.startswith("_"):
+            raise InputError(f"{where} has an invalid name")
+        if op_def_registry.get(name) is not None:
+            raise InputError(f"{where} has the name of a TensorFlow op")
+        for arg in list(fdef.signature.input_arg) + list(fdef.signature.output_arg):
+            if arg.type and arg.type not in _DTYPES:
+                raise InputError(f"{where} argument '{arg.name}' has invalid type {arg.type}")
+        inner = {a.name for a in fdef.signature.input_arg}
+        for node in fdef.node_def:
+            if node.name in inner or not node.name:
+                raise InputError(f"{where} has a duplicate or empty node name '{node.name}'")
+            inner.add(node.name)
+        for node in fdef.node_def:
+            _check_node(node, where, functions, in_function=True)
+            for ref in node.input:
+                if ref.lstrip("^").split(":", 1)[0] not in inner:
+                    raise _fail(where, node, f"reads '{ref}', which does not exist")
+            calls.add_edges_from((name, callee) for callee in _callees(node, functions))
+        for ret in fdef.ret.values():
+            if ret.split(":", 1)[0] not in inner:
+                raise InputError(f"{where} returns '{ret}', which does not exist")
+    for grad in graph_def.library.gradient:
+        if grad.gradient_func not in functions:
+            raise InputError(f"{origin}: gradient of '{grad.function_name}' names missing "
+                             f"function '{grad.gradient_func}'")
+    if nx.is_directed_acyclic_graph(calls):
+        return
+    cycle = nx.find_cycle(calls)
+    path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
+    raise InputError(f"{origin}: function '{cycle[0][0]}' calls itself ({path}); TensorFlow "
+                     "does not support recursive functions")
+
+
+def _callees(node, functions) -> list[str]:
+    out = [node.op] if node.op in functions else []
+    for value in node.attr.values():
+        if value.WhichOneof("value") == "func":
+            out.append(value.func.name)
+        elif value.WhichOneof("value") == "list":
+            out.extend(f.name for f in value.list.func)
+    return [c for c in out if c in functions]
+
+
+def check_graph_def(graph_def: graph_pb2.GraphDef, origin: str) -> None:
+    """Raise a one-line InputError naming the first node or function that TensorFlow would
+    reject, or that could abort TensorFlow's importer.
+
+    Args:
+        graph_def: the graph to check (not modified).
+        origin: the file or object it came from, first in every message.
+    """
+    check_message_size(graph_def, origin, InputError)
+    functions: dict = {}
+    for fdef in graph_def.library.function:
+        if fdef.signature.name in functions:
+            raise InputError(f"{origin}: the library defines function '{fdef.signature.name}' twice")
+        functions[fdef.signature.name] = fdef.signature
+    nodes: dict = {}
+    for node in graph_def.node:
+        if node.name in nodes:
+            raise InputError(f"{origin}: duplicate node name '{node.name}'")
+        if not _NAME.match(node.name):
+            raise InputError(f"{origin}: node name {node.name[:80]!r} has invalid characters")
+        nodes[node.name] = node
+    for node in graph_def.node:
+        _check_node(node, origin, functions)
+    for node in graph_def.node:
+        _check_inputs(node, origin, nodes, functions)
+    _check_library(graph_def, origin, functions)
+    _check_cycles(graph_def, origin, nodes)
+
+
+def check_message_size(message, what: str, error: type = OutputError) -> int:
+    """Return ``message.ByteSize()``; raise ``error`` when protobuf cannot serialize it.
+
+    Protobuf messages are limited to 2 GiB. A graph above it (usually large constants
+    such as embedding tables, or many towers of a big model) cannot be written as one
+    file; keep large values in variables restored from a checkpoint instead.
+    """
+    size = message.ByteSize()
+    if size > PROTOBUF_LIMIT:
+        raise error(f"{what}: the graph is {size / (1 << 30):.2f} GiB, above protobuf's 2 GiB "
+                    "limit; move large constants into variables restored from a checkpoint")
+    return size
 
 
 def import_checked(graph_def: graph_pb2.GraphDef, origin: str):
@@ -88,6 +338,6 @@ def import_checked(graph_def: graph_pb2.GraphDef, origin: str):
         with graph.as_default():
             tf.graph_util.import_graph_def(graph_def, name="")
     except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"{origin}: TensorFlow cannot import the graph: {first}") from None
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        raise InputError(f"{origin}: TensorFlow cannot import the graph: {text[:300]}") from None
     return graph
