@@ -4,6 +4,12 @@ Inputs: a ``tf.Graph``, a ``GraphDef``, a ``MetaGraphDef``, or a path to a ``.me
 (binary MetaGraphDef), ``.pb`` (binary GraphDef), ``.pbtxt`` (text MetaGraphDef or
 GraphDef) or a TF1 SavedModel directory. Every failure is an
 :class:`~replicate.errors.InputError` whose message starts with the path.
+
+Outputs: :func:`output_format` picks the format to write (the input's kind, text when the
+name ends in ``.pbtxt``), :func:`save` writes it. Files are written to a temporary name
+and renamed; a SavedModel directory is assembled next to its destination (the input's
+``variables/`` and ``assets/`` copied in) and renamed. Failures are
+:class:`~replicate.errors.OutputError` and leave nothing behind.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -20,11 +27,18 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
 from replicate.errors import InputError, OutputError
 
-__all__ = ["Loaded", "load", "write_atomic", "FORMATS"]
+__all__ = ["Loaded", "load", "write_atomic", "FORMATS", "output_format", "encode", "save",
+           "check_writable", "TEXT_SUFFIXES"]
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("meta", "metatxt", "pb", "pbtxt", "savedmodel")
+
+#: File name endings read and written as text protobufs.
+TEXT_SUFFIXES = (".pbtxt", ".txt", ".pbtext")
+
+#: SavedModel sub-directories copied from the input (variable values, asset files).
+_SAVED_MODEL_DIRS = ("variables", "assets", "assets.extra")
 
 
 @dataclasses.dataclass
@@ -95,7 +109,7 @@ def _load_path(path: str, tags: tuple[str, ...]) -> Loaded:
     if not data:
         raise InputError(f"{path}: the file is empty")
     lower = path.lower()
-    if lower.endswith((".pbtxt", ".txt", ".pbtext")):
+    if lower.endswith(TEXT_SUFFIXES):
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
@@ -156,17 +170,49 @@ def _load_saved_model(path: str, tags: tuple[str, ...]) -> Loaded:
     return Loaded(meta.graph_def, meta, None, path, "savedmodel", model, index)
 
 
+def check_writable(path: str, force: bool = False, source: str | None = None) -> None:
+    """Fail before any work when ``path`` cannot become the output.
+
+    Args:
+        path: the output file or directory.
+        force: allow replacing an existing ``path``.
+        source: the input's path; it is never overwritten, even with ``force``.
+
+    Raises:
+        OutputError: ``path`` is the input, exists without ``force``, or its directory is
+            missing, not a directory or not writable.
+    """
+    if source is not None and os.path.lexists(path):
+        inputs = {os.path.realpath(source)}
+        if os.path.basename(source) in ("saved_model.pb", "saved_model.pbtxt"):
+            inputs.add(os.path.realpath(os.path.dirname(source) or "."))
+        if os.path.realpath(path) in inputs:
+            raise OutputError(f"{path}: is the input; write the result somewhere else")
+    if os.path.lexists(path) and not force:
+        raise OutputError(f"{path}: already exists (use --force to overwrite)")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(directory):
+        raise OutputError(f"{path}: directory {directory} does not exist")
+    if not os.path.isdir(directory):
+        raise OutputError(f"{path}: {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise OutputError(f"{path}: directory {directory} is not writable")
+
+
+def _default_mode(directory: bool = False) -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
 def write_atomic(path: str, data: bytes, force: bool = False) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename.
 
     Raises:
         OutputError: ``path`` exists and ``force`` is False, or it cannot be written.
     """
-    if os.path.exists(path) and not force:
-        raise OutputError(f"{path}: already exists (use --force to overwrite)")
+    check_writable(path, force)
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OutputError(f"{path}: directory {directory} does not exist")
     try:
         fd, tmp = tempfile.mkstemp(prefix=".replicate-", dir=directory)
     except OSError as exc:
@@ -174,6 +220,7 @@ def write_atomic(path: str, data: bytes, force: bool = False) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+        os.chmod(tmp, _default_mode())
         os.replace(tmp, path)
     except OSError as exc:
         try:
@@ -181,3 +228,106 @@ def write_atomic(path: str, data: bytes, force: bool = False) -> None:
         except OSError:
             pass
         raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
+
+
+def output_format(path: str, input_format: str, requested: str | None = None) -> str:
+    """The format to write ``path`` in.
+
+    ``requested`` wins. Otherwise the input's kind is kept (SavedModel, MetaGraphDef or
+    GraphDef), written as text when ``path`` ends in ``.pbtxt``; a SavedModel input
+    written to a ``.meta`` (or ``.pbtxt``) name gives that file alone.
+
+    Raises:
+        OutputError: ``requested`` is not one of :data:`FORMATS`.
+    """
+    if requested is not None:
+        if requested not in FORMATS:
+            raise OutputError(f"--format '{requested}': choose one of {', '.join(FORMATS)}")
+        return requested
+    lower = path.lower()
+    text = lower.endswith(TEXT_SUFFIXES)
+    if input_format == "savedmodel" and not text and not lower.endswith(".meta"):
+        return "savedmodel"
+    if input_format in ("pb", "pbtxt", "graph_def"):
+        return "pbtxt" if text else "pb"
+    return "metatxt" if text else "meta"
+
+
+def encode(meta: meta_graph_pb2.MetaGraphDef, fmt: str) -> bytes:
+    """``meta`` (or its GraphDef, for ``pb``/``pbtxt``) as the bytes of a ``fmt`` file.
+
+    Binary output is deterministic: the same graph always gives the same bytes.
+    """
+    if fmt not in ("meta", "metatxt", "pb", "pbtxt"):
+        raise OutputError(f"format '{fmt}' is not a single file")
+    proto = meta if fmt.startswith("meta") else meta.graph_def
+    try:
+        if fmt.endswith("txt"):
+            return text_format.MessageToString(proto).encode("utf-8")
+        return proto.SerializeToString(deterministic=True)
+    except (ValueError, message.EncodeError) as exc:
+        raise OutputError(f"cannot serialize the graph ({exc})") from None
+
+
+def save(meta: meta_graph_pb2.MetaGraphDef, path: str, fmt: str, *, force: bool = False,
+         source: Loaded | None = None) -> None:
+    """Write ``meta`` to ``path`` as ``fmt`` (one of :data:`FORMATS`), atomically.
+
+    Args:
+        meta: the graph with its collections, saver and signatures.
+        path: output file, or directory for ``savedmodel``.
+        fmt: the format; see :func:`output_format`.
+        force: replace an existing ``path``.
+        source: the loaded input; required for ``savedmodel`` (its other meta graphs,
+            variables and assets are carried over).
+
+    Raises:
+        OutputError: the output cannot be written; nothing is left behind.
+    """
+    if fmt != "savedmodel":
+        write_atomic(path, encode(meta, fmt), force)
+        return
+    if source is None or source.saved_model is None:
+        raise OutputError(f"{path}: a SavedModel is written only from a SavedModel input "
+                          "(its variables are copied); choose --format meta")
+    check_writable(path, force)
+    model = saved_model_pb2.SavedModel()
+    model.CopyFrom(source.saved_model)
+    model.meta_graphs[source.meta_index].CopyFrom(meta)
+    try:
+        data = model.SerializeToString(deterministic=True)
+    except (ValueError, message.EncodeError) as exc:
+        raise OutputError(f"{path}: cannot serialize the SavedModel ({exc})") from None
+    _replace_dir(path, data, source.origin)
+
+
+def _replace_dir(path: str, data: bytes, source_dir: str) -> None:
+    """Assemble a SavedModel directory next to ``path`` and rename it into place."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        tmp = tempfile.mkdtemp(prefix=".replicate-", dir=parent)
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
+    old = None
+    try:
+        with open(os.path.join(tmp, "saved_model.pb"), "wb") as fh:
+            fh.write(data)
+        for sub in _SAVED_MODEL_DIRS:
+            if os.path.isdir(os.path.join(source_dir, sub)):
+                shutil.copytree(os.path.join(source_dir, sub), os.path.join(tmp, sub))
+        os.chmod(tmp, _default_mode(directory=True))
+        if os.path.lexists(path):
+            old = tmp + ".old"
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except (OSError, shutil.Error) as exc:
+        if old is not None and not os.path.lexists(path):
+            os.rename(old, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise OutputError(f"{path}: cannot write ({reason})") from None
+    if old is not None:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.unlink(old)

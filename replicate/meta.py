@@ -17,13 +17,16 @@ from tensorflow.python.framework import meta_graph as tf_meta_graph
 
 from replicate.ir import node_of
 
-__all__ = ["referenced_names", "rewrite"]
+__all__ = ["referenced_names", "rewrite", "dangling", "collection_ops", "TRAIN_OP_KEYS"]
 
 log = logging.getLogger(__name__)
 
 _VARIABLE_FIELDS = ("variable_name", "initializer_name", "snapshot_name", "initial_value_name")
 _QUEUE_FIELDS = ("queue_name", "close_op_name", "cancel_op_name")
 _CONTEXT_KEYS = ("cond_context", "while_context")
+
+#: Collections that name a graph's train op (``tf.compat.v1.GraphKeys.TRAIN_OP``, SavedModel's).
+TRAIN_OP_KEYS = ("train_op", "saved_model_train_op")
 
 
 def _bytes_protos(key: str):
@@ -136,3 +139,42 @@ def rewrite(meta: meta_graph_pb2.MetaGraphDef | None, graph_def: graph_pb2.Graph
             if info.name and fix(info.name) is not None:
                 info.name = fix(info.name)
     return out
+
+
+def collection_ops(meta: meta_graph_pb2.MetaGraphDef | None, key: str) -> list[str]:
+    """Distinct node names in collection ``key`` of ``meta`` (a ``node_list``), in order."""
+    if meta is None or key not in meta.collection_def:
+        return []
+    return list(dict.fromkeys(node_of(v) for v in meta.collection_def[key].node_list.value))
+
+
+def dangling(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:
+    """References of collections, saver and signatures to nodes ``meta``'s graph lacks.
+
+    Returns:
+        One sentence per broken reference (empty when the MetaGraphDef is consistent).
+    """
+    present = {n.name for n in meta.graph_def.node}
+    problems: list[str] = []
+    for key in sorted(meta.collection_def):
+        col = meta.collection_def[key]
+        if col.HasField("node_list"):
+            names = [node_of(v) for v in col.node_list.value]
+        elif col.HasField("bytes_list") and key not in _CONTEXT_KEYS:
+            cls = _bytes_protos(key)
+            names = [n for raw in col.bytes_list.value for n in _proto_names(cls, raw)]
+        else:
+            continue
+        problems.extend(f"collection '{key}' names missing node '{n}'" for n in names
+                        if n not in present)
+    if meta.HasField("saver_def"):
+        for field in ("filename_tensor_name", "save_tensor_name", "restore_op_name"):
+            name = getattr(meta.saver_def, field)
+            if name and node_of(name) not in present:
+                problems.append(f"saver_def.{field} names missing node '{name}'")
+    for key in sorted(meta.signature_def):
+        sig = meta.signature_def[key]
+        for info in list(sig.inputs.values()) + list(sig.outputs.values()):
+            if info.name and node_of(info.name) not in present:
+                problems.append(f"signature '{key}' names missing tensor '{info.name}'")
+    return problems

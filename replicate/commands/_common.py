@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
-__all__ = ["add_device_arguments", "device_list"]
+from replicate.errors import DeviceError, InputError, ReplicateError
+
+__all__ = ["add_device_arguments", "add_graph_arguments", "device_list", "parse_devices",
+           "name_list", "check_input", "relabel", "Progress", "table", "human_bytes"]
+
+log = logging.getLogger(__name__)
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -15,6 +26,128 @@ def add_device_arguments(parser: argparse.ArgumentParser, required: bool = True)
                         help="device holding the variables and the optimizer (default /cpu:0)")
 
 
+def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--train-op``, ``--loss`` and ``--outputs``: what the analysis cannot guess."""
+    parser.add_argument("--train-op", metavar="NAME",
+                        help="the op a driver runs per step, when the graph has several")
+    parser.add_argument("--loss", metavar="NAME", help="the loss tensor, e.g. loss:0")
+    parser.add_argument("--outputs", metavar="NAME[,NAME...]", default="",
+                        help="more tensors to keep fetchable under their names, merged over towers")
+
+
 def device_list(text: str) -> list[str]:
     """Split ``--devices``: a comma-separated list (empty items are an error later)."""
     return [d.strip() for d in text.split(",")]
+
+
+def parse_devices(text: str, option: str = "--devices") -> list[str]:
+    """``text`` as a list of canonical device names.
+
+    Raises:
+        DeviceError: an item is empty or malformed, or two items name the same device.
+    """
+    from replicate.api import normalize_device
+
+    raw = device_list(text)
+    seen: dict[str, str] = {}
+    for item in raw:
+        if not item:
+            raise DeviceError(f"{option} '{text}': empty device in the list")
+        try:
+            dev = normalize_device(item, "device")
+        except DeviceError as exc:
+            raise DeviceError(f"{option}: {exc}") from None
+        if dev in seen:
+            raise DeviceError(f"{option}: device '{item}' is listed twice "
+                              f"(as '{seen[dev]}' and '{item}')")
+        seen[dev] = item
+    return list(seen)
+
+
+def name_list(text: str | None) -> list[str]:
+    """Split a comma-separated list of names, dropping empty items."""
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+
+def check_input(path: str) -> None:
+    """Fail fast, before any TensorFlow work, when ``path`` does not exist or is unreadable."""
+    if not os.path.exists(path):
+        raise InputError(f"{path}: no such file or directory")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{path}: not readable")
+
+
+def relabel(exc: ReplicateError, path: str) -> ReplicateError:
+    """The same error with a message that starts with ``path`` (the file the user named)."""
+    text = str(exc)
+    for generic in ("MetaGraphDef: ", "GraphDef: "):
+        if text.startswith(generic):
+            text = text[len(generic):]
+    if text.startswith(path):
+        return exc
+    new = type(exc).__new__(type(exc))
+    Exception.__init__(new, f"{path}: {text}")
+    new.__dict__.update(exc.__dict__)
+    return new
+
+
+class Progress:
+    """Per-pass progress lines on a stream, shown only once the work takes over ``delay``.
+
+    Use an instance as ``transform``'s ``progress`` callback. Lines look like
+    ``replicate convert: [3/8] clone (1.4 s)``.
+
+    Args:
+        label: prefix of each line (the command).
+        stream: where to write (stderr by default).
+        delay: seconds of quiet before the first line.
+        clock: time source (seconds), for tests.
+    """
+
+    def __init__(self, label: str, stream: TextIO | None = None, delay: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.label = label
+        self.stream = stream
+        self.delay = delay
+        self.clock = clock
+        self.start = clock()
+        self.shown = 0
+
+    def elapsed(self) -> float:
+        """Seconds since the instance was made."""
+        return self.clock() - self.start
+
+    def __call__(self, pass_name: str, index: int, total: int) -> None:
+        elapsed = self.elapsed()
+        if elapsed < self.delay:
+            return
+        self._write(f"{self.label}: [{index + 1}/{total}] {pass_name} ({elapsed:.1f} s)")
+
+    def done(self, what: str) -> None:
+        """A closing line, written only when progress lines were shown."""
+        if self.shown:
+            self._write(f"{self.label}: {what} ({self.elapsed():.1f} s)")
+
+    def _write(self, line: str) -> None:
+        stream = self.stream or sys.stderr
+        stream.write(line + "\n")
+        stream.flush()
+        self.shown += 1
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ") -> str:
+    """A plain-text table: a header row, a rule, one line per row, columns left-aligned."""
+    cells = [[str(h) for h in headers]] + [["" if c is None else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, indent + "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as ``B``, ``KiB``, ``MiB`` or ``GiB``."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,141 @@
+"""Rewrite a saved single-device training graph into exact N-tower training.
+
+IN is a MetaGraphDef (.meta, or text .pbtxt), a TF1 SavedModel directory, or a GraphDef
+(.pb/.pbtxt). OUT keeps IN's format (text when its name ends in .pbtxt) unless --format
+says otherwise; a SavedModel's variables and assets are copied along. Nodes keep their
+names, so a driver that imports OUT, restores a checkpoint of the single-device model,
+feeds the same placeholders and runs the same train op trains on all devices, exactly as
+one device would on the same global batches.
+
+Nothing is written when anything fails (exit code 2); IN is never modified.
+
+example:
+  replicate convert model.meta -o model_x4.meta --devices /gpu:0,/gpu:1,/gpu:2,/gpu:3
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from replicate.commands._common import (Progress, add_device_arguments, add_graph_arguments,
+                                        check_input, name_list, parse_devices, relabel)
+from replicate.errors import AnalysisError, DeviceError, OutputError, ReplicateError
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+HELP = "rewrite a saved training graph for N devices (.meta, .pb, .pbtxt, SavedModel)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``replicate convert``."""
+    from replicate.io import FORMATS
+
+    parser.add_argument("input", metavar="IN", help="a .meta, .pb or .pbtxt file, or a SavedModel directory")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT",
+                        help="where to write the result (refused if it exists, unless --force)")
+    add_device_arguments(parser)
+    add_graph_arguments(parser)
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="output format (default: IN's, as text when OUT ends in .pbtxt)")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--dump-dir", metavar="DIR", help="write the IR after each pass here")
+    parser.add_argument("--verify-each", action="store_true", help="validate the IR after every pass")
+    parser.add_argument("--tensorboard", metavar="LOGDIR",
+                        help="also write the rewritten graph as an event file for TensorBoard")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert ``args.input`` into ``args.output``; return the exit code."""
+    from replicate import io
+
+    check_input(args.input)
+    devices = parse_devices(args.devices)
+    controller = parse_devices(args.controller, "--controller")
+    if len(controller) != 1:
+        raise DeviceError(f"--controller '{args.controller}': give exactly one device")
+    io.check_writable(args.output, args.force, source=args.input)
+    if args.tensorboard:
+        _check_logdir(args.tensorboard)
+    progress = Progress("replicate convert")
+    loaded = io.load(args.input)
+    fmt = io.output_format(args.output, loaded.format, args.format)
+    if fmt == "savedmodel" and loaded.saved_model is None:
+        raise OutputError(f"{args.output}: --format savedmodel needs a SavedModel input "
+                          "(its variables are copied)")
+    result = _transform(args, loaded, devices, controller[0], progress)
+    _check_consistent(result.meta_graph_def, args.output)
+    io.save(result.meta_graph_def, args.output, fmt, force=args.force, source=loaded)
+    if args.tensorboard:
+        _write_events(result, args.tensorboard)
+    progress.done("done")
+    if not args.quiet:
+        print(result.report)
+        dropped = " (collections and saver dropped: a GraphDef has none)" if (
+            fmt in ("pb", "pbtxt") and loaded.meta is not None) else ""
+        print(f"wrote {args.output} ({fmt}, {len(devices)} towers){dropped}")
+    return 0
+
+
+def _transform(args: argparse.Namespace, loaded, devices: list[str], controller: str, progress):
+    """Run the transform on the loaded graph; errors name IN."""
+    import replicate
+    from replicate import meta
+
+    source = loaded.meta if loaded.meta is not None else loaded.graph_def
+    train_op = args.train_op
+    if train_op is None and loaded.meta is not None:
+        hinted = meta.collection_ops(loaded.meta, "saved_model_train_op")
+        train_op = hinted[0] if len(hinted) == 1 else None
+    try:
+        return replicate.transform(source, devices, controller=controller, train_op=train_op,
+                                   loss=args.loss, outputs=name_list(args.outputs),
+                                   verify_each=args.verify_each, dump_dir=args.dump_dir,
+                                   progress=progress)
+    except AnalysisError as exc:
+        text = str(exc)
+        if "several candidate train ops" in text:
+            text = text.replace("choose one with train_op=", "choose one with --train-op NAME")
+            exc = AnalysisError(text)
+        raise relabel(exc, args.input) from None
+    except ReplicateError as exc:
+        raise relabel(exc, args.input) from None
+
+
+def _check_consistent(meta_graph_def, output: str) -> None:
+    """Refuse to write a MetaGraphDef whose collections name nodes it lacks."""
+    from replicate import meta
+
+    problems = meta.dangling(meta_graph_def)
+    if problems:
+        raise OutputError(f"{output}: not written: the rewritten graph's {problems[0]}"
+                          + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def _check_logdir(logdir: str) -> None:
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        raise OutputError(f"--tensorboard {logdir}: exists and is not a directory")
+    parent = logdir
+    while not os.path.exists(parent):
+        parent = os.path.dirname(os.path.abspath(parent))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"--tensorboard {logdir}: {parent} is not a writable directory")
+
+
+def _write_events(result, logdir: str) -> None:
+    """An event file holding the rewritten graph (TensorBoard's Graphs tab)."""
+    import tensorflow as tf
+
+    graph = result.graph
+    try:
+        with graph.as_default():
+            writer = tf.compat.v1.summary.FileWriter(logdir, graph=graph)
+            writer.flush()
+            writer.close()
+    except (OSError, tf.errors.OpError) as exc:
+        raise OutputError(f"--tensorboard {logdir}: cannot write ({exc})") from None
+    log.info("wrote the graph for TensorBoard to %s", logdir)

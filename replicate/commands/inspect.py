@@ -1,0 +1,220 @@
+"""Show what `convert` would do with a saved training graph, without writing anything.
+
+Prints the batch inputs and their batch axes, the loss and how it reduces the batch, the
+optimizers, the variables (count, bytes), what would be replicated per tower and what
+stays shared, whether N towers would train exactly as one device (and why not), and
+warnings: constants that bake in the batch size, trainable variables that get no
+gradient, train ops that change nothing. --json prints the same as one JSON object.
+
+example:
+  replicate inspect model.meta --devices /gpu:0,/gpu:1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+from typing import Any
+
+from replicate.commands._common import (add_device_arguments, add_graph_arguments, check_input,
+                                        human_bytes, name_list, parse_devices, relabel, table)
+from replicate.errors import DeviceError, ReplicateError
+
+__all__ = ["HELP", "add_arguments", "run", "collect", "render"]
+
+log = logging.getLogger(__name__)
+
+HELP = "analyse a saved training graph: inputs, loss, optimizers, variables, exactness"
+
+#: Tower devices assumed when --devices is not given.
+DEFAULT_DEVICES = "/gpu:0,/gpu:1"
+
+#: Variables listed in the text table (--json lists them all).
+MAX_ROWS = 40
+
+#: How each input format is called in the report.
+FORMAT_NAMES = {"meta": "binary MetaGraphDef", "metatxt": "text MetaGraphDef",
+                "pb": "binary GraphDef", "pbtxt": "text GraphDef", "savedmodel": "TF1 SavedModel"}
+
+#: Learning-rate argument names of optimizer update ops.
+_RATE_ARGS = ("lr", "alpha")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``replicate inspect``."""
+    parser.add_argument("input", metavar="IN", help="a .meta, .pb or .pbtxt file, or a SavedModel directory")
+    add_device_arguments(parser, required=False)
+    add_graph_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Analyse ``args.input`` and print the findings; return the exit code."""
+    check_input(args.input)
+    assumed = args.devices is None
+    devices = parse_devices(DEFAULT_DEVICES if assumed else args.devices)
+    controller = parse_devices(args.controller, "--controller")
+    if len(controller) != 1:
+        raise DeviceError(f"--controller '{args.controller}': give exactly one device")
+    info = collect(args.input, devices, controller[0], train_op=args.train_op, loss=args.loss,
+                   outputs=name_list(args.outputs))
+    info["devices_assumed"] = assumed
+    print(json.dumps(info, indent=2, sort_keys=True) if args.json else render(info))
+    return 0
+
+
+def collect(path: str, devices: list[str], controller: str, **options: Any) -> dict[str, Any]:
+    """Everything ``inspect`` reports about the graph at ``path``, as plain data."""
+    import replicate
+    from replicate import api, io, meta
+
+    loaded = io.load(path)
+    source = loaded.meta if loaded.meta is not None else loaded.graph_def
+    try:
+        ir = api.analyze_only(source, **options)
+        result = replicate.transform(source, devices, controller=controller, **options)
+    except ReplicateError as exc:
+        raise relabel(exc, path) from None
+    analysis, report = ir.facts["analysis"], result.report
+    region_ops = collections.Counter(ir.nodes[n].op for n in analysis.region if n in analysis.needed
+                                     or len(devices) == 1)
+    trained = {a.variable for a in analysis.apply_ops}
+    return {
+        "input": path, "format": loaded.format, "nodes": len(loaded.graph_def.node),
+        "devices": report.devices, "controller": report.controller,
+        "train_op": report.train_op, "loss": report.loss, "loss_reductions": report.loss_reductions,
+        "global_step": report.global_step,
+        "inputs": [dict(i, dtype=_dtype(ir, i["tensor"]), shape=ir.static_shape(i["tensor"]))
+                   for i in report.inputs],
+        "shared_inputs": report.shared_inputs,
+        "optimizers": dict(collections.Counter(a.optimizer for a in analysis.apply_ops)),
+        "variables": {
+            "count": report.variables, "bytes": report.variable_bytes,
+            "trained": report.trainable_variables,
+            "list": [{"name": v.name, "kind": v.kind, "dtype": v.dtype, "shape": v.shape,
+                      "bytes": v.bytes, "trained": v.name in trained}
+                     for v in analysis.variables.values()]},
+        "replicated": {"nodes_per_tower": report.nodes_per_tower,
+                       "ops": dict(region_ops.most_common())},
+        "shared": {"nodes": report.shared_nodes, "variables": report.variables,
+                   "optimizer_updates": report.updates, "inputs": len(report.inputs)
+                   + len(report.shared_inputs)},
+        "merged_outputs": [f.tensor for f in analysis.outputs],
+        "output_nodes": report.output_nodes, "exact": report.exact,
+        "reasons": [dict(node=r.node, what=r.what, fix=r.fix) for r in report.reasons],
+        "warnings": _warnings(ir, analysis, report, loaded.meta, meta),
+    }
+
+
+def _dtype(ir, ref: str) -> str:
+    from tensorflow.python.framework import dtypes
+
+    try:
+        return dtypes.as_dtype(ir.output_dtype(ref)).name
+    except (TypeError, KeyError, ValueError):
+        return "?"
+
+
+def _warnings(ir, analysis, report, meta_def, meta) -> list[str]:
+    """Sentences about things that are legal but probably not what the user wants."""
+    out: list[str] = []
+    if analysis.static_batch is not None:
+        out.append(f"the batch inputs have a static batch size {analysis.static_batch}: every "
+                   "global batch must hold exactly that many examples")
+    if report.rebatched:
+        out.append(f"{len(report.rebatched)} constants bake in the batch size "
+                   f"{analysis.static_batch} (first: '{report.rebatched[0]}'); they are rewritten "
+                   "per tower")
+    trained = {a.variable for a in analysis.apply_ops}
+    if meta_def is not None and "trainable_variables" in meta_def.collection_def:
+        from tensorflow.core.framework import variable_pb2
+
+        for raw in meta_def.collection_def["trainable_variables"].bytes_list.value:
+            var = variable_pb2.VariableDef.FromString(raw)
+            name = var.variable_name.split(":")[0]
+            if name and name not in trained:
+                out.append(f"trainable variable '{name}' gets no gradient: the train op "
+                           f"'{analysis.train_op}' never updates it")
+    for apply in analysis.apply_ops:
+        rate = _constant_rate(ir, ir.nodes[apply.name])
+        if rate is not None and not rate.any():
+            out.append(f"train op '{analysis.train_op}' changes nothing in '{apply.variable}': "
+                       f"the learning rate of '{apply.name}' is 0")
+    applies = [a.name for a in analysis.apply_ops]
+    for key in meta.TRAIN_OP_KEYS:
+        for name in meta.collection_ops(meta_def, key):
+            if name in ir.nodes and name != analysis.train_op and not (
+                    ir.ancestors([name]) & set(applies)):
+                out.append(f"'{name}' (collection '{key}') changes no variable from a gradient")
+    return out + list(report.warnings)
+
+
+def _constant_rate(ir, node):
+    """The learning rate of an update op when it is a constant (through Identity/Cast)."""
+    for arg in _RATE_ARGS:
+        pos = ir.arg_index(node, arg)
+        if pos is None or pos >= len(node.inputs):
+            continue
+        name = node.inputs[pos].split(":")[0]
+        while name in ir.nodes and ir.nodes[name].op in ("Identity", "Cast") and ir.nodes[name].inputs:
+            name = ir.nodes[name].inputs[0].split(":")[0]
+        return ir.const_value(name)
+    return None
+
+
+def render(info: dict[str, Any]) -> str:
+    """The human-readable report of :func:`collect`'s data."""
+    fmt = FORMAT_NAMES.get(info["format"], info["format"])
+    lines = [f"{info['input']}  ({fmt}, {info['nodes']} nodes)", "", "Training"]
+    kinds = ", ".join(f"{v}" for v in info["loss_reductions"].values()) or "unknown"
+    lines.append(table(["role", "name", "note"], [
+        ["train op", info["train_op"], "run by the driver; keeps its name"],
+        ["loss", info["loss"] or "(not found)", f"reduction over the batch: {kinds}"],
+        ["global step", info["global_step"] or "-", "incremented once per step"],
+    ]))
+    lines += ["", "Inputs"]
+    rows = [[i["tensor"], i["axis"], "dynamic" if i["static_size"] is None else i["static_size"],
+             i["dtype"], _shape(i["shape"]), "split across towers"] for i in info["inputs"]]
+    rows += [[t, "-", "-", "", "", "shared (not split)"] for t in info["shared_inputs"]]
+    lines.append(table(["tensor", "batch axis", "batch size", "dtype", "shape", "role"], rows))
+    lines += ["", "Optimizers"]
+    lines.append(table(["optimizer", "updates"], sorted(info["optimizers"].items())))
+    var = info["variables"]
+    lines += ["", f"Variables: {var['count']}, {human_bytes(var['bytes'])} "
+                  f"({var['trained']} updated by the optimizer)"]
+    rows = [[v["name"], v["kind"], v["dtype"], _shape(v["shape"]), human_bytes(v["bytes"]),
+             "yes" if v["trained"] else "no"] for v in var["list"][:MAX_ROWS]]
+    lines.append(table(["name", "kind", "dtype", "shape", "size", "trained"], rows))
+    if len(var["list"]) > MAX_ROWS:
+        lines.append(f"  ... {len(var['list']) - MAX_ROWS} more (--json lists all)")
+    assumed = " (assumed; pass --devices)" if info.get("devices_assumed") else ""
+    lines += ["", f"Replication over {len(info['devices'])} towers: {', '.join(info['devices'])}"
+                  f"{assumed}; shared state on {info['controller']}"]
+    ops = ", ".join(f"{op} {n}" for op, n in list(info["replicated"]["ops"].items())[:8])
+    shared = info["shared"]
+    lines.append(table(["", "nodes", "what"], [
+        ["replicated", f"{info['replicated']['nodes_per_tower']} per tower",
+         f"forward and backward pass ({ops})"],
+        ["shared", shared["nodes"], f"{shared['variables']} variables, {shared['optimizer_updates']} "
+                                    f"optimizer updates, {shared['inputs']} inputs, savers, summaries"],
+        ["merged", len(info["merged_outputs"]),
+         "forward tensors under their original names: " + ", ".join(info["merged_outputs"][:5])],
+    ]))
+    lines.append("")
+    if info["exact"]:
+        lines.append("Exact: yes (N towers train as one device on the same global batch)")
+    else:
+        lines.append(f"Exact: NO ({len(info['reasons'])} reasons)")
+        lines.append(table(["node", "why", "what to do"],
+                           [[r["node"], r["what"], r["fix"]] for r in info["reasons"]]))
+    lines += ["", f"Warnings: {len(info['warnings']) or 'none'}"]
+    lines += [f"  - {w}" for w in info["warnings"]]
+    return "\n".join(lines)
+
+
+def _shape(shape) -> str:
+    if shape is None:
+        return "?"
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
