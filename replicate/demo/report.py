@@ -71,8 +71,8 @@ def verdict(result: SideBySide, rtol: float, factor: float = DRIFT_FACTOR) -> tu
     bound = factor * last.ref_global_rel
     if last.global_rel <= bound:
         return True, (f"exact at step {first.step}; the later drift ({last.global_rel:.1e} of the "
-                      f"parameters' norm) is float rounding: 1 device drifts from itself as much "
-                      f"({last.ref_global_rel:.1e}) when each batch is permuted")
+                      f"parameters' norm) is float rounding, of the order of 1 device's drift from "
+                      f"itself when each batch is permuted ({last.ref_global_rel:.1e})")
     return False, (f"drift {last.global_rel:.1e} exceeds {factor:g}x the rounding reference "
                    f"{last.ref_global_rel:.1e}")
 
