@@ -83,10 +83,16 @@ def relabel(exc: ReplicateError, path: str) -> ReplicateError:
     for generic in ("MetaGraphDef: ", "GraphDef: "):
         if text.startswith(generic):
             text = text[len(generic):]
-    if text.startswith(path):
+    for api_word, option in (("train_op=", "--train-op NAME"), ("loss=", "--loss NAME"),
+                             ("outputs=", "--outputs NAME")):
+        text = text.replace(f"with {api_word}", f"with {option}").replace(f"pass {api_word}",
+                                                                          f"pass {option}")
+    if not text.startswith(path):
+        text = f"{path}: {text}"
+    if text == str(exc):
         return exc
     new = type(exc).__new__(type(exc))
-    Exception.__init__(new, f"{path}: {text}")
+    Exception.__init__(new, text)
     new.__dict__.update(exc.__dict__)
     return new
 

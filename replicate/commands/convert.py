@@ -21,7 +21,7 @@ import os
 
 from replicate.commands._common import (Progress, add_device_arguments, add_graph_arguments,
                                         check_input, name_list, parse_devices, relabel)
-from replicate.errors import AnalysisError, DeviceError, OutputError, ReplicateError
+from replicate.errors import DeviceError, OutputError, ReplicateError
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -96,12 +96,6 @@ def _transform(args: argparse.Namespace, loaded, devices: list[str], controller:
                                    loss=args.loss, outputs=name_list(args.outputs),
                                    verify_each=args.verify_each, dump_dir=args.dump_dir,
                                    progress=progress)
-    except AnalysisError as exc:
-        text = str(exc)
-        if "several candidate train ops" in text:
-            text = text.replace("choose one with train_op=", "choose one with --train-op NAME")
-            exc = AnalysisError(text)
-        raise relabel(exc, args.input) from None
     except ReplicateError as exc:
         raise relabel(exc, args.input) from None
 
