@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                           "(its variables are copied)")
     result = _transform(args, loaded, devices, controller[0], progress)
     _check_consistent(result.meta_graph_def, args.output)
+    _check_imports(result, args.output)
     io.save(result.meta_graph_def, args.output, fmt, force=args.force, source=loaded)
     if args.tensorboard:
         _write_events(result, args.tensorboard)
@@ -108,6 +109,16 @@ def _check_consistent(meta_graph_def, output: str) -> None:
     if problems:
         raise OutputError(f"{output}: not written: the rewritten graph's {problems[0]}"
                           + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def _check_imports(result, output: str) -> None:
+    """Refuse to write a graph TensorFlow would not import (a bug in a pass, not the user's)."""
+    try:
+        result.graph  # noqa: B018 - imports the rewritten graph into a new tf.Graph
+    except (ValueError, TypeError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OutputError(f"{output}: not written: TensorFlow cannot import the rewritten graph "
+                          f"({first[:300]}); please report this with the input") from None
 
 
 def _check_logdir(logdir: str) -> None:
