@@ -23,12 +23,16 @@ from replicate.passes.place import Place
 from replicate.passes.rebatch import Rebatch
 from replicate.passes.rewire import Rewire
 from replicate.passes.split import Split
+from replicate.passes.sync import Sync
 from replicate.passes.validate import Validate
 from replicate.pipeline import PassRecord, run_pipeline
 from replicate.report import Report
 from replicate import registry
 
-__all__ = ["transform", "Result", "normalize_device", "analyze_only"]
+__all__ = ["transform", "Result", "normalize_device", "analyze_only", "BATCH_NORM_MODES"]
+
+#: Batch-norm modes of :func:`transform`.
+BATCH_NORM_MODES = ("tower0", "sync")
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +191,8 @@ def analyze_only(graph: Any, **options: Any) -> IR:
 def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               train_op: str | None = None, loss: str | None = None,
               outputs: Sequence[str] | None = None, merge_forward: bool = True,
-              param_devices: Sequence[str] | None = None, verify_each: bool = False,
+              param_devices: Sequence[str] | None = None, batch_norm: str = "tower0",
+              verify_each: bool = False,
               dump_dir: str | None = None,
               progress: Callable[[str, int, int], None] | None = None) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
@@ -201,6 +206,9 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         outputs: more tensor names to keep fetchable (merged over towers) under their names.
         merge_forward: merge every per-example forward tensor under its name (default True).
         param_devices: spread variables over these devices by size instead of the controller.
+        batch_norm: ``"tower0"`` (each tower normalizes with its slice's statistics; moving
+            averages are updated once, from tower 0) or ``"sync"`` (statistics over the global
+            batch, forward and backward: batch norm trains exactly as on one device).
         verify_each: validate the IR after every pass.
         dump_dir: write the IR after each pass to this directory.
         progress: called with (pass name, index, total) before each pass.
@@ -214,12 +222,16 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
     start = time.perf_counter()
     devices, controller = _devices(devices, controller)
     params = [normalize_device(d, "parameter device") for d in (param_devices or [])]
+    if batch_norm not in BATCH_NORM_MODES:
+        raise ReplicateError(f"batch_norm='{batch_norm}' is not one of {', '.join(BATCH_NORM_MODES)}")
     try:
         ir, loaded, analyze = prepare(graph, train_op=train_op, loss=loss, outputs=outputs or (),
                                       merge_forward=merge_forward)
         validator = Validate()
-        passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
-                  Rebatch(), Aggregate(controller), Rewire(controller), validator]
+        passes = [analyze, Place(controller, params), Split(devices, controller), Clone()]
+        if batch_norm == "sync":
+            passes.append(Sync(controller))
+        passes += [Rebatch(), Aggregate(controller), Rewire(controller), validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
         analysis: Analysis = ir.facts["analysis"]

@@ -105,6 +105,8 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
         return ir.add(name, "AddN", refs, device=device, attrs={"T": tf_dtype, "N": len(refs)}).name
     if kind in ("concat", "sparse_values", "sparse_indices"):
+        if len(refs) == 1:
+            return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
         axis = f"{name}_parts/axis"
         ir.const(axis, 0, dtypes.int32, device)
         return ir.add(name, "ConcatV2", refs + [axis], device=device,

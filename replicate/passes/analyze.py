@@ -80,7 +80,7 @@ class Analyze:
         updates = [n for n in region if ir.nodes[n].op in ops.MUTATING_OPS]
         outside = {n for n in region for c in ir.consumers(n) if c.name not in inside}
         needed = self._needed(ir, graph, region, updates, [node_of(t) for t in seeds + losses]
-                              + sorted(outside, key=_order(ir)))
+                              + sorted(outside - set(updates), key=_order(ir)))
         keep_targets = {n for n in region if n not in dependent and (n in outside or n in self.external)}
         keep = ir.ancestors(keep_targets, graph) & inside
         reasons = _loss_kinds(ir, grad_scopes, dependent, inside)

@@ -25,7 +25,7 @@ from replicate.facts import Reason
 from replicate.ir import IR, node_of
 from replicate.pipeline import PassResult
 from replicate.reductions import reduces_batch_axis
-from replicate.roles import forward_op_of, gradient_scopes
+from replicate.roles import forward_op_of
 
 __all__ = ["Rebatch"]
 
@@ -74,7 +74,7 @@ class Rebatch:
     @staticmethod
     def _plan(ir: IR, analysis, batch: int) -> tuple[dict[str, str], list[str]]:
         """Region nodes to rewrite -> "shape" | "factor" | attribute name; and unexplained ones."""
-        scopes = gradient_scopes(ir)
+        scopes = [s.prefix for s in analysis.scopes]
         plan: dict[str, str] = {}
         unexplained: list[str] = []
         region = analysis.region_set

@@ -1,0 +1,187 @@
+"""Synchronize batch statistics across towers, so batch norm trains exactly as on one device.
+
+Requires: the clone pass's tower copies (originals still present), ``ir.facts["analysis"]``
+with its ``couplings`` (forward batch reductions whose result flows back into per-example
+values), and ``ir.facts["towers"]``. Runs only when the transform asks for
+``batch_norm="sync"``.
+
+Produces, for each coupling:
+
+- a plain batch reduction (the ``moments`` of non-fused batch norm, any ``reduce_mean`` or
+  ``reduce_sum`` over the batch that feeds examples again): every tower reads the global
+  value (the towers' values combined by example share), and each tower's gradient code for
+  it receives the global upstream gradient instead of its own;
+- a ``FusedBatchNormV3`` in training mode: each tower computes its slice's channel means,
+  the global mean and (two-pass) variance are combined on the controller, the tower
+  normalizes with them (the op in inference mode), moving averages read the global mean
+  and Bessel-corrected variance, and the backward pass adds the terms through the global
+  statistics: ``dx = dx_inference - gamma * rsqrt(var + eps) * (S1 + xhat * S2) / (c_k * M)``
+  with ``S1``, ``S2`` the aggregated offset and scale gradients, ``c_k`` the tower's loss
+  weight and ``M`` the global element count per channel.
+
+``ir.facts["synced"]`` lists the couplings handled; others stay reasons in the report.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tensorflow.python.framework import dtypes
+
+from replicate.combine import combine, weight
+from replicate.facts import Reason
+from replicate.ir import IR, node_of, parse_tensor
+from replicate.pipeline import PassResult
+from replicate.reductions import FUSED_BATCH_NORM, reduction
+from replicate.roles import forward_op_of
+
+__all__ = ["Sync"]
+
+log = logging.getLogger(__name__)
+
+SCOPE = "replicate/sync"
+
+
+class Sync:
+    """Synchronized batch statistics.
+
+    Args:
+        controller: device of the combined statistics.
+    """
+
+    name = "sync"
+
+    def __init__(self, controller: str):
+        self.controller = controller
+
+    def run(self, ir: IR) -> PassResult:
+        analysis = ir.facts["analysis"]
+        grad_ops, in_grad = _gradient_ops(ir, analysis.couplings, [s.prefix for s in analysis.scopes])
+        synced, left = [], []
+        for name in analysis.couplings:
+            node = ir.nodes[name]
+            if node.op == "FusedBatchNormV3":
+                _FusedSync(ir, self.controller, name, grad_ops.get(name, [])).run()
+                synced.append(name)
+            elif node.op in FUSED_BATCH_NORM:
+                left.append(name)
+            elif self._reduction(ir, name, grad_ops.get(name, []), in_grad):
+                synced.append(name)
+            else:
+                left.append(name)
+        handled = set(synced)
+        analysis.reasons[:] = [r for r in analysis.reasons if r.node not in handled]
+        for name in left:
+            analysis.reasons.append(Reason(name, f"{ir.nodes[name].op} cannot be synchronized "
+                                           "across towers", "use FusedBatchNormV3 or a mean/sum"))
+        _drop_covered_update_reasons(ir, analysis, handled)
+        ir.facts["synced"] = synced
+        log.info("sync: %d batch statistics synchronized across towers", len(synced))
+        return PassResult(ir, bool(synced))
+
+    def _reduction(self, ir: IR, name: str, grad_nodes: list[str], in_grad: set[str]) -> bool:
+        analysis, towers = ir.facts["analysis"], ir.facts["towers"]
+        copies = ir.facts["copies"]
+        red = reduction(ir, f"{name}:0", analysis.batch_dependent)
+        if red.kind not in ("mean", "sum"):
+            return False
+        n = len(towers.devices)
+        dtype = ir.output_dtype(f"{name}:0")
+        parts = [copies[k][name] for k in range(n)]
+        total = combine(ir, towers, f"{SCOPE}/{name}", parts, red.kind, dtype, self.controller,
+                        self.controller, red.weights if red.kind == "mean" else ("ones",))
+        helpers = {node_of(r) for r in ir.nodes[total].inputs} | {total}
+        for k in range(n):
+            for consumer, _ in ir.data_consumers(parts[k]):
+                if consumer.name not in helpers and not consumer.name.startswith(f"{SCOPE}/"):
+                    ir.replace_uses(parts[k], total, only=[consumer.name])
+        upstream = _upstream(ir, grad_nodes, in_grad)
+        if upstream is None:
+            return True
+        scope = next(s for s in analysis.scopes if upstream.startswith(s.prefix + "/"))
+        grads = [f"{towers.prefixes[k]}/{upstream}" for k in range(n)]
+        global_grad = combine(ir, towers, f"{SCOPE}/{name}_grad", grads, "dense",
+                              ir.output_dtype(upstream), self.controller, self.controller, scope.weights)
+        forward_w = red.weights if red.kind == "mean" else ("ones",)
+        for k in range(n):
+            readers = [f"{towers.prefixes[k]}/{g}" for g in grad_nodes]
+            source = global_grad
+            if forward_w != scope.weights:
+                ratio = _ratio(ir, towers, k, ir.output_dtype(upstream), forward_w, scope.weights,
+                               self.controller, f"{SCOPE}/{name}_grad/ratio_{k}")
+                source = ir.add(f"{SCOPE}/{name}_grad/tower_{k}", "Mul", [global_grad, ratio],
+                                device=towers.devices[k],
+                                attrs={"T": dtypes.as_dtype(ir.output_dtype(upstream))}).name
+            ir.replace_uses(grads[k], source, only=[r for r in readers if r in ir.nodes])
+        return True
+
+
+def _ratio(ir: IR, towers, k: int, dtype: int, top: tuple, bottom: tuple, device: str, name: str) -> str:
+    """a_k / c_k for forward weights a and loss weights c (ones when a weight spec is ones)."""
+    tf_dtype = dtypes.as_dtype(dtype)
+    one = f"{name}/one"
+    ir.const(one, 1.0, tf_dtype, device)
+    a = one if top == ("ones",) else weight(ir, towers, k, dtype, device, top)
+    c = one if bottom == ("ones",) else weight(ir, towers, k, dtype, device, bottom)
+    return ir.add(name, "DivNoNan", [a, c], device=device, attrs={"T": tf_dtype}).name
+
+
+def _gradient_ops(ir: IR, couplings: list[str], prefixes: list[str]
+                  ) -> tuple[dict[str, list[str]], set[str]]:
+    """Coupling -> the nodes of its gradient code (``<scope>/<op>_grad/...``); and all
+    gradient-scope nodes."""
+    wanted = set(couplings)
+    out: dict[str, list[str]] = {}
+    in_grad: set[str] = set()
+    for prefix in prefixes:
+        for name in ir.nodes:
+            if name.startswith(prefix + "/"):
+                in_grad.add(name)
+                if "_grad/" in name:
+                    op = forward_op_of(ir, prefix, name)
+                    if op in wanted:
+                        out.setdefault(op, []).append(name)
+    return out, in_grad
+
+
+def _upstream(ir: IR, grad_nodes: list[str], in_grad: set[str]) -> str | None:
+    """The gradient flowing into a reduction: the one gradient tensor its gradient code reads
+    from outside itself."""
+    inside = set(grad_nodes)
+    found: list[str] = []
+    for g in grad_nodes:
+        for ref in ir.nodes[g].inputs:
+            producer = node_of(ref)
+            if producer in inside or producer not in in_grad:
+                continue
+            name, idx = parse_tensor(ref)
+            tensor = f"{name}:{idx}"
+            if tensor not in found and ir.output_dtype(tensor) in _FLOATS:
+                found.append(tensor)
+    return found[0] if len(found) == 1 else None
+
+
+_FLOATS = frozenset({dtypes.float16.as_datatype_enum, dtypes.bfloat16.as_datatype_enum,
+                     dtypes.float32.as_datatype_enum, dtypes.float64.as_datatype_enum})
+
+
+def _drop_covered_update_reasons(ir: IR, analysis, synced: set[str]) -> None:
+    """Update ops whose batch-dependent inputs all pass through synchronized statistics are exact."""
+    covered = set()
+    batch_readers = {c.name for b in analysis.batch_inputs for c, _ in ir.data_consumers(b.tensor)}
+    for update in analysis.update_ops:
+        work, seen, ok = [node_of(r) for r in ir.nodes[update].inputs], set(), True
+        while work and ok:
+            name = work.pop()
+            if name in seen or name in synced or name not in analysis.batch_dependent:
+                continue
+            seen.add(name)
+            if name in batch_readers:
+                ok = False
+            work.extend(node_of(r) for r in ir.nodes[name].inputs)
+        if ok:
+            covered.add(update)
+    analysis.reasons[:] = [r for r in analysis.reasons if r.node not in covered]
+
+
+from replicate.passes._fused_sync import FusedSync as _FusedSync  # noqa: E402
