@@ -132,15 +132,16 @@ def _check_logdir(logdir: str) -> None:
 
 
 def _write_events(result, logdir: str) -> None:
-    """An event file holding the rewritten graph (TensorBoard's Graphs tab)."""
+    """An event file holding exactly the rewritten graph (TensorBoard's Graphs tab)."""
     import tensorflow as tf
 
-    graph = result.graph
+    graph = tf.Graph()
     try:
         with graph.as_default():
+            tf.graph_util.import_graph_def(result.graph_def, name="")
             writer = tf.compat.v1.summary.FileWriter(logdir, graph=graph)
             writer.flush()
             writer.close()
-    except (OSError, tf.errors.OpError) as exc:
+    except (OSError, ValueError, tf.errors.OpError) as exc:
         raise OutputError(f"--tensorboard {logdir}: cannot write ({exc})") from None
     log.info("wrote the graph for TensorBoard to %s", logdir)
