@@ -246,13 +246,14 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
     towers: Towers = ir.facts["towers"]
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
-                     warnings)
+                     warnings, batch_norm)
     return Result(graph_def, meta_out, report, analysis, towers, records,
                   ir.facts.get("aggregates", {}), seconds)
 
 
 def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], controller: str,
-            records: list[PassRecord], input_nodes: int, warnings: list[str]) -> Report:
+            records: list[PassRecord], input_nodes: int, warnings: list[str],
+            batch_norm: str = "tower0") -> Report:
     grads: dict[str, int] = {}
     for f in analysis.frontier:
         grads[f.role] = grads.get(f.role, 0) + 1
@@ -270,6 +271,8 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         global_step=analysis.global_step, input_nodes=input_nodes, nodes_per_tower=per_tower,
         shared_nodes=len(ir.nodes) - tower_nodes, output_nodes=len(ir.nodes), gradients=grads,
         merged_outputs=len(analysis.outputs), update_ops=list(analysis.update_ops),
+        batch_norm={"mode": batch_norm, "ops": list(analysis.couplings)},
+        synced=list(ir.facts.get("synced", [])),
         rebatched=list(ir.facts.get("rebatched", [])), exact=not analysis.reasons,
         reasons=list(analysis.reasons), warnings=warnings,
         passes=[dataclasses.asdict(r) for r in records])

@@ -47,6 +47,8 @@ class Report:
     gradients: dict[str, int]
     merged_outputs: int
     update_ops: list[str]
+    batch_norm: dict[str, Any]
+    synced: list[str]
     rebatched: list[str]
     exact: bool
     reasons: list[Reason]
@@ -84,6 +86,12 @@ class Report:
         if self.update_ops:
             lines.append(f"  update ops    {len(self.update_ops)} run in tower 0 only "
                          f"(first: {self.update_ops[0]})")
+        if self.batch_norm.get("ops"):
+            how = ("global statistics across towers, forward and backward" if self.batch_norm["mode"] == "sync"
+                   else "each tower uses its slice's statistics")
+            lines.append(f"  batch norm    {len(self.batch_norm['ops'])} batch statistics "
+                         f"({', '.join(self.batch_norm['ops'][:3])}{'...' if len(self.batch_norm['ops']) > 3 else ''}); "
+                         f"mode {self.batch_norm['mode']}: {how}")
         if self.rebatched:
             lines.append(f"  static batch  {len(self.rebatched)} constants rewritten per tower")
         if self.exact:

@@ -127,10 +127,7 @@ class Analyze:
     # ------------------------------------------------------------------ pieces
     def _train_op(self, ir: IR, graph: nx.DiGraph, in_grad: set[str]) -> tuple[str, list[ApplyOp]]:
         below = _descendants(graph, in_grad, list(ir.nodes))
-        data_only = nx.DiGraph()
-        data_only.add_nodes_from(graph)
-        data_only.add_edges_from((node_of(r), n.name) for n in ir for r in n.inputs)
-        fed = _descendants(data_only, in_grad, list(ir.nodes)) | in_grad
+        fed = _gradient_fed(ir, graph, in_grad)
         updates = [n for n in ir.nodes if n in below and n not in in_grad
                    and (ir.nodes[n].op in ops.APPLY_OPS or ir.nodes[n].op in ops.MUTATING_OPS)]
         if self.train_op is not None:
@@ -230,6 +227,31 @@ def _descendants(graph: nx.DiGraph, starts: set[str], region: list[str]) -> set[
     return out
 
 
+def _gradient_fed(ir: IR, graph: nx.DiGraph, in_grad: set[str]) -> set[str]:
+    """Nodes computed from a gradient: data descendants of the gradient code, and reads of a
+    variable that wait (by control edge) for an update of that same variable from a gradient
+    (TF1 Adam's sparse path reads its slots back after scattering into them)."""
+    data_only = nx.DiGraph()
+    data_only.add_nodes_from(graph)
+    data_only.add_edges_from((node_of(r), n.name) for n in ir for r in n.inputs)
+    fed = _descendants(data_only, in_grad, list(ir.nodes)) | in_grad
+    while True:
+        extra = set()
+        for name in fed:
+            node = ir.nodes[name]
+            if node.op not in ops.MUTATING_OPS or not node.inputs:
+                continue
+            target = variable_of(ir, node.inputs[0])
+            for reader in ir.consumers(name):
+                if reader.name not in fed and name in reader.control and reader.inputs \
+                        and reader.op in ("ReadVariableOp", "Identity") \
+                        and variable_of(ir, reader.inputs[0]) == target:
+                    extra.add(reader.name)
+        if not extra:
+            return fed
+        fed |= extra | _descendants(data_only, extra, list(ir.nodes))
+
+
 def _widest(ir: IR, graph: nx.DiGraph, sinks: list[str], updates: list[str]) -> list[str]:
     """Sinks whose set of ancestor updates no other sink strictly contains; reads dropped
     when an op that is not a read remains."""
@@ -272,7 +294,7 @@ def _apply_ops(ir: IR, names: list[str], fed: set[str]) -> list[ApplyOp]:
             var_arg, grad_arg, idx_arg, family = spec.var_arg, spec.grad_arg, spec.indices_arg, spec.optimizer
         else:
             var_arg, grad_arg, idx_arg = ops.MUTATING_OPS[node.op]
-            family = name.split("/")[0]
+            family = _family(ir, name, names)
         vpos, gpos = ir.arg_index(node, var_arg), ir.arg_index(node, grad_arg)
         ipos = ir.arg_index(node, idx_arg) if idx_arg else None
         variable = variable_of(ir, node.inputs[vpos]) if vpos is not None else None
@@ -284,6 +306,17 @@ def _apply_ops(ir: IR, names: list[str], fed: set[str]) -> list[ApplyOp]:
         out.append(ApplyOp(name, node.op, family, variable, node.inputs[gpos],
                            node.inputs[ipos] if ipos is not None else None))
     return out
+
+
+def _family(ir: IR, name: str, names: list[str]) -> str:
+    """Optimizer family of a plain variable update: that of an optimizer kernel in the same
+    top-level name scope (TF1 Adam's sparse path scatters, then assigns), else the scope."""
+    top = name.split("/")[0]
+    for other in names:
+        spec = ops.APPLY_OPS.get(ir.nodes[other].op)
+        if spec is not None and other.split("/")[0] == top:
+            return spec.optimizer
+    return top
 
 
 def _is_integer(ir: IR, variable: str) -> bool:

@@ -1,0 +1,212 @@
+"""Model families beyond MLPs, built the way legacy TF1 code builds them (issue 4)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import tensorflow as tf
+
+from models import OPTIMIZERS, Model
+
+v1 = tf.compat.v1
+L = v1.losses
+
+
+def _feed_images(shape=(6, 6, 2), classes=3):
+    def make(rng, batch):
+        return {"x:0": rng.randn(batch, *shape).astype(np.float32),
+                "y:0": rng.randint(0, classes, batch).astype(np.int64)}
+    return make
+
+
+def _xent(y, logits):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                          name="loss")
+
+
+def embedding(optimizer: str = "adam", resource: bool = True) -> Model:
+    """Bag-of-embeddings classifier: the table's gradient is IndexedSlices."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(2)
+        ids = v1.placeholder(tf.int64, [None, 3], name="ids")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        with v1.variable_scope("m", use_resource=resource):
+            table = v1.get_variable("embedding", [50, 4])
+            w = v1.get_variable("w", [4, 3])
+        logits = tf.matmul(tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1), w, name="logits")
+        OPTIMIZERS[optimizer]().minimize(_xent(y, logits), name="train")
+
+    def make(rng, batch):
+        return {"ids:0": rng.randint(0, 50, (batch, 3)), "y:0": rng.randint(0, 3, batch)}
+    return Model(graph, "train", make, ("loss:0", "logits:0"))
+
+
+def batch_norm_cnn(fused: bool = True, optimizer: str = "momentum") -> Model:
+    """conv (no bias) -> batch norm -> relu -> dense -> batch norm -> logits, with the legacy
+    UPDATE_OPS + control_dependencies wiring."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 6, 6, 2], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = v1.layers.conv2d(x, 4, 3, padding="same", use_bias=False, name="conv")
+        h = v1.layers.batch_normalization(h, training=True, fused=fused, name="bn1")
+        h = tf.reshape(tf.nn.relu(h), [-1, 6 * 6 * 4])
+        h = v1.layers.dense(h, 8, use_bias=False, name="fc")
+        h = v1.layers.batch_normalization(h, training=True, name="bn2")
+        logits = v1.layers.dense(tf.nn.relu(h), 3, name="logits")
+        loss = _xent(y, logits)
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            OPTIMIZERS[optimizer]().minimize(loss, name="train")
+    return Model(graph, "train", _feed_images(), ("loss:0",))
+
+
+def batch_norm_inputs(momentum: float = 0.9) -> Model:
+    """Batch norm applied to the raw input, so its moving mean can be checked by hand."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = v1.layers.batch_normalization(x, training=True, momentum=momentum, name="bn")
+        logits = v1.layers.dense(h, 3, name="logits")
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            v1.train.GradientDescentOptimizer(0.1).minimize(_xent(y, logits), name="train")
+
+    def make(rng, batch):
+        return {"x:0": (rng.randn(batch, 4) * 2 + 3).astype(np.float32), "y:0": rng.randint(0, 3, batch)}
+    return Model(graph, "train", make)
+
+
+@contextlib.contextmanager
+def control_flow_v1():
+    """Build with TF1 while loops (Enter/Exit frames, stacks, TensorArrays)."""
+    v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        v1.enable_control_flow_v2()
+
+
+def lstm(version: int = 2) -> Model:
+    """dynamic_rnn over an LSTM cell; version 1 uses TF1 while-loop frames."""
+    graph = tf.Graph()
+    with contextlib.ExitStack() as stack:
+        if version == 1:
+            stack.enter_context(control_flow_v1())
+        with graph.as_default():
+            v1.set_random_seed(1)
+            x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            out, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.LSTMCell(6), x, dtype=tf.float32)
+            logits = v1.layers.dense(out[:, -1], 3, name="logits")
+            v1.train.AdamOptimizer(0.01).minimize(_xent(y, logits), name="train")
+    return Model(graph, "train", _feed_images((5, 4)))
+
+
+def conditional(on_batch: bool = False) -> Model:
+    """tf.cond on a fed flag (exact), or on a sum over the batch (couples the towers)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        h = v1.layers.dense(tf.reshape(x, [-1, 20]), 6, name="h")
+        pred = tf.reduce_sum(x, name="batch_sum") > 0 if on_batch else flag
+        h = tf.cond(pred, lambda: tf.nn.relu(h), lambda: tf.nn.tanh(h))
+        logits = v1.layers.dense(h, 3, name="logits")
+        v1.train.GradientDescentOptimizer(0.1).minimize(_xent(y, logits), name="train")
+    return Model(graph, "train", _feed_images((5, 4)))
+
+
+def dropout(seed: int | None = 4) -> Model:
+    """A dense layer with dropout (random: each tower draws its own mask)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = tf.nn.dropout(v1.layers.dense(x, 16, name="h"), rate=0.3, seed=seed)
+        logits = v1.layers.dense(h, 3, name="logits")
+        v1.train.GradientDescentOptimizer(0.1).minimize(_xent(y, logits), name="train")
+    return Model(graph, "train", _feed_images((8,)))
+
+
+def layers_cnn() -> Model:
+    """The tutorial seed's core model with tf.compat.v1.layers (scaled down)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 12, 12, 1], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        net = v1.layers.conv2d(x, 4, 3, padding="same", activation=tf.nn.relu, name="conv1")
+        net = v1.layers.max_pooling2d(net, 2, 2)
+        net = v1.layers.conv2d(net, 8, 3, padding="same", activation=tf.nn.relu, name="conv2")
+        net = v1.layers.max_pooling2d(net, 2, 2)
+        net = tf.reshape(net, [-1, 3 * 3 * 8])
+        net = v1.layers.dense(net, 16, activation=tf.nn.relu, name="dense_1")
+        logits = v1.layers.dense(net, 10, name="dense_2")
+        v1.train.AdamOptimizer(1e-3).minimize(_xent(y, logits), global_step=v1.train.get_or_create_global_step(),
+                                              name="train")
+    return Model(graph, "train", _feed_images((12, 12, 1), 10))
+
+
+def keras_in_graph() -> Model:
+    """A tf-keras Sequential model called on TF1 placeholders, trained by a v1 optimizer."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        model = tf.keras.Sequential([tf.keras.layers.Flatten(), tf.keras.layers.Dense(6, activation="relu"),
+                                     tf.keras.layers.Dense(3)])
+        v1.train.RMSPropOptimizer(0.01).minimize(_xent(y, model(x)), name="train")
+    return Model(graph, "train", _feed_images((5, 4)))
+
+
+def slim_resnet(size: int = 32) -> Model:
+    """tf-slim's resnet_v1_50 at a small input size (no arg_scope: slim.batch_norm does not
+    work with current tf-keras)."""
+    from tf_slim.nets import resnet_v1
+
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, size, size, 3], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        logits, _ = resnet_v1.resnet_v1_50(x, num_classes=5, is_training=True, global_pool=True)
+        logits = tf.reshape(logits, [-1, 5])
+        v1.train.MomentumOptimizer(1e-3, 0.9).minimize(_xent(y, logits), name="train")
+    return Model(graph, "train", _feed_images((size, size, 3), 5))
+
+
+def loss_reduction(reduction: str, weighted: bool, regularized: bool = False) -> Model:
+    """A dense classifier trained on a tf.compat.v1.losses loss with the given reduction."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        reg = (lambda w: 0.05 * tf.nn.l2_loss(w)) if regularized else None
+        logits = v1.layers.dense(x, 3, kernel_regularizer=reg, name="logits")
+        weights = tf.cast(tf.not_equal(y, 0), tf.float32) * 2.0 if weighted else 1.0
+        L.sparse_softmax_cross_entropy(y, logits, weights=weights, reduction=getattr(L.Reduction, reduction))
+        total = L.get_total_loss(name="total_loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(total, name="train")
+    return Model(graph, "train", _feed_images((8,)), ("total_loss:0",))
+
+
+def sum_loss() -> Model:
+    """A loss reduced with reduce_sum (gradients add across towers)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        logits = v1.layers.dense(x, 3, name="logits")
+        loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits), name="loss")
+        v1.train.GradientDescentOptimizer(0.01).minimize(loss, name="train")
+    return Model(graph, "train", _feed_images((8,)))

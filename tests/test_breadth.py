@@ -1,0 +1,152 @@
+"""Issue 4: model families beyond MLPs transform, train, and are exact where exact is possible."""
+
+import numpy as np
+import pytest
+
+import breadth_models as bm
+import replicate
+from replicate.equivalence import Trainer, compare
+from test_equivalence import CPUS, RTOL, check
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad", "momentum", "ftrl"])
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_sparse_gradients_stay_sparse(optimizer, resource):
+    model = bm.embedding(optimizer, resource)
+    res, _ = check(model, towers=3, batch=10)
+    assert res.report.gradients.get("sparse_values") == 1
+    assert res.report.gradients.get("sparse_indices") == 1
+    table = next(a for a in res.analysis.apply_ops if a.variable == "m/embedding")
+    nodes = {n.name: n for n in res.graph_def.node}
+    # The optimizer reads concatenated slices, never a dense [50, 4] tensor.
+    producers = _ancestor_ops(nodes, table.grad, depth=6)
+    assert "ConcatV2" in producers and "UnsortedSegmentSum" not in {
+        nodes[n].op for n in nodes if n.startswith("replicate/aggregate/")}
+
+
+def _ancestor_ops(nodes, ref, depth):
+    seen, work, ops = set(), [ref.split(":")[0]], set()
+    for _ in range(depth):
+        nxt = []
+        for name in work:
+            if name in seen or name not in nodes:
+                continue
+            seen.add(name)
+            ops.add(nodes[name].op)
+            nxt.extend(i.lstrip("^").split(":")[0] for i in nodes[name].input)
+        work = nxt
+    return ops
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "moments"])
+@pytest.mark.parametrize("towers,batch", [(2, 8), (3, 10)])
+def test_sync_batch_norm_is_exact(fused, towers, batch):
+    res, _ = check(bm.batch_norm_cnn(fused), towers=towers, batch=batch, batch_norm="sync")
+    assert res.report.exact, str(res.report)
+    assert res.report.synced, "no batch statistics were synchronized"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "moments"])
+def test_tower0_batch_norm_is_reported(fused):
+    model = bm.batch_norm_cnn(fused)
+    res = replicate.transform(model.graph, CPUS[:2])
+    assert not res.report.exact
+    named = " ".join(r.node for r in res.report.reasons)
+    assert "bn1" in named and "bn2" in named
+    assert any("sync" in r.fix for r in res.report.reasons)
+    assert res.report.batch_norm["mode"] == "tower0" and res.report.batch_norm["ops"]
+
+
+@pytest.mark.parametrize("mode", ["tower0", "sync"])
+def test_moving_statistics_move_once_per_step(mode):
+    momentum, towers, batch = 0.9, 2, 8
+    model = bm.batch_norm_inputs(momentum)
+    res = replicate.transform(model.graph, CPUS[:towers], batch_norm=mode)
+    trainer = Trainer(res.meta_graph_def, "train")
+    feed = model.feeds(batch, steps=1)[0]
+    trainer.step(feed)
+    got = trainer.values()["bn/moving_mean"]
+    trainer.close()
+    seen = feed["x:0"][: batch // towers] if mode == "tower0" else feed["x:0"]
+    expected = (1 - momentum) * seen.mean(axis=0)      # moving mean starts at 0, updated once
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    twice = expected + (1 - momentum) * (seen.mean(axis=0) - expected)
+    assert not np.allclose(got, twice, rtol=1e-3)
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["while_v1", "while_v2"])
+@pytest.mark.parametrize("towers,batch", [(2, 8), (3, 10)])
+def test_lstm_control_flow(version, towers, batch):
+    res, _ = check(bm.lstm(version), towers=towers, batch=batch)
+    assert res.report.exact, str(res.report)
+    if version == 1:
+        frames = {n.attr["frame_name"].s.decode() for n in res.graph_def.node if n.op == "Enter"}
+        assert any(f.startswith("tower_1/") for f in frames) and any(f.startswith("tower_0/") for f in frames)
+
+
+def test_cond_on_a_flag_is_exact():
+    res, _ = check(bm.conditional(on_batch=False), towers=3, batch=10)
+    assert res.report.exact
+
+
+def test_cond_on_a_batch_sum_is_reported_then_synced():
+    model = bm.conditional(on_batch=True)
+    res = replicate.transform(model.graph, CPUS[:3])
+    assert not res.report.exact and any(r.node == "batch_sum" for r in res.report.reasons)
+    res, _ = check(model, towers=3, batch=10, batch_norm="sync")
+    assert res.report.exact, str(res.report)
+
+
+def test_dropout_towers_draw_their_own_masks():
+    model = bm.dropout(seed=4)
+    res = replicate.transform(model.graph, CPUS[:3])
+    assert not res.report.exact
+    random = [r for r in res.report.reasons if "random" in r.what]
+    assert random and "dropout" in random[0].node
+    seeds = {(n.attr["seed"].i, n.attr["seed2"].i) for n in res.graph_def.node
+             if n.op == "RandomUniform" and n.name.startswith("tower_")}
+    assert len(seeds) == 3, seeds
+    trainer = Trainer(res.meta_graph_def, "train")
+    losses = [trainer.step(f, ["loss:0"])[0] for f in model.feeds(9, steps=2)]
+    trainer.close()
+    assert np.all(np.isfinite(losses))
+
+
+@pytest.mark.parametrize("build", [bm.layers_cnn, bm.keras_in_graph], ids=["v1_layers", "keras"])
+@pytest.mark.parametrize("towers,batch", [(2, 8), (3, 10)])
+def test_model_libraries(build, towers, batch):
+    res, _ = check(build(), towers=towers, batch=batch)
+    assert res.report.exact
+
+
+def test_slim_resnet_v1_50():
+    model = bm.slim_resnet(size=32)
+    res, _ = check(model, towers=2, batch=3, steps=1)
+    assert res.report.exact
+    assert res.report.nodes_per_tower > 1000
+
+
+@pytest.mark.parametrize("reduction", ["SUM", "MEAN", "SUM_BY_NONZERO_WEIGHTS", "SUM_OVER_BATCH_SIZE"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_v1_loss_reductions(reduction, weighted):
+    res, _ = check(bm.loss_reduction(reduction, weighted), towers=3, batch=10)
+    assert res.report.exact, str(res.report)
+
+
+@pytest.mark.parametrize("towers,batch", [(2, 8), (3, 10)])
+def test_regularized_normalized_loss(towers, batch):
+    res, _ = check(bm.loss_reduction("SUM_BY_NONZERO_WEIGHTS", True, regularized=True), towers=towers,
+                   batch=batch)
+    assert res.report.exact
+
+
+def test_sum_loss_adds_gradients():
+    res, _ = check(bm.sum_loss(), towers=3, batch=10)
+    assert set(res.report.loss_reductions.values()) == {"sum"}
+
+
+def test_sum_loss_with_regularizer_is_reported():
+    model = bm.loss_reduction("SUM", False, regularized=True)
+    res = replicate.transform(model.graph, CPUS[:2])
+    assert not res.report.exact
+    assert any("sum-reduced" in r.what for r in res.report.reasons)
