@@ -222,3 +222,30 @@ def test_input_pipelines_split_every_global_batch(tmp_path, kind, steps):
         assert (key in original.collection_def) == (key in converted.collection_def), key
         if key in original.collection_def:
             assert original.collection_def[key] == converted.collection_def[key], key
+
+
+# ---------------------------------------------------------------- the example
+def _example(name):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "retrofit_legacy", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"retrofit_legacy_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_retrofit_legacy_example(tmp_path):
+    work = str(tmp_path)
+    ckpt = _example("legacy_train").main(["--out", work, "--steps", "2", "--batch", "32"])
+    out = convert(os.path.join(work, "model.meta"), os.path.join(work, "model_x3.meta"))
+    driver_main = _example("driver").main
+    common = ["--data", os.path.join(work, "data.npz"), "--steps", "3", "--batch", "50"]
+    one = driver_main([os.path.join(work, "model.meta"), ckpt, *common, "--save", f"{work}/one/m"])
+    three = driver_main([out, ckpt, *common, "--save", f"{work}/three/m"])
+    np.testing.assert_allclose(three, one, rtol=1e-5)
+    worst, name = _example("compare").max_relative_difference(f"{work}/one/m", f"{work}/three/m")
+    assert worst <= RTOL, name
+    back = driver_main([os.path.join(work, "model.meta"), f"{work}/three/m", *common[:2],
+                        "--steps", "1", "--save", f"{work}/back/m"])
+    assert len(back) == 1 and np.isfinite(back[0])

@@ -102,10 +102,18 @@ def collect(path: str, devices: list[str], controller: str, **options: Any) -> d
                    "optimizer_updates": report.updates, "inputs": len(report.inputs)
                    + len(report.shared_inputs)},
         "merged_outputs": [f.tensor for f in analysis.outputs],
+        "named_outputs": [f.tensor for f in analysis.outputs if _named(ir, f.tensor)],
         "output_nodes": report.output_nodes, "exact": report.exact,
         "reasons": [dict(node=r.node, what=r.what, fix=r.fix) for r in report.reasons],
         "warnings": _warnings(ir, analysis, report, loaded.meta, meta),
     }
+
+
+def _named(ir, tensor: str) -> bool:
+    """True when a tensor's node was named by the model's author, not after its op type."""
+    name = tensor.split(":")[0]
+    stem = name.rsplit("/", 1)[-1].split("_")[0].lower()
+    return name in ir.nodes and not ir.nodes[name].op.lower().startswith(stem)
 
 
 def _dtype(ir, ref: str) -> str:
@@ -199,8 +207,8 @@ def render(info: dict[str, Any]) -> str:
          f"forward and backward pass ({ops})"],
         ["shared", shared["nodes"], f"{shared['variables']} variables, {shared['optimizer_updates']} "
                                     f"optimizer updates, {shared['inputs']} inputs, savers, summaries"],
-        ["merged", len(info["merged_outputs"]),
-         "forward tensors under their original names: " + ", ".join(info["merged_outputs"][:5])],
+        ["merged", len(info["merged_outputs"]), "forward tensors under their original names"
+         + (": " + ", ".join(info["named_outputs"][:6]) if info["named_outputs"] else "")],
     ]))
     lines.append("")
     if info["exact"]:
