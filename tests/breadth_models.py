@@ -167,9 +167,9 @@ def keras_in_graph() -> Model:
     return Model(graph, "train", _feed_images((5, 4)))
 
 
-def slim_resnet(size: int = 32) -> Model:
-    """tf-slim's resnet_v1_50 at a small input size (no arg_scope: slim.batch_norm does not
-    work with current tf-keras)."""
+def slim_resnet(size: int = 32, full: bool = False) -> Model:
+    """A tf-slim ResNet v1: ``resnet_v1_50`` when ``full``, else the same builder with two small
+    blocks (no arg_scope: slim.batch_norm does not work with current tf-keras)."""
     from tf_slim.nets import resnet_v1
 
     graph = tf.Graph()
@@ -177,7 +177,13 @@ def slim_resnet(size: int = 32) -> Model:
         v1.set_random_seed(1)
         x = v1.placeholder(tf.float32, [None, size, size, 3], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
-        logits, _ = resnet_v1.resnet_v1_50(x, num_classes=5, is_training=True, global_pool=True)
+        if full:
+            logits, _ = resnet_v1.resnet_v1_50(x, num_classes=5, is_training=True, global_pool=True)
+        else:
+            blocks = [resnet_v1.resnet_v1_block("block1", base_depth=4, num_units=2, stride=2),
+                      resnet_v1.resnet_v1_block("block2", base_depth=8, num_units=2, stride=1)]
+            logits, _ = resnet_v1.resnet_v1(x, blocks, num_classes=5, is_training=True,
+                                            global_pool=True, scope="resnet_small")
         logits = tf.reshape(logits, [-1, 5])
         v1.train.MomentumOptimizer(1e-3, 0.9).minimize(_xent(y, logits), name="train")
     return Model(graph, "train", _feed_images((size, size, 3), 5))

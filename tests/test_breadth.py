@@ -119,11 +119,19 @@ def test_model_libraries(build, towers, batch):
     assert res.report.exact
 
 
-def test_slim_resnet_v1_50():
-    model = bm.slim_resnet(size=32)
-    res, _ = check(model, towers=2, batch=3, steps=1)
+@pytest.mark.parametrize("towers,batch", [(2, 4), (3, 5)])
+def test_slim_resnet_trains_exactly(towers, batch):
+    res, _ = check(bm.slim_resnet(size=16), towers=towers, batch=batch, steps=2)
     assert res.report.exact
-    assert res.report.nodes_per_tower > 1000
+
+
+def test_slim_resnet_v1_50_transforms():
+    model = bm.slim_resnet(size=32, full=True)
+    res = replicate.transform(model.graph, CPUS, verify_each=True)
+    assert res.report.exact and res.report.nodes_per_tower > 1000
+    assert res.report.variables == len([n for n in model.graph.as_graph_def().node
+                                         if n.op in ("VarHandleOp", "VariableV2")])
+    assert {r["name"] for r in res.report.passes} >= {"analyze", "clone", "aggregate", "validate"}
 
 
 @pytest.mark.parametrize("reduction", ["SUM", "MEAN", "SUM_BY_NONZERO_WEIGHTS", "SUM_OVER_BATCH_SIZE"])
