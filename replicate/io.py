@@ -14,6 +14,7 @@ and renamed; a SavedModel directory is assembled next to its destination (the in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -171,12 +172,8 @@ def _load_saved_model(path: str, tags: tuple[str, ...]) -> Loaded:
 
 
 def check_writable(path: str, force: bool = False, source: str | None = None) -> None:
-    """Fail before any work when ``path`` cannot become the output.
-
-    Args:
-        path: the output file or directory.
-        force: allow replacing an existing ``path``.
-        source: the input's path; it is never overwritten, even with ``force``.
+    """Fail before any work when ``path`` cannot become the output (``source``, the
+    input, never can, even with ``force``).
 
     Raises:
         OutputError: ``path`` is the input, exists without ``force``, or its directory is
@@ -223,18 +220,14 @@ def write_atomic(path: str, data: bytes, force: bool = False) -> None:
         os.chmod(tmp, _default_mode())
         os.replace(tmp, path)
     except OSError as exc:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
 
 
 def output_format(path: str, input_format: str, requested: str | None = None) -> str:
-    """The format to write ``path`` in.
-
-    ``requested`` wins. Otherwise the input's kind is kept (SavedModel, MetaGraphDef or
-    GraphDef), written as text when ``path`` ends in ``.pbtxt``; a SavedModel input
+    """The format to write ``path`` in: ``requested``, else the input's kind (SavedModel,
+    MetaGraphDef or GraphDef) as text when ``path`` ends in ``.pbtxt``; a SavedModel input
     written to a ``.meta`` (or ``.pbtxt``) name gives that file alone.
 
     Raises:
@@ -260,23 +253,26 @@ def encode(meta: meta_graph_pb2.MetaGraphDef, fmt: str) -> bytes:
     """
     if fmt not in ("meta", "metatxt", "pb", "pbtxt"):
         raise OutputError(f"format '{fmt}' is not a single file")
-    proto = meta if fmt.startswith("meta") else meta.graph_def
+    return _serialize(meta if fmt.startswith("meta") else meta.graph_def, fmt.endswith("txt"))
+
+
+def _serialize(proto, text: bool = False) -> bytes:
     try:
-        if fmt.endswith("txt"):
+        if text:
             return text_format.MessageToString(proto).encode("utf-8")
         return proto.SerializeToString(deterministic=True)
     except (ValueError, message.EncodeError) as exc:
-        raise OutputError(f"cannot serialize the graph ({exc})") from None
+        raise OutputError(f"cannot serialize the {type(proto).__name__} ({exc})") from None
 
 
 def save(meta: meta_graph_pb2.MetaGraphDef, path: str, fmt: str, *, force: bool = False,
          source: Loaded | None = None) -> None:
-    """Write ``meta`` to ``path`` as ``fmt`` (one of :data:`FORMATS`), atomically.
+    """Write ``meta`` to ``path`` (a directory for ``savedmodel``) as ``fmt``, atomically.
 
     Args:
         meta: the graph with its collections, saver and signatures.
-        path: output file, or directory for ``savedmodel``.
-        fmt: the format; see :func:`output_format`.
+        path: where to write.
+        fmt: one of :data:`FORMATS`; see :func:`output_format`.
         force: replace an existing ``path``.
         source: the loaded input; required for ``savedmodel`` (its other meta graphs,
             variables and assets are carried over).
@@ -290,15 +286,11 @@ def save(meta: meta_graph_pb2.MetaGraphDef, path: str, fmt: str, *, force: bool 
     if source is None or source.saved_model is None:
         raise OutputError(f"{path}: a SavedModel is written only from a SavedModel input "
                           "(its variables are copied); choose --format meta")
+    from replicate.meta import replace_meta_graph
+
     check_writable(path, force)
-    model = saved_model_pb2.SavedModel()
-    model.CopyFrom(source.saved_model)
-    model.meta_graphs[source.meta_index].CopyFrom(meta)
-    try:
-        data = model.SerializeToString(deterministic=True)
-    except (ValueError, message.EncodeError) as exc:
-        raise OutputError(f"{path}: cannot serialize the SavedModel ({exc})") from None
-    _replace_dir(path, data, source.origin)
+    model = replace_meta_graph(source.saved_model, source.meta_index, meta)
+    _replace_dir(path, _serialize(model), source.origin)
 
 
 def _replace_dir(path: str, data: bytes, source_dir: str) -> None:
@@ -326,8 +318,7 @@ def _replace_dir(path: str, data: bytes, source_dir: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(exc, "strerror", None) or str(exc)
         raise OutputError(f"{path}: cannot write ({reason})") from None
-    if old is not None:
-        if os.path.isdir(old) and not os.path.islink(old):
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.unlink(old)
+    if old is not None and os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+    elif old is not None:
+        os.unlink(old)

@@ -12,12 +12,14 @@ import logging
 from collections.abc import Callable
 
 from tensorflow.core.framework import graph_pb2, variable_pb2
-from tensorflow.core.protobuf import control_flow_pb2, meta_graph_pb2, queue_runner_pb2, saver_pb2
+from tensorflow.core.protobuf import (control_flow_pb2, meta_graph_pb2, queue_runner_pb2,
+                                      saved_model_pb2, saver_pb2)
 from tensorflow.python.framework import meta_graph as tf_meta_graph
 
 from replicate.ir import node_of
 
-__all__ = ["referenced_names", "rewrite", "dangling", "collection_ops", "TRAIN_OP_KEYS"]
+__all__ = ["referenced_names", "rewrite", "dangling", "collection_ops", "replace_meta_graph",
+           "TRAIN_OP_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +180,18 @@ def dangling(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:
             if info.name and node_of(info.name) not in present:
                 problems.append(f"signature '{key}' names missing tensor '{info.name}'")
     return problems
+
+
+def replace_meta_graph(model: saved_model_pb2.SavedModel, index: int,
+                       meta_graph_def: meta_graph_pb2.MetaGraphDef) -> saved_model_pb2.SavedModel:
+    """A copy of ``model`` whose meta graph ``index`` is ``meta_graph_def``, the others kept.
+
+    The tags of the replaced meta graph are kept, so loaders find it as before.
+    """
+    out = saved_model_pb2.SavedModel()
+    out.CopyFrom(model)
+    tags = list(model.meta_graphs[index].meta_info_def.tags)
+    out.meta_graphs[index].CopyFrom(meta_graph_def)
+    del out.meta_graphs[index].meta_info_def.tags[:]
+    out.meta_graphs[index].meta_info_def.tags.extend(tags)
+    return out

@@ -9,7 +9,7 @@ import tensorflow as tf
 import models
 import replicate
 from replicate import io, meta
-from replicate.commands._common import Progress, parse_devices, relabel, table
+from replicate.commands._common import Progress, parse_devices, relabel, table, train_op_hint
 from replicate.errors import AnalysisError, DeviceError, InputError, OutputError
 
 v1 = tf.compat.v1
@@ -230,3 +230,15 @@ def test_table_aligns_columns():
     text = table(["a", "long header"], [["xxxx", 1], ["y", None]])
     assert text.splitlines() == ["  a     long header", "  ----  -----------", "  xxxx  1",
                                  "  y"]
+
+
+def test_train_op_hint_prefers_the_option_then_the_saved_model_collection(mlp_meta):
+    hinted = type(mlp_meta)()
+    hinted.CopyFrom(mlp_meta)
+    assert train_op_hint(None, hinted) is None
+    hinted.collection_def["saved_model_train_op"].node_list.value.extend(["train", "train"])
+    assert train_op_hint(None, hinted) == "train"
+    assert train_op_hint("other", hinted) == "other"
+    hinted.collection_def["saved_model_train_op"].node_list.value.append("else")
+    assert train_op_hint(None, hinted) is None
+    assert train_op_hint(None, None) is None

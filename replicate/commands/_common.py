@@ -13,7 +13,8 @@ from typing import Any, TextIO
 from replicate.errors import DeviceError, InputError, ReplicateError
 
 __all__ = ["add_device_arguments", "add_graph_arguments", "device_list", "parse_devices",
-           "name_list", "check_input", "relabel", "Progress", "table", "human_bytes"]
+           "name_list", "check_input", "relabel", "train_op_hint", "Progress", "table",
+           "human_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,16 @@ def check_input(path: str) -> None:
         raise InputError(f"{path}: no such file or directory")
     if not os.access(path, os.R_OK):
         raise InputError(f"{path}: not readable")
+
+
+def train_op_hint(given: str | None, meta_graph_def) -> str | None:
+    """``--train-op`` if given, else the one op a SavedModel's ``saved_model_train_op`` names."""
+    from replicate import meta
+
+    if given is not None or meta_graph_def is None:
+        return given
+    hinted = meta.collection_ops(meta_graph_def, "saved_model_train_op")
+    return hinted[0] if len(hinted) == 1 else None
 
 
 def relabel(exc: ReplicateError, path: str) -> ReplicateError:

@@ -20,7 +20,8 @@ import logging
 import os
 
 from replicate.commands._common import (Progress, add_device_arguments, add_graph_arguments,
-                                        check_input, name_list, parse_devices, relabel)
+                                        check_input, name_list, parse_devices, relabel,
+                                        train_op_hint)
 from replicate.errors import DeviceError, OutputError, ReplicateError
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -85,13 +86,9 @@ def run(args: argparse.Namespace) -> int:
 def _transform(args: argparse.Namespace, loaded, devices: list[str], controller: str, progress):
     """Run the transform on the loaded graph; errors name IN."""
     import replicate
-    from replicate import meta
 
     source = loaded.meta if loaded.meta is not None else loaded.graph_def
-    train_op = args.train_op
-    if train_op is None and loaded.meta is not None:
-        hinted = meta.collection_ops(loaded.meta, "saved_model_train_op")
-        train_op = hinted[0] if len(hinted) == 1 else None
+    train_op = train_op_hint(args.train_op, loaded.meta)
     try:
         return replicate.transform(source, devices, controller=controller, train_op=train_op,
                                    loss=args.loss, outputs=name_list(args.outputs),

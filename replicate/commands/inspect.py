@@ -19,7 +19,8 @@ import logging
 from typing import Any
 
 from replicate.commands._common import (add_device_arguments, add_graph_arguments, check_input,
-                                        human_bytes, name_list, parse_devices, relabel, table)
+                                        human_bytes, name_list, parse_devices, relabel, table,
+                                        train_op_hint)
 from replicate.errors import DeviceError, ReplicateError
 
 __all__ = ["HELP", "add_arguments", "run", "collect", "render"]
@@ -72,6 +73,7 @@ def collect(path: str, devices: list[str], controller: str, **options: Any) -> d
 
     loaded = io.load(path)
     source = loaded.meta if loaded.meta is not None else loaded.graph_def
+    options["train_op"] = train_op_hint(options.get("train_op"), loaded.meta)
     try:
         ir = api.analyze_only(source, **options)
         result = replicate.transform(source, devices, controller=controller, **options)
