@@ -147,7 +147,9 @@ class Result:
             grad = op.inputs[grad_pos]
             if apply.indices is not None:
                 grad = tf.IndexedSlices(grad, op.inputs[_input_position(node, apply.indices)])
-            var = variables.get(apply.variable) or graph.get_operation_by_name(apply.variable).outputs[0]
+            var = variables.get(apply.variable)
+            if var is None:
+                var = graph.get_operation_by_name(apply.variable).outputs[0]
             out.append((grad, var))
         return out
 

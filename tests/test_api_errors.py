@@ -1,0 +1,101 @@
+"""Bad input to transform(): one ReplicateError subclass with a sentence naming the culprit."""
+
+import pytest
+import tensorflow as tf
+
+import models
+import replicate
+from replicate import AnalysisError, DeviceError, InputError, ReplicateError
+
+v1 = tf.compat.v1
+CPUS = ["/cpu:0", "/cpu:1"]
+
+
+def _no_optimizer():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        tf.reduce_mean(tf.matmul(x, v1.get_variable("w", [3, 1])), name="loss")
+    return graph
+
+
+def _two_train_ops():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        loss = tf.reduce_mean(tf.matmul(x, v1.get_variable("w", [3, 1])), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="sgd")
+        v1.train.AdamOptimizer(0.1).minimize(loss, name="adam")
+    return graph
+
+
+def _no_batch_input():
+    graph = tf.Graph()
+    with graph.as_default():
+        w = v1.get_variable("w", [3])
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(tf.square(w)), name="train")
+    return graph
+
+
+def test_no_train_op():
+    with pytest.raises(AnalysisError, match="no train op found"):
+        replicate.transform(_no_optimizer(), CPUS)
+
+
+def test_several_train_ops_ask_for_one():
+    with pytest.raises(AnalysisError, match=r"several candidate train ops \('sgd', 'adam'\).*train_op="):
+        replicate.transform(_two_train_ops(), CPUS)
+    res = replicate.transform(_two_train_ops(), CPUS, train_op="adam")
+    assert res.analysis.train_op == "adam" and res.report.optimizers == ["Adam"]
+
+
+def test_no_batch_input():
+    with pytest.raises(AnalysisError, match="no batch input"):
+        replicate.transform(_no_batch_input(), CPUS)
+
+
+@pytest.mark.parametrize("devices,match", [
+    (["gpu0"], "device 'gpu0' is not a TensorFlow device"),
+    (["/gpu:x"], "device '/gpu:x'"),
+    (["/gpu:0", "/device:GPU:0"], "listed twice"),
+    ([], "devices is empty"),
+    (["/cpu:0", ""], "empty"),
+])
+def test_bad_devices(devices, match):
+    with pytest.raises(DeviceError, match=match):
+        replicate.transform(models.mlp().graph, devices)
+
+
+def test_bad_controller_and_options():
+    graph = models.mlp().graph
+    with pytest.raises(DeviceError, match="controller 'cpu_zero'"):
+        replicate.transform(graph, CPUS, controller="cpu_zero")
+    with pytest.raises(ReplicateError, match="batch_norm='fast'"):
+        replicate.transform(graph, CPUS, batch_norm="fast")
+    with pytest.raises(AnalysisError, match="train op 'nope'"):
+        replicate.transform(graph, CPUS, train_op="nope")
+    with pytest.raises(AnalysisError, match="loss 'nope:0'"):
+        replicate.transform(graph, CPUS, loss="nope:0")
+    with pytest.raises(AnalysisError, match="output 'missing'"):
+        replicate.transform(graph, CPUS, outputs=["missing"])
+
+
+def test_not_a_graph():
+    with pytest.raises(InputError, match="cannot read a graph from a int"):
+        replicate.transform(42, CPUS)
+    with pytest.raises(InputError, match="no such file"):
+        replicate.transform("/nonexistent/model.meta", CPUS)
+
+
+def test_unknown_op_is_named():
+    graph_def = models.mlp().graph.as_graph_def()
+    graph_def.node[3].op = "NoSuchOpAnywhere"
+    with pytest.raises(InputError, match=f"node '{graph_def.node[3].name}'.*unknown op type 'NoSuchOpAnywhere'"):
+        replicate.transform(graph_def, CPUS)
+
+
+def test_only_replicate_errors_escape():
+    graph_def = models.mlp().graph.as_graph_def()
+    del graph_def.node[5:20]
+    with pytest.raises(ReplicateError):
+        replicate.transform(graph_def, CPUS)

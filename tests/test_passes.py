@@ -1,0 +1,190 @@
+"""Unit tests per pass on tiny hand-built graphs: structural asserts, order-insensitive."""
+
+import pytest
+import tensorflow as tf
+
+import models
+import replicate
+from replicate.api import prepare
+from replicate.errors import PassError
+from replicate.ir import IR
+from replicate.passes.aggregate import Aggregate
+from replicate.passes.clone import Clone
+from replicate.passes.place import Place
+from replicate.passes.rewire import Rewire
+from replicate.passes.split import Split
+from replicate.passes.validate import Validate
+from replicate.pipeline import run_pipeline
+
+v1 = tf.compat.v1
+DEVICES = ["/device:CPU:1", "/device:CPU:2"]
+CONTROLLER = "/device:CPU:0"
+
+
+def tiny(static_batch=None, resource=True):
+    """x -> matmul(w) -> mean square loss -> SGD, plus accuracy-like forward leaf."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [static_batch, 3], name="x")
+        with v1.variable_scope("", use_resource=resource):
+            w = v1.get_variable("w", [3, 2])
+        out = tf.matmul(x, w, name="out")
+        loss = tf.reduce_mean(tf.square(out), name="loss")
+        tf.reduce_max(out, name="peak")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+def run_until(graph, last, **options):
+    ir, _, analyze = prepare(graph)
+    passes = [analyze, Place(CONTROLLER), Split(DEVICES, CONTROLLER), Clone(),
+              Aggregate(CONTROLLER), Rewire(CONTROLLER), Validate()]
+    names = [p.name for p in passes]
+    ir, _ = run_pipeline(ir, passes[: names.index(last) + 1])
+    return ir
+
+
+def test_analyze_roles():
+    ir = run_until(tiny(), "analyze")
+    a = ir.facts["analysis"]
+    assert a.train_op == "train"
+    assert a.loss == "loss:0"
+    assert [b.tensor for b in a.batch_inputs] == ["x:0"]
+    assert set(a.variables) == {"w"}
+    assert [(o.optimizer, o.variable) for o in a.apply_ops] == [("GradientDescent", "w")]
+    assert {f.role for f in a.frontier} == {"dense"} and len(a.frontier) == 1
+    assert {"out", "loss"} <= set(a.region) and "w" not in a.region and "x" not in a.region
+    assert {o.tensor: o.role for o in a.outputs}["loss:0"] == "mean"
+    assert {o.tensor: o.role for o in a.outputs}["out:0"] == "concat"
+    assert not a.reasons
+
+
+def test_analyze_leaves_the_graph_unchanged():
+    graph = tiny()
+    before = graph.as_graph_def().SerializeToString(deterministic=True)
+    ir = run_until(graph, "analyze")
+    assert len(ir) == len(graph.as_graph_def().node)
+    replicate.transform(graph, DEVICES)
+    assert graph.as_graph_def().SerializeToString(deterministic=True) == before
+
+
+def test_place_puts_variables_and_their_readers_on_the_controller():
+    ir = run_until(tiny(), "place")
+    assert ir.node("w").device == CONTROLLER
+    assert ir.node("train/update_w/ResourceApplyGradientDescent").device == CONTROLLER
+
+
+def test_place_spreads_variables_by_size():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        big = v1.get_variable("big", [4, 100])
+        small = [v1.get_variable(f"s{i}", [100, 1]) for i in range(3)]
+        loss = tf.reduce_mean(tf.add_n([tf.matmul(tf.matmul(x, big), s) for s in small]))
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    ir, _, analyze = prepare(graph)
+    ps = ["/device:CPU:2", "/device:CPU:3"]
+    run_pipeline(ir, [analyze, Place(CONTROLLER, ps)])
+    devices = ir.facts["var_devices"]
+    assert devices["big"] != devices["s0"]
+    assert {devices[f"s{i}"] for i in range(3)} == {ps[1]}
+
+
+def test_split_makes_one_slice_per_tower():
+    ir = run_until(tiny(), "split")
+    split = ir.node("replicate/split/x_0")
+    assert split.op == "SplitV" and split.attr("num_split") == 2
+    towers = ir.facts["towers"]
+    assert [t["x:0"] for t in towers.inputs] == ["replicate/split/x_0:0", "replicate/split/x_0:1"]
+    assert towers.static_counts is None and len(towers.counts) == 2
+
+
+def test_split_static_batch_uses_constant_counts():
+    ir = run_until(tiny(static_batch=5), "split")
+    assert ir.facts["towers"].static_counts == [3, 2]
+
+
+def test_clone_copies_region_per_tower_with_devices():
+    ir = run_until(tiny(), "clone")
+    for k, device in enumerate(DEVICES):
+        node = ir.node(f"tower_{k}/out")
+        assert node.device == device
+        assert node.inputs[0] == f"replicate/split/x_0:{k}" if k else node.inputs[0] == "replicate/split/x_0"
+        read = next(n for n in node.inputs if "ReadVariableOp" in n)
+        assert read.startswith(f"tower_{k}/")
+        assert ir.node(read).device == CONTROLLER      # reads stay with the variable
+    assert "out" in ir  # originals stay until rewire
+
+
+def test_aggregate_weights_each_tower_by_its_share():
+    ir = run_until(tiny(), "aggregate")
+    (tensor, aggregate), = ir.facts["aggregates"].items()
+    node = ir.node(aggregate)
+    assert node.op == "AddN" and len(node.inputs) == 2
+    assert {ir.node(i).op for i in node.inputs} == {"MulNoNan"}
+
+
+def test_rewire_removes_originals_and_merges_under_original_names():
+    ir = run_until(tiny(), "rewire")
+    assert ir.node("out").op == "ConcatV2"
+    assert ir.node("loss").op == "AddN"
+    peak = ir.node("peak")      # outside the region: computed once on the merged output
+    assert peak.op == "Max" and peak.inputs[0] == "out"
+    apply = ir.node("train/update_w/ResourceApplyGradientDescent")
+    assert apply.inputs[2].startswith("replicate/aggregate/")
+
+
+def test_validate_rejects_dangling_inputs_and_cross_tower_edges():
+    ir = run_until(tiny(), "rewire")
+    ir.set_input("tower_1/out", 0, "tower_0/out")
+    with pytest.raises(Exception, match="reads"):
+        Validate().run(ir)
+    graph_def = tiny().as_graph_def()
+    graph_def.node[-1].input.append("nowhere")
+    bad = IR.from_graph_def(graph_def)
+    with pytest.raises(Exception, match="does not exist"):
+        Validate().run(bad)
+
+
+def test_pipeline_names_the_failing_pass():
+    class Broken:
+        name = "broken"
+
+        def run(self, ir):
+            raise RuntimeError("boom")
+
+    ir, _, analyze = prepare(tiny())
+    with pytest.raises(PassError, match=r"pass 'broken' failed \(after analyze\): boom"):
+        run_pipeline(ir, [analyze, Broken()])
+
+
+def test_verify_each_and_dump_dir(tmp_path):
+    res = replicate.transform(tiny(), DEVICES, verify_each=True, dump_dir=str(tmp_path))
+    dumps = sorted(p.name for p in tmp_path.iterdir())
+    assert dumps[0] == "00_analyze.pbtxt" and dumps[-1].endswith("_validate.pbtxt")
+    assert res.report.exact
+
+
+@pytest.mark.parametrize("resource", [True, False])
+def test_transform_is_deterministic(resource):
+    model = models.mlp("adam", resource)
+    first = replicate.transform(model.graph, DEVICES).graph_def.SerializeToString(deterministic=True)
+    again = replicate.transform(model.graph, DEVICES).graph_def.SerializeToString(deterministic=True)
+    assert first == again
+    meta = v1.train.export_meta_graph(graph=model.graph)
+    third = replicate.transform(meta, DEVICES).graph_def
+    assert [n.SerializeToString(deterministic=True) for n in third.node] == [
+        n.SerializeToString(deterministic=True) for n in replicate.transform(model.graph, DEVICES).graph_def.node]
+
+
+def test_names_are_preserved():
+    model = models.mlp("adam")
+    before = {n.name for n in model.graph.as_graph_def().node}
+    res = replicate.transform(model.graph, DEVICES)
+    after = {n.name for n in res.graph_def.node}
+    for name in ("train", "loss", "logits", "accuracy", "predictions", "x", "y", "global_step",
+                 "model/w1", "model/w1/Adam", "beta1_power"):
+        assert name in before and name in after, name
+    assert res.tower_losses[1].name == "tower_1/loss:0"
+    assert res.tower_tensor("logits:0", 0).name == "tower_0/logits:0"
+    assert [v.op.name for _, v in res.grads_and_vars] == ["model/w1", "model/b1", "model/w2", "model/b2"]
