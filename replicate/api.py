@@ -16,7 +16,7 @@ from replicate import io, meta
 from replicate.errors import DeviceError, InputError, ReplicateError
 from replicate.facts import Analysis, Towers
 from replicate.ir import IR, parse_tensor
-from replicate.passes.aggregate import Aggregate
+from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
 from replicate.passes.place import Place
@@ -29,7 +29,7 @@ from replicate.pipeline import PassRecord, run_pipeline
 from replicate.report import Report
 from replicate import registry
 
-__all__ = ["transform", "Result", "normalize_device", "analyze_only", "BATCH_NORM_MODES"]
+__all__ = ["transform", "Result", "normalize_device", "analyze_only", "BATCH_NORM_MODES", "STRATEGIES"]
 
 #: Batch-norm modes of :func:`transform`.
 BATCH_NORM_MODES = ("tower0", "sync")
@@ -193,7 +193,8 @@ def analyze_only(graph: Any, **options: Any) -> IR:
 def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               train_op: str | None = None, loss: str | None = None,
               outputs: Sequence[str] | None = None, merge_forward: bool = True,
-              param_devices: Sequence[str] | None = None, batch_norm: str = "tower0",
+              param_devices: Sequence[str] | None = None, aggregation: str = "add_n",
+              batch_norm: str = "tower0",
               verify_each: bool = False,
               dump_dir: str | None = None,
               progress: Callable[[str, int, int], None] | None = None) -> Result:
@@ -208,6 +209,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         outputs: more tensor names to keep fetchable (merged over towers) under their names.
         merge_forward: merge every per-example forward tensor under its name (default True).
         param_devices: spread variables over these devices by size instead of the controller.
+        aggregation: ``"add_n"`` (each gradient summed on its variable's device) or ``"packed"``
+            (small dense gradients flattened into a few buffers per tower before summing).
         batch_norm: ``"tower0"`` (each tower normalizes with its slice's statistics; moving
             averages are updated once, from tower 0) or ``"sync"`` (statistics over the global
             batch, forward and backward: batch norm trains exactly as on one device).
@@ -224,6 +227,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
     start = time.perf_counter()
     devices, controller = _devices(devices, controller)
     params = [normalize_device(d, "parameter device") for d in (param_devices or [])]
+    if aggregation not in STRATEGIES:
+        raise ReplicateError(f"aggregation='{aggregation}' is not one of {', '.join(STRATEGIES)}")
     if batch_norm not in BATCH_NORM_MODES:
         raise ReplicateError(f"batch_norm='{batch_norm}' is not one of {', '.join(BATCH_NORM_MODES)}")
     try:
@@ -233,7 +238,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         passes = [analyze, Place(controller, params), Split(devices, controller), Clone()]
         if batch_norm == "sync":
             passes.append(Sync(controller))
-        passes += [Rebatch(), Aggregate(controller), Rewire(controller), validator]
+        passes += [Rebatch(), Aggregate(controller, aggregation), Rewire(controller), validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
         analysis: Analysis = ir.facts["analysis"]

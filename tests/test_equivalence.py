@@ -82,3 +82,17 @@ def test_global_step_increments_once():
         trainer.step(feed)
     assert trainer.values()["global_step"] == 4
     trainer.close()
+
+
+@pytest.mark.parametrize("towers,batch", [(2, 12), (3, 10), (4, 3)])
+def test_packed_aggregation_is_exact(towers, batch):
+    res, _ = check(models.mlp("adam"), towers=towers, batch=batch, aggregation="packed")
+    packed = [n for n in res.graph_def.node if "/packed_" in n.name and n.op == "SplitV"]
+    assert packed, "no gradient buffer was packed"
+
+
+def test_parameter_devices_spread_is_exact():
+    res, _ = check(models.cnn(), towers=2, batch=8, steps=2, devices=["/cpu:2", "/cpu:3"],
+                   param_devices=["/cpu:0", "/cpu:1"])
+    placed = {n.name: n.device for n in res.graph_def.node if n.op == "VarHandleOp"}
+    assert {"/device:CPU:0", "/device:CPU:1"} <= set(placed.values())

@@ -10,7 +10,8 @@ Dense gradients of a mean loss are summed with weights ``n_k / B`` (each tower's
 the global batch), which equals the single-device gradient for even and uneven splits;
 gradients of a sum loss are summed. Sparse gradients stay sparse: values are weighted and
 concatenated, indices concatenated in tower order. ``MulNoNan`` makes a tower with no
-examples contribute zero.
+examples contribute zero. With the ``packed`` strategy, dense gradients that share a dtype,
+weighting and device travel through a few flat buffers instead.
 """
 
 from __future__ import annotations
@@ -18,14 +19,19 @@ from __future__ import annotations
 import logging
 
 from replicate.combine import combine
+from replicate.passes._packing import pack
 from replicate.ir import IR, parse_tensor
 from replicate.pipeline import PassResult
 
-__all__ = ["Aggregate", "SCOPE"]
+__all__ = ["Aggregate", "SCOPE", "STRATEGIES"]
 
 log = logging.getLogger(__name__)
 
 SCOPE = "replicate/aggregate"
+
+
+#: Aggregation strategies: each gradient on its own, or small gradients packed into buffers.
+STRATEGIES = ("add_n", "packed")
 
 
 class Aggregate:
@@ -33,12 +39,16 @@ class Aggregate:
 
     Args:
         controller: device for the weights and for gradients with no known variable.
+        strategy: ``"add_n"`` (one weighted sum per gradient, on its variable's device) or
+            ``"packed"`` (gradients sharing a dtype and device are flattened into a few buffers
+            per tower, summed once, and split back).
     """
 
     name = "aggregate"
 
-    def __init__(self, controller: str):
+    def __init__(self, controller: str, strategy: str = "add_n"):
         self.controller = controller
+        self.strategy = strategy
 
     def run(self, ir: IR) -> PassResult:
         analysis = ir.facts["analysis"]
@@ -46,7 +56,16 @@ class Aggregate:
         copies = ir.facts["copies"]
         var_devices = ir.facts.get("var_devices", {})
         aggregates: dict[str, str] = {}
+
+        def device_of(f) -> str:
+            return var_devices.get(f.variable or "", self.controller)
+
+        if self.strategy == "packed":
+            aggregates.update(pack(ir, towers, analysis.frontier, copies, device_of, self.controller,
+                                   SCOPE))
         for f in analysis.frontier:
+            if f.tensor in aggregates:
+                continue
             name, idx = parse_tensor(f.tensor)
             parts = [f"{copies[k][name]}:{idx}" for k in range(len(towers.devices))]
             kind = f.role
@@ -54,7 +73,7 @@ class Aggregate:
                 kind = "sum"
             elif kind == "sparse_values" and f.weights == ("ones",):
                 kind = "concat"
-            device = var_devices.get(f.variable or "", self.controller)
+            device = device_of(f)
             suffix = "" if idx == 0 else f"_{idx}"
             aggregates[f.tensor] = combine(ir, towers, f"{SCOPE}/{name}{suffix}", parts, kind,
                                            ir.output_dtype(f.tensor), device, self.controller,
