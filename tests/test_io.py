@@ -197,13 +197,17 @@ def test_progress_appears_only_after_the_delay():
     out = pyio.StringIO()
     progress = Progress("replicate convert", out, delay=1.0, clock=lambda: now[0])
     progress("analyze", 0, 3)
+    progress.note("checking")
     progress.done("done")
     assert out.getvalue() == ""
     now[0] = 1.5
     progress("clone", 1, 3)
+    now[0] = 2.25
+    progress.note("writing out.meta")
     progress.done("done")
     assert out.getvalue().splitlines() == ["replicate convert: [2/3] clone (1.5 s)",
-                                           "replicate convert: done (1.5 s)"]
+                                           "replicate convert: writing out.meta (2.2 s)",
+                                           "replicate convert: done (2.2 s)"]
 
 
 def test_relabel_names_the_file_and_the_option():

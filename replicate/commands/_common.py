@@ -140,6 +140,11 @@ class Progress:
             return
         self._write(f"{self.label}: [{index + 1}/{total}] {pass_name} ({elapsed:.1f} s)")
 
+    def note(self, what: str) -> None:
+        """A line about work outside the passes, once past the delay."""
+        if self.elapsed() >= self.delay:
+            self._write(f"{self.label}: {what} ({self.elapsed():.1f} s)")
+
     def done(self, what: str) -> None:
         """A closing line, written only when progress lines were shown."""
         if self.shown:

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` into ``args.output``; return the exit code."""
     from replicate import io
 
+    progress = Progress("replicate convert")
     check_input(args.input)
     devices = parse_devices(args.devices)
     controller = parse_devices(args.controller, "--controller")
@@ -62,18 +63,20 @@ def run(args: argparse.Namespace) -> int:
     io.check_writable(args.output, args.force, source=args.input)
     if args.tensorboard:
         _check_logdir(args.tensorboard)
-    progress = Progress("replicate convert")
     loaded = io.load(args.input)
     fmt = io.output_format(args.output, loaded.format, args.format)
     if fmt == "savedmodel" and loaded.saved_model is None:
         raise OutputError(f"{args.output}: --format savedmodel needs a SavedModel input "
                           "(its variables are copied)")
     result = _transform(args, loaded, devices, controller[0], progress)
+    progress.note("checking the result")
     _check_consistent(result.meta_graph_def, args.output)
-    _check_imports(result, args.output)
+    graph = _imported(result.graph_def, args.output)
+    progress.note(f"writing {args.output}")
     io.save(result.meta_graph_def, args.output, fmt, force=args.force, source=loaded)
     if args.tensorboard:
-        _write_events(result, args.tensorboard)
+        progress.note(f"writing the graph to {args.tensorboard}")
+        _write_events(graph, args.tensorboard)
     progress.done("done")
     if not args.quiet:
         print(result.report)
@@ -108,14 +111,20 @@ def _check_consistent(meta_graph_def, output: str) -> None:
                           + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
 
-def _check_imports(result, output: str) -> None:
-    """Refuse to write a graph TensorFlow would not import (a bug in a pass, not the user's)."""
+def _imported(graph_def, output: str):
+    """The rewritten graph in a new tf.Graph; OutputError if TensorFlow rejects it (a bug in
+    a pass, not the user's: shapes or attributes that no longer agree)."""
+    import tensorflow as tf
+
+    graph = tf.Graph()
     try:
-        result.graph  # noqa: B018 - imports the rewritten graph into a new tf.Graph
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
     except (ValueError, TypeError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise OutputError(f"{output}: not written: TensorFlow cannot import the rewritten graph "
                           f"({first[:300]}); please report this with the input") from None
+    return graph
 
 
 def _check_logdir(logdir: str) -> None:
@@ -128,14 +137,12 @@ def _check_logdir(logdir: str) -> None:
         raise OutputError(f"--tensorboard {logdir}: {parent} is not a writable directory")
 
 
-def _write_events(result, logdir: str) -> None:
+def _write_events(graph, logdir: str) -> None:
     """An event file holding exactly the rewritten graph (TensorBoard's Graphs tab)."""
     import tensorflow as tf
 
-    graph = tf.Graph()
     try:
         with graph.as_default():
-            tf.graph_util.import_graph_def(result.graph_def, name="")
             writer = tf.compat.v1.summary.FileWriter(logdir, graph=graph)
             writer.flush()
             writer.close()
