@@ -50,6 +50,12 @@ def digest(path):
         return hashlib.sha256(fh.read()).hexdigest()
 
 
+def inputs_digests(files):
+    """A digest of every input file: inputs are never modified."""
+    names = (os.path.join(files["dir"], n) for n in os.listdir(files["dir"]))
+    return {p: digest(p) for p in names if os.path.isfile(p)}
+
+
 def listing(*dirs):
     return {d: sorted(os.listdir(d)) for d in dirs}
 
@@ -121,6 +127,10 @@ MORE_BAD = {
                                 ["--format savedmodel needs a SavedModel input"]),
     "unwritable tensorboard dir": ("{good}", "{out}/o.meta", ["--tensorboard", "{afile}/tb"],
                                    ["--tensorboard", "not a writable directory"]),
+    "dump dir is a file": ("{good}", "{out}/o.meta", ["--dump-dir", "{afile}"],
+                           ["--dump-dir", "exists and is not a directory"]),
+    "unknown output name": ("{good}", "{out}/o.meta", ["--outputs", "logits:0,nope:0"],
+                            ["good.meta", "nope"]),
 }
 
 
@@ -150,7 +160,7 @@ def _check_refusal(returncode, stdout, stderr, words, files, tmp_path, before, d
 def test_bad_input_one_line_exit_2_nothing_written(tmp_path, files, case):
     source, output, extra, words = _bad_case(BAD, case, tmp_path, files)
     before = listing(files["dir"], str(tmp_path))
-    digests = {p: digest(p) for p in (files["good"], files["existing"])}
+    digests = inputs_digests(files)
     proc = RUNS[case] = replicate_cli("convert", source, "-o", output, *extra)
     _check_refusal(proc.returncode, proc.stdout, proc.stderr, words, files, tmp_path, before, digests)
 
@@ -159,7 +169,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, files, case):
 def test_more_bad_options_in_process(tmp_path, files, capfd, case):
     source, output, extra, words = _bad_case(MORE_BAD, case, tmp_path, files)
     before = listing(files["dir"], str(tmp_path))
-    digests = {p: digest(p) for p in (files["good"], files["existing"])}
+    digests = inputs_digests(files)
     code = cli.main(["convert", source, "-o", output, *extra])
     captured = capfd.readouterr()
     _check_refusal(code, captured.out, captured.err, words, files, tmp_path, before, digests)

@@ -209,13 +209,18 @@ def test_input_pipelines_split_every_global_batch(tmp_path, kind, steps):
     graph, data = _pipeline_model(kind)
     path, ckpt = save_legacy(graph, str(tmp_path / "legacy"))
     out = convert(path, str(tmp_path / "out.meta"))
-    results = []
-    for name, source in (("a", path), ("b", out)):
-        results.append(driver(source, ckpt, [None] * steps, ["loss:0", "logits:0"],
-                              str(tmp_path / name / "m"), before=_start_input(data)))
+    towers = [f"tower_{k}/logits:0" for k in range(3)]
+    results = [driver(path, ckpt, [None] * steps, ["loss:0", "logits:0"], str(tmp_path / "a" / "m"),
+                      before=_start_input(data)),
+               driver(out, ckpt, [None] * steps, ["loss:0", "logits:0"] + towers,
+                      str(tmp_path / "b" / "m"), before=_start_input(data))]
     assert_same_training(*results)
     sizes = [step[1].shape[0] for step in results[1][0]]
     assert sizes == [10, 10, 10, 10, 8][:steps], "each step sees the whole global batch"
+    shares = [[t.shape[0] for t in step[2:]] for step in results[1][0]]
+    assert shares == [[4, 3, 3]] * min(steps, 4) + [[3, 3, 2]] * (steps - 4), "each tower its share"
+    for step in results[1][0]:
+        np.testing.assert_array_equal(np.concatenate(step[2:]), step[1])
     original, converted = io.load(path).meta, io.load(out).meta
     assert meta.dangling(converted) == []
     for key in ("queue_runners", "iterators", "iterator_init", "local_variables"):

@@ -61,8 +61,9 @@ def run(args: argparse.Namespace) -> int:
     if len(controller) != 1:
         raise DeviceError(f"--controller '{args.controller}': give exactly one device")
     io.check_writable(args.output, args.force, source=args.input)
-    if args.tensorboard:
-        _check_logdir(args.tensorboard)
+    for option, directory in (("--tensorboard", args.tensorboard), ("--dump-dir", args.dump_dir)):
+        if directory:
+            _check_dir(option, directory)
     loaded = io.load(args.input)
     fmt = io.output_format(args.output, loaded.format, args.format)
     if fmt == "savedmodel" and loaded.saved_model is None:
@@ -127,14 +128,15 @@ def _imported(graph_def, output: str):
     return graph
 
 
-def _check_logdir(logdir: str) -> None:
-    if os.path.exists(logdir) and not os.path.isdir(logdir):
-        raise OutputError(f"--tensorboard {logdir}: exists and is not a directory")
-    parent = logdir
+def _check_dir(option: str, directory: str) -> None:
+    """Fail early when ``directory`` cannot be created or written."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise OutputError(f"{option} {directory}: exists and is not a directory")
+    parent = directory
     while not os.path.exists(parent):
         parent = os.path.dirname(os.path.abspath(parent))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"--tensorboard {logdir}: {parent} is not a writable directory")
+        raise OutputError(f"{option} {directory}: {parent} is not a writable directory")
 
 
 def _write_events(graph, logdir: str) -> None:
