@@ -156,6 +156,30 @@ def test_checkpoints_move_both_ways(tmp_path):
     assert_same_training(straight, (third[0] + fourth[0], fourth[1]))
 
 
+def test_monitored_training_session_driver(tmp_path):
+    """A driver built on MonitoredTrainingSession (scaffold, ready op, saver from collections)."""
+    import shutil
+
+    model = models.mlp("adam")
+    path, ckpt = save_legacy(model.graph, str(tmp_path / "legacy"))
+    out = convert(path, str(tmp_path / "out.meta"))
+    feeds = model.feeds(10, steps=3)
+    losses, values = [], []
+    for name, source in (("a", path), ("b", out)):
+        shutil.copytree(os.path.dirname(ckpt), str(tmp_path / name))
+        with tf.Graph().as_default():
+            v1.train.import_meta_graph(source)
+            reads = {v.op.name: v.value() for v in v1.trainable_variables()}
+            with v1.train.MonitoredTrainingSession(
+                    checkpoint_dir=str(tmp_path / name), config=session_config(),
+                    save_summaries_steps=None, save_checkpoint_secs=None) as sess:
+                losses.append([sess.run(["train", "loss:0"], feed)[1] for feed in feeds])
+                values.append(sess.run(reads))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    for name in values[0]:
+        assert relative_difference(values[0][name], values[1][name]) <= RTOL, name
+
+
 # ---------------------------------------------------------------- input pipelines
 def _pipeline_model(kind, examples=48, batch=10):
     rng = np.random.RandomState(1)
