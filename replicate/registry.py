@@ -12,9 +12,11 @@ bodies, no recursion). :func:`import_checked` then imports the graph into a scra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
+from typing import Any
 
 import networkx as nx
 from tensorflow.core.framework import graph_pb2, types_pb2
@@ -22,8 +24,8 @@ from tensorflow.python.framework import op_def_registry
 
 from replicate.errors import InputError, OutputError
 
-__all__ = ["check_graph_def", "import_checked", "check_message_size", "PROTOBUF_LIMIT",
-           "MAX_RANK"]
+__all__ = ["check_graph_def", "check_importable", "import_checked", "check_message_size",
+           "PROTOBUF_LIMIT", "MAX_RANK"]
 
 log = logging.getLogger(__name__)
 
@@ -102,53 +104,96 @@ def _tensor_error(tensor) -> str | None:
     return None
 
 
-def _attr_error(attr_def, value, in_function: bool, functions) -> str | None:
-    """Why ``value`` does not fit the op's attribute definition, or None."""
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """One attribute of an op, digested for fast checks."""
+
+    name: str
+    type: str
+    base: str
+    is_list: bool
+    required: bool
+    minimum: int | None
+    allowed: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """An OpDef (or a function signature) digested for fast checks."""
+
+    op_def: Any
+    known: frozenset[str]
+    rules: tuple[_Rule, ...]
+    inputs: int | None
+    outputs: int | None
+
+
+def _compile(op_def) -> _Op:
+    rules = []
+    for a in op_def.attr:
+        is_list = a.type.startswith("list(")
+        allowed = a.allowed_values.list
+        rules.append(_Rule(a.name, a.type, a.type[5:-1] if is_list else a.type, is_list,
+                           not a.HasField("default_value"), a.minimum if a.has_minimum else None,
+                           frozenset(allowed.type) | frozenset(allowed.s)))
+
+    def fixed(args) -> int | None:
+        return None if any(x.number_attr or x.type_list_attr for x in args) else len(args)
+    return _Op(op_def, frozenset(a.name for a in op_def.attr), tuple(rules),
+               fixed(op_def.input_arg), fixed(op_def.output_arg))
+
+
+@functools.lru_cache(maxsize=None)
+def _registered(op: str) -> _Op | None:
+    op_def = op_def_registry.get(op)
+    return None if op_def is None else _compile(op_def)
+
+
+def _attr_error(rule: _Rule, value, in_function: bool, functions) -> str | None:
+    """Why ``value`` does not fit the op's attribute ``rule``, or None."""
     kind = value.WhichOneof("value")
     if kind == "placeholder":
         return None if in_function else "is an unresolved placeholder"
-    is_list = attr_def.type.startswith("list(")
-    base = attr_def.type[5:-1] if is_list else attr_def.type
-    want = "list" if is_list else _KIND_FIELD.get(base)
-    if want is not None and kind != want and not (is_list and kind is None):
-        return f"should be {attr_def.type}, not {kind or 'empty'}"
-    field = _KIND_FIELD.get(base)
-    if is_list:
+    field = _KIND_FIELD.get(rule.base)
+    want = "list" if rule.is_list else field
+    if want is not None and kind != want and not (rule.is_list and kind is None):
+        return f"should be {rule.type}, not {kind or 'empty'}"
+    if rule.is_list:
         others = [f.name for f, _ in value.list.ListFields() if f.name != field]
         if others:
-            return f"should be {attr_def.type}, not a list of {others[0]}"
+            return f"should be {rule.type}, not a list of {others[0]}"
         items = list(getattr(value.list, field)) if field else []
-        if attr_def.has_minimum and len(items) < attr_def.minimum:
-            return f"has {len(items)} items, fewer than {attr_def.minimum}"
+        if rule.minimum is not None and len(items) < rule.minimum:
+            return f"has {len(items)} items, fewer than {rule.minimum}"
     else:
         items = [getattr(value, field)] if field else []
-        if base == "int" and attr_def.has_minimum and value.i < attr_def.minimum:
-            return f"is {value.i}, below its minimum {attr_def.minimum}"
+        if rule.base == "int" and rule.minimum is not None and value.i < rule.minimum:
+            return f"is {value.i}, below its minimum {rule.minimum}"
     for item in items:
-        if base == "type":
+        if rule.base == "type":
             if item not in _DTYPES:
                 return f"holds invalid DataType {item}"
-            allowed = attr_def.allowed_values.list.type
-            if allowed and item not in allowed:
+            if rule.allowed and item not in rule.allowed:
                 return f"holds type {types_pb2.DataType.Name(item)}, which the op does not allow"
-        elif base == "string" and attr_def.allowed_values.list.s and item not in (
-                attr_def.allowed_values.list.s):
+        elif rule.base == "string" and rule.allowed and item not in rule.allowed:
             return f"is {item[:40]!r}, not one of the allowed values"
-        elif base == "shape":
+        elif rule.base == "shape":
             problem = _shape_error(item, full=False)
             if problem:
                 return f"shape {problem}"
-        elif base == "tensor":
+        elif rule.base == "tensor":
             problem = _tensor_error(item)
             if problem:
                 return f"tensor {problem}"
-        elif base == "func" and item.name not in functions and op_def_registry.get(item.name) is None:
+        elif rule.base == "func" and item.name not in functions and _registered(item.name) is None:
             return f"names function '{item.name}', which the library does not define"
     return None
 
 
-def _arity(node, args) -> int | None:
+def _arity(node, args, fixed: int | None) -> int | None:
     """Number of tensors ``args`` (input_arg or output_arg of an OpDef) take on ``node``."""
+    if fixed is not None:
+        return fixed
     total = 0
     for arg in args:
         if arg.number_attr:
@@ -164,38 +209,39 @@ def _arity(node, args) -> int | None:
     return total
 
 
-def _check_node(node, origin: str, functions, in_function: bool = False) -> None:
-    """Raise InputError when ``node`` does not match its op's definition."""
-    op_def = functions.get(node.op) or op_def_registry.get(node.op)
-    if op_def is None:
+def _check_node(node, origin: str, ops: dict, functions, in_function: bool = False) -> _Op:
+    """Raise InputError when ``node`` does not match its op's definition; return the op."""
+    spec = ops.get(node.op) or _registered(node.op)
+    if spec is None:
         raise _fail(origin, node, f"has unknown op type '{node.op}'")
-    known = {a.name for a in op_def.attr}
-    for key, value in node.attr.items():
-        if key not in known and not key.startswith("_") and node.op not in functions:
+    attrs = node.attr
+    for key in attrs:
+        if key not in spec.known and key[:1] != "_" and node.op not in ops:
             raise _fail(origin, node, f"has attribute '{key}', which {node.op} does not define")
-        if key == "_class" and (value.WhichOneof("value") not in ("list", None) or any(
-                f.name != "s" for f, _ in value.list.ListFields())):
-            raise _fail(origin, node, "attribute '_class' should be a list of strings")
-    for attr_def in op_def.attr:
-        if attr_def.name not in node.attr:
-            if not attr_def.HasField("default_value"):
-                raise _fail(origin, node, f"lacks required attribute '{attr_def.name}'")
+    if "_class" in attrs and (attrs["_class"].WhichOneof("value") not in ("list", None) or any(
+            f.name != "s" for f, _ in attrs["_class"].list.ListFields())):
+        raise _fail(origin, node, "attribute '_class' should be a list of strings")
+    for rule in spec.rules:
+        if rule.name not in attrs:
+            if rule.required:
+                raise _fail(origin, node, f"lacks required attribute '{rule.name}'")
             continue
-        problem = _attr_error(attr_def, node.attr[attr_def.name], in_function, functions)
+        problem = _attr_error(rule, attrs[rule.name], in_function, functions)
         if problem:
-            raise _fail(origin, node, f"attribute '{attr_def.name}' {problem}")
-    if node.op == "Const" and "value" in node.attr and "dtype" in node.attr and (
-            node.attr["value"].tensor.dtype != node.attr["dtype"].type) and not in_function:
+            raise _fail(origin, node, f"attribute '{rule.name}' {problem}")
+    if node.op == "Const" and not in_function and "value" in attrs and "dtype" in attrs and (
+            attrs["value"].tensor.dtype != attrs["dtype"].type):
         raise _fail(origin, node, "attribute 'value' has a dtype other than attribute 'dtype'")
     if node.device and not in_function and _device_error(node.device):
         raise _fail(origin, node, f"has malformed device '{node.device}': {_device_error(node.device)}")
+    return spec
 
 
-def _check_inputs(node, origin: str, nodes: dict, functions) -> None:
+def _check_inputs(node, origin: str, nodes: dict, specs: dict) -> None:
     """Input syntax, order, counts, producers and output indexes of a graph node."""
-    data, seen_control = [], False
+    data, seen_control = 0, False
     for ref in node.input:
-        if ref.startswith("^"):
+        if ref[:1] == "^":
             seen_control = True
             if ref[1:] not in nodes:
                 raise _fail(origin, node, f"waits for '{ref[1:]}', which does not exist")
@@ -207,15 +253,15 @@ def _check_inputs(node, origin: str, nodes: dict, functions) -> None:
         if not index.isdigit() or name not in nodes:
             raise _fail(origin, node, f"reads '{ref}', which does not exist")
         producer = nodes[name]
-        op_def = functions.get(producer.op) or op_def_registry.get(producer.op)
-        outputs = _arity(producer, op_def.output_arg)
+        spec = specs[name]
+        outputs = _arity(producer, spec.op_def.output_arg, spec.outputs)
         if outputs is not None and int(index) >= outputs:
             raise _fail(origin, node, f"reads output {int(index)} of '{name}', which has {outputs}")
-        data.append(ref)
-    op_def = functions.get(node.op) or op_def_registry.get(node.op)
-    expected = _arity(node, op_def.input_arg)
-    if expected is not None and len(data) != expected:
-        raise _fail(origin, node, f"has {len(data)} data inputs, expected {expected}")
+        data += 1
+    spec = specs[node.name]
+    expected = _arity(node, spec.op_def.input_arg, spec.inputs)
+    if expected is not None and data != expected:
+        raise _fail(origin, node, f"has {data} data inputs, expected {expected}")
     for loc in node.attr["_class"].list.s if "_class" in node.attr else ():
         target = loc.decode("utf-8", "replace")
         if target.startswith("loc:@") and target[5:] not in nodes:
@@ -237,14 +283,14 @@ def _check_cycles(graph_def: graph_pb2.GraphDef, origin: str, nodes: dict) -> No
     raise InputError(f"{origin}: node '{cycle[0][0]}' is on a cycle ({path})")
 
 
-def _check_library(graph_def: graph_pb2.GraphDef, origin: str, functions) -> None:
+def _check_library(graph_def: graph_pb2.GraphDef, origin: str, ops: dict, functions) -> None:
     calls = nx.DiGraph()
     for fdef in graph_def.library.function:
         name = fdef.signature.name
         where = f"{origin}: function '{name}'"
         if not _NAME.match(name or "-") and not name.startswith("_"):
             raise InputError(f"{where} has an invalid name")
-        if op_def_registry.get(name) is not None:
+        if _registered(name) is not None:
             raise InputError(f"{where} has the name of a TensorFlow op")
         for arg in list(fdef.signature.input_arg) + list(fdef.signature.output_arg):
             if arg.type and arg.type not in _DTYPES:
@@ -255,7 +301,7 @@ def _check_library(graph_def: graph_pb2.GraphDef, origin: str, functions) -> Non
                 raise InputError(f"{where} has a duplicate or empty node name '{node.name}'")
             inner.add(node.name)
         for node in fdef.node_def:
-            _check_node(node, where, functions, in_function=True)
+            _check_node(node, where, ops, functions, in_function=True)
             for ref in node.input:
                 if ref.lstrip("^").split(":", 1)[0] not in inner:
                     raise _fail(where, node, f"reads '{ref}', which does not exist")
@@ -299,6 +345,7 @@ def check_graph_def(graph_def: graph_pb2.GraphDef, origin: str) -> None:
         if fdef.signature.name in functions:
             raise InputError(f"{origin}: the library defines function '{fdef.signature.name}' twice")
         functions[fdef.signature.name] = fdef.signature
+    ops = {name: _compile(signature) for name, signature in functions.items()}
     nodes: dict = {}
     for node in graph_def.node:
         if node.name in nodes:
@@ -306,11 +353,10 @@ def check_graph_def(graph_def: graph_pb2.GraphDef, origin: str) -> None:
         if not _NAME.match(node.name):
             raise InputError(f"{origin}: node name {node.name[:80]!r} has invalid characters")
         nodes[node.name] = node
+    specs = {node.name: _check_node(node, origin, ops, functions) for node in graph_def.node}
     for node in graph_def.node:
-        _check_node(node, origin, functions)
-    for node in graph_def.node:
-        _check_inputs(node, origin, nodes, functions)
-    _check_library(graph_def, origin, functions)
+        _check_inputs(node, origin, nodes, specs)
+    _check_library(graph_def, origin, ops, functions)
     _check_cycles(graph_def, origin, nodes)
 
 
@@ -328,6 +374,39 @@ def check_message_size(message, what: str, error: type = OutputError) -> int:
     return size
 
 
+def _import_error(origin: str, exc: Exception) -> InputError:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return InputError(f"{origin}: TensorFlow cannot import the graph: {text[:300]}")
+
+
+def check_importable(graph_def: graph_pb2.GraphDef, origin: str) -> None:
+    """Check ``graph_def`` and let TensorFlow's C++ importer validate it (op signatures,
+    input types, shape inference) without building Python objects: a fast proof that
+    :func:`import_checked` would succeed. InputError on any failure."""
+    import tensorflow as tf
+
+    check_graph_def(graph_def, origin)
+    try:
+        from tensorflow.python.client import pywrap_tf_session as c_api
+        from tensorflow.python.framework import c_api_util
+
+        options = c_api_util.ScopedTFImportGraphDefOptions()
+        graph = tf.Graph()
+        c_graph_owner = graph._c_graph  # noqa: SLF001 - the C graph TF's own importer fills
+    except (ImportError, AttributeError):  # pragma: no cover - TensorFlow moved its internals
+        import_checked(graph_def, origin)
+        return
+    buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
+    try:
+        with c_graph_owner.get() as c_graph:
+            results = c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options)
+        c_api_util.ScopedTFImportGraphDefResults(results)
+    except (ValueError, tf.errors.OpError) as exc:
+        raise _import_error(origin, exc) from None
+    finally:
+        c_api.TF_DeleteBuffer(buffer)
+
+
 def import_checked(graph_def: graph_pb2.GraphDef, origin: str):
     """Check ``graph_def`` and import it into a new tf.Graph; InputError on any failure."""
     import tensorflow as tf
@@ -338,6 +417,5 @@ def import_checked(graph_def: graph_pb2.GraphDef, origin: str):
         with graph.as_default():
             tf.graph_util.import_graph_def(graph_def, name="")
     except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        raise InputError(f"{origin}: TensorFlow cannot import the graph: {text[:300]}") from None
+        raise _import_error(origin, exc) from None
     return graph
