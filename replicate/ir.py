@@ -9,6 +9,7 @@ change the graph only through its methods. Facts that passes hand to later passe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 RESOURCE = types_pb2.DT_RESOURCE
 
 
+@functools.lru_cache(maxsize=1 << 20)
 def parse_tensor(ref: str) -> tuple[str, int]:
     """Split ``"name:k"`` (or ``"name"``) into ``(name, k)``."""
     name, sep, idx = ref.rpartition(":")
@@ -41,6 +43,7 @@ def tensor_name(node: str, index: int = 0) -> str:
     return f"{node}:{index}"
 
 
+@functools.lru_cache(maxsize=1 << 20)
 def node_of(ref: str) -> str:
     """The node name of a tensor reference or control input."""
     return parse_tensor(ref.lstrip("^"))[0]

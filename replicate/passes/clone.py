@@ -41,7 +41,7 @@ class Clone:
         analysis = ir.facts["analysis"]
         towers = ir.facts["towers"]
         region = analysis.region
-        anchors = {name: self._anchor(ir, ir.nodes[name], set(region)) for name in region}
+        anchors = {name: self._anchor(ir, ir.nodes[name], analysis.region_set) for name in region}
         copies: list[dict[str, str]] = []
         for k, (prefix, device) in enumerate(zip(towers.prefixes, towers.devices)):
             members = [n for n in region if k == 0 or n in analysis.needed]
