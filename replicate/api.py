@@ -195,7 +195,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               outputs: Sequence[str] | None = None, merge_forward: bool = True,
               param_devices: Sequence[str] | None = None, aggregation: str = "add_n",
               batch_norm: str = "tower0",
-              verify_each: bool = False,
+              cluster: Any = None, verify_each: bool = False,
               dump_dir: str | None = None,
               progress: Callable[[str, int, int], None] | None = None) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
@@ -214,6 +214,9 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         batch_norm: ``"tower0"`` (each tower normalizes with its slice's statistics; moving
             averages are updated once, from tower 0) or ``"sync"`` (statistics over the global
             batch, forward and backward: batch norm trains exactly as on one device).
+        cluster: a cluster description (ClusterSpec-style dict or JSON file, a
+            ``tf.train.ClusterSpec``, or ``"TF_CONFIG"``): devices and the controller may then
+            name its tasks, and are checked against it (see :mod:`replicate.cluster`).
         verify_each: validate the IR after every pass.
         dump_dir: write the IR after each pass to this directory.
         progress: called with (pass name, index, total) before each pass.
@@ -225,6 +228,10 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         ReplicateError: for any bad input; the message names the file, node or option.
     """
     start = time.perf_counter()
+    if cluster is not None:
+        from replicate.cluster import resolve
+
+        devices, controller, param_devices = resolve(cluster, devices, controller, param_devices)
     devices, controller = _devices(devices, controller)
     params = [normalize_device(d, "parameter device") for d in (param_devices or [])]
     if aggregation not in STRATEGIES:
