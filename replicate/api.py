@@ -209,8 +209,10 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         outputs: more tensor names to keep fetchable (merged over towers) under their names.
         merge_forward: merge every per-example forward tensor under its name (default True).
         param_devices: spread variables over these devices by size instead of the controller.
-        aggregation: ``"add_n"`` (each gradient summed on its variable's device) or ``"packed"``
-            (small dense gradients flattened into a few buffers per tower before summing).
+        aggregation: ``"add_n"`` (each gradient summed on its variable's device), ``"packed"``
+            (small dense gradients flattened into a few buffers per tower before summing),
+            ``"allreduce"`` or ``"packed_allreduce"`` (the sums done by collective all-reduce
+            among the towers, NCCL on GPUs).
         batch_norm: ``"tower0"`` (each tower normalizes with its slice's statistics; moving
             averages are updated once, from tower 0) or ``"sync"`` (statistics over the global
             batch, forward and backward: batch norm trains exactly as on one device).

@@ -72,7 +72,8 @@ def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple,
 
 
 def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtype: int,
-            device: str, controller: str, weights: tuple = ("count",)) -> str:
+            device: str, controller: str, weights: tuple = ("count",),
+            allreduce_key: int | None = None) -> str:
     """Add the ops combining ``parts`` (one tensor per tower) by ``kind``; return the result.
 
     Args:
@@ -86,6 +87,9 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
         controller: device of the weight computation.
         weights: how towers are weighted for ``dense``, ``mean``, ``ratio`` and
             ``sparse_values`` (see :func:`weight`); ``("ones",)`` sums them unweighted.
+        allreduce_key: when set, sums (``dense``, ``mean``, ``ratio``, ``sum``) are all-reduced
+            among the tower devices with TensorFlow's collective ops (NCCL on GPUs) under this
+            instance key, and the result is read from tower 0.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown combine kind '{kind}'")
@@ -101,6 +105,8 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
                                  device=towers.devices[k], attrs={"T": tf_dtype}).name)
         refs = scaled
     if kind in ("dense", "mean", "ratio", "sum"):
+        if allreduce_key is not None and len(refs) > 1:
+            return _allreduce(ir, towers, name, refs, tf_dtype, device, allreduce_key)
         if len(refs) == 1:
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
         return ir.add(name, "AddN", refs, device=device, attrs={"T": tf_dtype, "N": len(refs)}).name
@@ -120,6 +126,29 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
     if len(refs) == 1:
         return ir.add(name, "Identity", [acc], device=device, attrs={"T": tf_dtype}).name
     return acc
+
+
+#: Collective group of the towers' all-reduces.
+GROUP_KEY = 1
+
+
+def _allreduce(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype, device: str,
+               instance_key: int) -> str:
+    """All-reduce ``refs`` across the tower devices; the result (tower 0's) waits for every
+    tower's collective, so none is pruned from a step."""
+    n = len(refs)
+    scope = f"{name}_parts"
+    outputs = []
+    for k, ref in enumerate(refs):
+        consts = [ir.const(f"{scope}/{what}_{k}", value, dtypes.int32, towers.devices[k])
+                  for what, value in (("group_size", n), ("group_key", GROUP_KEY),
+                                      ("instance_key", instance_key))]
+        outputs.append(ir.add(f"{scope}/allreduce_{k}", "CollectiveReduceV2", [ref] + consts,
+                              device=towers.devices[k],
+                              attrs={"T": tf_dtype, "merge_op": "Add", "final_op": "Id",
+                                     "Nordering_token": 0}).name)
+    return ir.add(name, "Identity", [outputs[0]], control=outputs[1:], device=device,
+                  attrs={"T": tf_dtype}).name
 
 
 def _ref(tensor: str) -> str:

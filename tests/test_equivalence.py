@@ -85,10 +85,12 @@ def test_global_step_increments_once():
 
 
 @pytest.mark.parametrize("towers,batch", [(2, 12), (3, 10), (4, 3)])
-def test_packed_aggregation_is_exact(towers, batch):
-    res, _ = check(models.mlp("adam"), towers=towers, batch=batch, aggregation="packed")
-    packed = [n for n in res.graph_def.node if "/packed_" in n.name and n.op == "SplitV"]
-    assert packed, "no gradient buffer was packed"
+@pytest.mark.parametrize("aggregation", ["packed", "allreduce", "packed_allreduce"])
+def test_aggregation_strategies_are_exact(aggregation, towers, batch):
+    res, _ = check(models.mlp("adam"), towers=towers, batch=batch, aggregation=aggregation)
+    ops = {n.op for n in res.graph_def.node if n.name.startswith("replicate/aggregate/")}
+    assert ("SplitV" in ops) == aggregation.startswith("packed")
+    assert ("CollectiveReduceV2" in ops) == aggregation.endswith("allreduce")
 
 
 def test_parameter_devices_spread_is_exact():

@@ -27,10 +27,11 @@ MAX_BUFFER_ELEMENTS = 1 << 22
 
 
 def pack(ir: IR, towers: Towers, frontier: list[Frontier], copies: list[dict[str, str]],
-         device_of, controller: str, scope: str) -> dict[str, str]:
+         device_of, controller: str, scope: str, keys=None) -> dict[str, str]:
     """Aggregate packable dense gradients of ``frontier``; return tensor -> aggregate.
 
     Gradients need a fully known static shape to be packed; others are left to the caller.
+    ``keys`` (an iterator of collective instance keys) makes each buffer's sum an all-reduce.
     """
     groups: dict[tuple, list[tuple[str, list[int]]]] = defaultdict(list)
     for f in frontier:
@@ -44,7 +45,8 @@ def pack(ir: IR, towers: Towers, frontier: list[Frontier], copies: list[dict[str
             continue
         for chunk, part in enumerate(_chunks(members)):
             out.update(_pack_group(ir, towers, copies, part, dtype, weights, device, controller,
-                                   f"{scope}/packed_{index}_{chunk}"))
+                                   f"{scope}/packed_{index}_{chunk}",
+                                   next(keys) if keys is not None else None))
     log.info("packed %d gradients into %d buffers", len(out), len({v.rsplit("/", 1)[0] for v in out.values()}))
     return out
 
@@ -62,7 +64,8 @@ def _chunks(members):
         yield chunk
 
 
-def _pack_group(ir: IR, towers: Towers, copies, members, dtype, weights, device, controller, name):
+def _pack_group(ir: IR, towers: Towers, copies, members, dtype, weights, device, controller, name,
+                key=None):
     tf_dtype = dtypes.as_dtype(dtype)
     flat_shape = f"{name}/flat_shape"
     ir.const(flat_shape, [-1], dtypes.int32, controller)
@@ -78,7 +81,7 @@ def _pack_group(ir: IR, towers: Towers, copies, members, dtype, weights, device,
         buffers.append(ir.add(f"{name}/tower_{k}/buffer", "ConcatV2", flats + [axis], device=tower_device,
                               attrs={"T": tf_dtype, "N": len(flats), "Tidx": dtypes.int32}).name)
     kind = "sum" if weights == ("ones",) else "dense"
-    total = combine(ir, towers, f"{name}/sum", buffers, kind, dtype, device, controller, weights)
+    total = combine(ir, towers, f"{name}/sum", buffers, kind, dtype, device, controller, weights, key)
     sizes = ir.const(f"{name}/sizes", [int(np.prod(s)) for _, s in members], dtypes.int32, device)
     axis = ir.const(f"{name}/split_axis", 0, dtypes.int32, device)
     split = ir.add(f"{name}/split", "SplitV", [total, sizes, axis], device=device,

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 SCOPE = "replicate/aggregate"
 
 
-#: Aggregation strategies: each gradient on its own, or small gradients packed into buffers.
-STRATEGIES = ("add_n", "packed")
+#: Aggregation strategies: each gradient summed on its variable's device, small gradients
+#: packed into buffers first, and either of those all-reduced among the towers instead.
+STRATEGIES = ("add_n", "packed", "allreduce", "packed_allreduce")
 
 
 class Aggregate:
@@ -39,9 +40,11 @@ class Aggregate:
 
     Args:
         controller: device for the weights and for gradients with no known variable.
-        strategy: ``"add_n"`` (one weighted sum per gradient, on its variable's device) or
+        strategy: ``"add_n"`` (one weighted sum per gradient, on its variable's device),
             ``"packed"`` (gradients sharing a dtype and device are flattened into a few buffers
-            per tower, summed once, and split back).
+            per tower, summed once, and split back), ``"allreduce"`` / ``"packed_allreduce"``
+            (the same sums done by collective all-reduce among the tower devices — NCCL on
+            GPUs — and read from tower 0).
     """
 
     name = "aggregate"
@@ -60,9 +63,10 @@ class Aggregate:
         def device_of(f) -> str:
             return var_devices.get(f.variable or "", self.controller)
 
-        if self.strategy == "packed":
+        keys = iter(range(1, 1 << 30)) if self.strategy.endswith("allreduce") else None
+        if self.strategy.startswith("packed"):
             aggregates.update(pack(ir, towers, analysis.frontier, copies, device_of, self.controller,
-                                   SCOPE))
+                                   SCOPE, keys))
         for f in analysis.frontier:
             if f.tensor in aggregates:
                 continue
@@ -77,7 +81,7 @@ class Aggregate:
             suffix = "" if idx == 0 else f"_{idx}"
             aggregates[f.tensor] = combine(ir, towers, f"{SCOPE}/{name}{suffix}", parts, kind,
                                            ir.output_dtype(f.tensor), device, self.controller,
-                                           f.weights)
+                                           f.weights, next(keys) if keys is not None else None)
         ir.facts["aggregates"] = aggregates
         sparse = sum(1 for f in analysis.frontier if f.role.startswith("sparse"))
         log.info("aggregated %d gradient tensors (%d sparse parts)", len(aggregates), sparse)
