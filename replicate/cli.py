@@ -7,8 +7,10 @@ file, node or option (``--debug`` adds the traceback). Nothing is written on fai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import sys
 import traceback
 
@@ -49,8 +51,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     return parser, modules
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced(enabled: bool = True):
+    """Send file descriptor 2 to /dev/null: TensorFlow's C++ runtime prints start-up lines
+    there while it is imported, before its logging can be configured."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with _native_stderr_silenced(not {"--debug", "-vv"} & set(argv)):
+        import tensorflow  # noqa: F401 - imported here, quietly, before any subcommand
     parser, modules = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG

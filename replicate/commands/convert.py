@@ -89,15 +89,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _transform(args: argparse.Namespace, loaded, devices: list[str], controller: str, progress):
     """Run the transform on the loaded graph; errors name IN."""
-    import replicate
+    from replicate.api import transform
 
     source = loaded.meta if loaded.meta is not None else loaded.graph_def
     train_op = train_op_hint(args.train_op, loaded.meta)
     try:
-        return replicate.transform(source, devices, controller=controller, train_op=train_op,
-                                   loss=args.loss, outputs=name_list(args.outputs),
-                                   verify_each=args.verify_each, dump_dir=args.dump_dir,
-                                   progress=progress)
+        return transform(source, devices, controller=controller, train_op=train_op,
+                         loss=args.loss, outputs=name_list(args.outputs),
+                         verify_each=args.verify_each, dump_dir=args.dump_dir, progress=progress)
     except ReplicateError as exc:
         raise relabel(exc, args.input) from None
 

@@ -68,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
 
 def collect(path: str, devices: list[str], controller: str, **options: Any) -> dict[str, Any]:
     """Everything ``inspect`` reports about the graph at ``path``, as plain data."""
-    import replicate
     from replicate import api, io, meta
 
     loaded = io.load(path)
@@ -76,7 +75,7 @@ def collect(path: str, devices: list[str], controller: str, **options: Any) -> d
     options["train_op"] = train_op_hint(options.get("train_op"), loaded.meta)
     try:
         ir = api.analyze_only(source, **options)
-        result = replicate.transform(source, devices, controller=controller, **options)
+        result = api.transform(source, devices, controller=controller, **options)
     except ReplicateError as exc:
         raise relabel(exc, path) from None
     analysis, report = ir.facts["analysis"], result.report
