@@ -1,8 +1,8 @@
 """``replicate show``'s engine: transform a graph and draw the result collapsed to name scopes.
 
 :func:`cluster_graph` turns a :class:`~replicate.api.Result` into the graph of boxes,
-:func:`picture` draws it, :func:`show` does everything from an input path to a written
-file (SVG, PNG or DOT, picked by the output's extension), atomically.
+:func:`picture` draws it as bytes, :func:`draw` writes it to a file (SVG, PNG or DOT,
+picked by the extension) atomically, and :func:`show` does everything from an input.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import networkx as nx
 
 from replicate.errors import OutputError
 from replicate.ir import IR
-from replicate.viz.collapse import DEFAULT_MAX_NODES, collapse
+from replicate.viz.collapse import DEFAULT_MAX_NODES, DEFAULT_SHARED_MAX_NODES, collapse
 from replicate.viz.groups import roles_from_analysis
 from replicate.viz.render import FORMATS, check_dot, render, short_device
 
-__all__ = ["cluster_graph", "picture", "show", "picture_format", "title_of", "Shown",
-           "DEFAULT_MAX_NODES", "FORMATS"]
+__all__ = ["cluster_graph", "picture", "draw", "show", "picture_format", "title_of", "Shown",
+           "DEFAULT_MAX_NODES", "DEFAULT_SHARED_MAX_NODES", "FORMATS"]
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,12 @@ def picture_format(path: str, requested: str | None = None) -> str:
 
 
 def cluster_graph(result, *, max_nodes: int = DEFAULT_MAX_NODES,
+                  shared_max_nodes: int = DEFAULT_SHARED_MAX_NODES,
                   depth: int | None = None) -> nx.DiGraph:
     """The collapsed graph of a transform's result (towers and roles from the result)."""
     ir = IR.from_graph_def(result.graph_def)
     return collapse(ir, result.towers.prefixes, roles_from_analysis(result.analysis),
-                    max_nodes=max_nodes, depth=depth)
+                    max_nodes=max_nodes, shared_max_nodes=shared_max_nodes, depth=depth)
 
 
 def title_of(result, name: str | None = None) -> str:
@@ -87,30 +88,65 @@ def title_of(result, name: str | None = None) -> str:
 
 
 def picture(result, fmt: str = "svg", *, max_nodes: int = DEFAULT_MAX_NODES,
-            depth: int | None = None, title: str | None = None) -> bytes:
+            shared_max_nodes: int = DEFAULT_SHARED_MAX_NODES, depth: int | None = None,
+            title: str | None = None) -> bytes:
     """``result`` drawn as ``fmt`` bytes (see :func:`replicate.viz.render.render`)."""
-    boxes = cluster_graph(result, max_nodes=max_nodes, depth=depth)
+    boxes = cluster_graph(result, max_nodes=max_nodes, shared_max_nodes=shared_max_nodes,
+                          depth=depth)
     return render(boxes, fmt, title=title if title is not None else title_of(result),
                   controller=result.report.controller)
 
 
-def show(source: Any, devices: Sequence[str], output: str, *, fmt: str | None = None,
-         force: bool = False, max_nodes: int = DEFAULT_MAX_NODES, depth: int | None = None,
-         title: str | None = None, progress: Callable[[str, int, int], None] | None = None,
-         **options: Any) -> Shown:
-    """Transform ``source`` for ``devices`` and write its picture to ``output``.
+def draw(result, output: str, *, fmt: str | None = None, force: bool = False,
+         max_nodes: int = DEFAULT_MAX_NODES, shared_max_nodes: int = DEFAULT_SHARED_MAX_NODES,
+         depth: int | None = None, title: str | None = None) -> Shown:
+    """Write the picture of a transform's ``result`` to ``output``, atomically.
 
     Args:
-        source: anything :func:`replicate.transform` reads.
-        devices: one device per tower.
+        result: what :func:`replicate.transform` returned.
         output: the file to write; its extension picks the format unless ``fmt`` is given.
         fmt: ``svg``, ``png`` or ``dot``.
         force: replace ``output`` if it exists.
         max_nodes: the most boxes per tower.
+        shared_max_nodes: the most boxes per shared part (split, aggregation, variables...).
         depth: the deepest name scope a box may stand for.
         title: the caption (default: :func:`title_of`).
+
+    Raises:
+        ReplicateError: Graphviz missing or failing, or ``output`` not writable; nothing is
+            written then.
+    """
+    from replicate import io
+
+    fmt = picture_format(output, fmt)
+    io.check_writable(output, force)
+    start = time.perf_counter()
+    boxes = cluster_graph(result, max_nodes=max_nodes, shared_max_nodes=shared_max_nodes,
+                          depth=depth)
+    data = render(boxes, fmt, title=title if title is not None else title_of(result),
+                  controller=result.report.controller)
+    io.write_atomic(output, data, force)
+    seconds = time.perf_counter() - start
+    log.info("drew %d boxes in %.2f s", boxes.number_of_nodes(), seconds)
+    return Shown(output, fmt, boxes, result, seconds)
+
+
+def show(source: Any, devices: Sequence[str], output: str, *, fmt: str | None = None,
+         force: bool = False, max_nodes: int = DEFAULT_MAX_NODES,
+         shared_max_nodes: int = DEFAULT_SHARED_MAX_NODES, depth: int | None = None,
+         title: str | None = None, progress: Callable[[str, int, int], None] | None = None,
+         **options: Any) -> Shown:
+    """Transform ``source`` for ``devices`` and write its picture to ``output``.
+
+    Checks the output and Graphviz before the transform, so nothing slow runs in vain.
+
+    Args:
+        source: anything :func:`replicate.transform` reads.
+        devices: one device per tower.
+        output: the file to write (see :func:`draw`).
         progress: passed to the transform (per-pass progress).
         **options: more :func:`replicate.transform` options (controller, train_op, loss...).
+        fmt, force, max_nodes, shared_max_nodes, depth, title: as for :func:`draw`.
 
     Raises:
         ReplicateError: bad input, Graphviz missing, or ``output`` not writable; nothing is
@@ -124,12 +160,7 @@ def show(source: Any, devices: Sequence[str], output: str, *, fmt: str | None = 
     if fmt != "dot":
         check_dot()
     result = replicate.transform(source, devices, progress=progress, **options)
-    start = time.perf_counter()
-    boxes = cluster_graph(result, max_nodes=max_nodes, depth=depth)
-    name = os.path.basename(os.path.normpath(source)) if isinstance(source, str) else None
-    data = render(boxes, fmt, title=title if title is not None else title_of(result, name),
-                         controller=result.report.controller)
-    io.write_atomic(output, data, force)
-    seconds = time.perf_counter() - start
-    log.info("drew %d boxes in %.2f s", boxes.number_of_nodes(), seconds)
-    return Shown(output, fmt, boxes, result, seconds)
+    if title is None and isinstance(source, str):
+        title = title_of(result, os.path.basename(os.path.normpath(source)))
+    return draw(result, output, fmt=fmt, force=force, max_nodes=max_nodes,
+                shared_max_nodes=shared_max_nodes, depth=depth, title=title)
