@@ -188,3 +188,27 @@ def test_names_are_preserved():
     assert res.tower_losses[1].name == "tower_1/loss:0"
     assert res.tower_tensor("logits:0", 0).name == "tower_0/logits:0"
     assert [v.op.name for _, v in res.grads_and_vars] == ["model/w1", "model/b1", "model/w2", "model/b2"]
+
+
+def test_ops_without_a_gpu_kernel_stay_on_the_towers_host():
+    graph = tf.Graph()
+    with graph.as_default():
+        text = v1.placeholder(tf.string, [None], name="text")
+        x = tf.strings.to_number(tf.strings.join([text, "1"]), name="number")
+        w = v1.get_variable("w", [])
+        loss = tf.reduce_mean(tf.square(x * w), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    gpus = ["/job:worker/task:0/device:GPU:0", "/job:worker/task:1/device:GPU:0"]
+    res = replicate.transform(graph, gpus, controller="/job:ps/task:0/device:CPU:0")
+    nodes = {n.name: n.device for n in res.graph_def.node}
+    assert nodes["tower_1/StringJoin"] == "/job:worker/task:1/device:CPU:0"
+    assert nodes["tower_1/mul"] == gpus[1]
+    assert any("no kernel" in w for w in res.report.warnings)
+
+
+def test_gpu_controller_keeps_the_input_pipeline_on_its_host():
+    model = models.dataset_mlp()
+    res = replicate.transform(model.graph, ["/gpu:0", "/gpu:1"], controller="/gpu:0")
+    nodes = {n.name: n for n in res.graph_def.node}
+    assert nodes["IteratorGetNext"].device == "/device:CPU:0"
+    assert nodes["model/w1"].device == "/device:GPU:0"

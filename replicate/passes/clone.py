@@ -8,7 +8,8 @@ towers: ops that only feed state updates such as batch-norm moving averages run 
 alone). Inputs from the region point at the same tower's copy; batch inputs at the tower's
 slice; everything else at the shared node. Control inputs to region nodes a tower does not
 copy are dropped. Copies run on the tower's device, except ops that read a shared
-variable's handle or are colocated with a shared op, which stay with it. ``_class``
+variable's handle or are colocated with a shared op, which stay with it, and ops with no
+kernel for the tower's device type, which run on the same task's CPU. ``_class``
 colocation, while-loop frame names, stack and TensorArray names, and ``shared_name`` are
 renamed per tower; random ops with fixed seeds get a distinct seed per tower.
 The originals are left in place for the rewire pass.
@@ -20,7 +21,10 @@ import logging
 
 from tensorflow.core.framework import attr_value_pb2
 
+import tensorflow as tf
+
 from replicate import ops
+from replicate.kernels import has_kernel, host_of
 from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
 from replicate.pipeline import PassResult
 
@@ -43,6 +47,9 @@ class Clone:
         region = analysis.region
         anchors = {name: self._anchor(ir, ir.nodes[name], analysis.region_set) for name in region}
         copies: list[dict[str, str]] = []
+        kinds = [tf.DeviceSpec.from_string(d).device_type or "CPU" for d in towers.devices]
+        hosts = [host_of(d) for d in towers.devices]
+        moved = 0
         for k, (prefix, device) in enumerate(zip(towers.prefixes, towers.devices)):
             members = [n for n in region if k == 0 or n in analysis.needed]
             inside = set(members)
@@ -53,10 +60,16 @@ class Clone:
                 control = [f"{prefix}/{c}" if c in inside else c for c in node.control
                            if c in inside or c not in analysis.region_set]
                 attrs = self._attrs(node, k, prefix, inside)
-                ir.add_node(Node(f"{prefix}/{name}", node.op, inputs, control,
-                                 anchors[name] or device, attrs))
+                where = anchors[name] or device
+                if where == device and not has_kernel(node.op, kinds[k], node.attrs):
+                    where = hosts[k]
+                    moved += 1
+                ir.add_node(Node(f"{prefix}/{name}", node.op, inputs, control, where, attrs))
             copies.append({n: f"{prefix}/{n}" for n in members})
         ir.facts["copies"] = copies
+        if moved:
+            analysis.warnings.append(f"{moved} tower ops have no kernel for their tower's device "
+                                     "type and run on the same task's CPU")
         log.info("cloned %d region nodes into %d towers", len(region), len(towers.prefixes))
         return PassResult(ir, True)
 

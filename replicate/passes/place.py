@@ -6,15 +6,19 @@ Produces: devices set on every node outside the tower region (and on the region 
 rewrite keeps as shared); ``ir.facts["var_devices"]``, variable name -> device. Variables go
 to the controller, or are spread over parameter devices by byte size (greedy: the largest
 variable first, each to the least-loaded device). Ops that read a variable's handle, or are
-colocated with it, follow the variable; shared ops with no device go to the controller;
-shared ops the user pinned keep their device.
+colocated with it, follow the variable; shared ops with no device go to the controller
+(or its task's CPU when the controller's device type has no kernel for them, such as an
+iterator on a GPU controller); shared ops the user pinned keep their device.
 """
 
 from __future__ import annotations
 
 import logging
 
+import tensorflow as tf
+
 from replicate.ir import IR, node_of
+from replicate.kernels import has_kernel, host_of
 from replicate.pipeline import PassResult
 from replicate.roles import variable_of
 
@@ -49,10 +53,35 @@ class Place:
             device = var_devices.get(node.name) or self._anchor(ir, node, var_devices)
             if device is None:
                 device = node.device or self.controller
+                kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
+                if not has_kernel(node.op, kind, node.attrs):
+                    device = host_of(device)
             if device != node.device:
                 ir.set_device(node.name, device)
                 changed = True
+        changed |= self._follow_handles(ir, replicated)
         return PassResult(ir, changed)
+
+    @staticmethod
+    def _follow_handles(ir: IR, replicated: set[str]) -> bool:
+        """Ops reading another shared op's resource handle (an iterator, a queue, a table) run
+        where that op runs, as TensorFlow requires."""
+        changed = False
+        for _ in range(8):
+            moved = False
+            for node in ir:
+                if node.name in replicated:
+                    continue
+                for ref in node.inputs:
+                    producer = ir.nodes.get(node_of(ref))
+                    if producer is not None and producer.name not in replicated and ir.is_handle(ref) \
+                            and producer.device and producer.device != node.device:
+                        ir.set_device(node.name, producer.device)
+                        moved = changed = True
+                        break
+            if not moved:
+                break
+        return changed
 
     def _variable_devices(self, analysis) -> dict[str, str]:
         if not self.param_devices:
