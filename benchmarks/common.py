@@ -58,11 +58,24 @@ def busy_processes(limit: int = 6, threshold: float = 5.0) -> list[str]:
     return rows
 
 
+def _commit() -> str:
+    """The repository's HEAD, with "+dirty" when replicate/ has uncommitted changes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "replicate"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def machine() -> dict:
     """What the numbers were measured on."""
     import tensorflow as tf
 
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": round(_memory_gib(), 1),
+    return {"replicate_commit": _commit(), "cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gib": round(_memory_gib(), 1),
             "python": platform.python_version(), "tensorflow": tf.__version__,
             "platform": platform.platform(), "load_average": os.getloadavg(),
             "busy_processes": busy_processes(),

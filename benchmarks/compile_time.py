@@ -8,7 +8,9 @@ to 100,000+ nodes) and tower count, a worker process loads the graph once, then 
 count runs ``replicate.transform`` (``Result.transform_seconds``), records the peak resident
 memory the transform added (Linux ``VmHWM``, reset before each transform), and times
 ``tf.graph_util.import_graph_def`` of the output into a fresh graph. Built graphs are cached
-as MetaGraphDefs (``--cache``), so only the first run pays for building them.
+as MetaGraphDefs (``--cache``), so only the first run pays for building them; the worker
+loads them with ``import_meta_graph``, which adds a Saver (``save/RestoreV2`` with one output
+per variable), as any graph restored from a ``.meta`` file has.
 Results go to ``benchmarks/results/compile_time.json``; ``plot.py`` draws them.
 """
 
@@ -30,7 +32,8 @@ __all__ = ["main", "DEFAULT_GRAPHS", "DEFAULT_TOWERS"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GRAPHS = "deep_60,resnet_v1_50,inception_v3,deep_200,resnet_v1_152,deep_600,deep_2000"
+DEFAULT_GRAPHS = ("deep_60,resnet_v1_50,inception_v3,deep_200,resnet_v1_152,deep_600,"
+                  "deep_2000:2")
 DEFAULT_TOWERS = "2,4,8,16"
 _CACHE = os.path.join(os.path.expanduser("~"), ".cache", "replicate-benchmarks")
 
@@ -138,7 +141,9 @@ def _print_row(name: str, row: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Measure the grid; print a table; write the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--graphs", default=DEFAULT_GRAPHS)
+    parser.add_argument("--graphs", default=DEFAULT_GRAPHS,
+                        help="comma-separated graph names; NAME:2+4 measures NAME at 2 and 4 "
+                             "towers only")
     parser.add_argument("--towers", default=DEFAULT_TOWERS)
     parser.add_argument("--repeats", type=int, default=1, help="transforms per point (fastest kept)")
     parser.add_argument("--max-work", type=float, default=2.5e6,
@@ -161,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
           f"load {info['machine']['load_average']}")
     print(f"  {'graph':15s} {'nodes':>8s} {'N':>3s} {'out nodes':>9s} {'transform':>10s} "
           f"{'import':>9s} {'ratio':>6s} {'peak MiB':>8s}   passes (s)")
-    for name in args.graphs.split(","):
+    for item in args.graphs.split(","):
+        name, _, only = item.partition(":")
         path = os.path.join(args.cache, f"{name}.meta")
         if not os.path.exists(path):
             built = _run_worker(["build", name, path], args.timeout)
@@ -169,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             info["graphs"][name] = built[0]
         nodes = _graph_nodes(path)
-        towers = [int(t) for t in args.towers.split(",") if nodes * int(t) <= args.max_work]
+        towers = ([int(t) for t in only.split("+")] if only else
+                  [int(t) for t in args.towers.split(",") if nodes * int(t) <= args.max_work])
         if not towers:
             print(f"  {name}: {nodes:,} nodes; every tower count exceeds --max-work")
             continue
@@ -179,10 +186,42 @@ def main(argv: list[str] | None = None) -> int:
             info["results"].append(row)
             _print_row(name, row)
         common.write_json(args.output, info)
+    info["scaling"] = _scaling(info["results"])
     info["machine_after"] = {"load_average": os.getloadavg(),
                              "busy_processes": common.busy_processes()}
     print("wrote", common.write_json(args.output, info))
     return 0
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of log y against log x (1.0 = linear), or None for < 2 points."""
+    import math
+
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    var = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var else None
+
+
+def _scaling(rows: list[dict]) -> dict:
+    """Log-log slopes of transform and import time against nodes x towers, overall and per graph."""
+    out = {}
+    for label, mine in [("all", rows)] + [(g, [r for r in rows if r["graph"] == g])
+                                          for g in dict.fromkeys(r["graph"] for r in rows)]:
+        work = [r["input_nodes"] * r["towers"] for r in mine]
+        out[label] = {"transform": _slope(work, [r["transform_s"] for r in mine]),
+                      "import": _slope(work, [r["import_output_s"] for r in mine]),
+                      "peak": _slope(work, [r["peak_bytes"] for r in mine])}
+    print("log-log slope against nodes x towers (1.0 = linear): " + "; ".join(
+        f"{g}: transform {_fmt(v['transform'])}, import {_fmt(v['import'])}" for g, v in out.items()))
+    return out
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _graph_nodes(path: str) -> int:
