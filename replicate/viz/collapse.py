@@ -8,7 +8,8 @@ towers look alike.
 
 The cut grows from the group's root, always opening the box that holds the most ops:
 a pure name scope opens into its sub-scopes and ops; an op (whose helper ops sit under
-its name) and a per-op gradient scope (``*_grad``) stay closed. When opening a box would
+its name), a per-op gradient scope (``*_grad``) and a scope of ops only (a layer) stay
+closed. When opening a box would
 exceed the budget, its largest children get boxes and the rest share one box
 (``… N more``).
 """
@@ -97,9 +98,13 @@ def _tree(paths: Iterable[Sequence[str]]) -> _Scope:
 
 
 def _can_open(path: tuple[str, ...], scope: _Scope, depth: int | None) -> bool:
+    """A box opens when it is a pure name scope (not an op), not one op's gradient, within
+    the depth limit, and holds a sub-scope (a layer whose children are all ops stays whole)."""
     if not scope.children or scope.exact or (depth is not None and len(path) >= depth):
         return False
-    return not (path and path[-1].endswith(_GRAD_SUFFIX))
+    if path and path[-1].endswith(_GRAD_SUFFIX):
+        return False
+    return any(not child.exact for child in scope.children.values())
 
 
 def partition(paths: Iterable[Sequence[str]], max_nodes: int = DEFAULT_MAX_NODES,

@@ -21,9 +21,10 @@ import shutil
 import networkx as nx
 
 from replicate.errors import ReplicateError
+from replicate.viz.style import (CONTROLLER_COLOUR, NO_DEVICE_COLOUR, fill, palette, shade,
+                                 short_device, tint)
 
-__all__ = ["FORMATS", "palette", "short_device", "dot_source", "render", "check_dot",
-           "INSTALL_HINT"]
+__all__ = ["FORMATS", "dot_source", "render", "check_dot", "INSTALL_HINT"]
 
 log = logging.getLogger(__name__)
 
@@ -34,83 +35,13 @@ FORMATS = ("svg", "png", "dot")
 INSTALL_HINT = ("install Graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew install "
                 "graphviz) and the Python package (pip install 'tf-replicate[viz]')")
 
-#: Fill of the controller's boxes, then one colour per further device (ColorBrewer Set3).
-CONTROLLER_COLOUR = "#d4dce8"
-DEVICE_COLOURS = ("#8dd3c7", "#fdb462", "#bebada", "#fb8072", "#b3de69", "#fccde5", "#80b1d3",
-                  "#ffed6f", "#bc80bd", "#ccebc5", "#ffffb3", "#d9d9d9")
-NO_DEVICE_COLOUR = "#ffffff"
-
 #: Resolution of PNG output (Graphviz's own default).
 PNG_DPI = 96
-
-
-def short_device(device: str) -> str:
-    """``/device:GPU:0`` as ``/gpu:0``; other spellings unchanged, '' as ``(no device)``."""
-    if not device:
-        return "(no device)"
-    if device.startswith("/device:") and device.count(":") == 2:
-        kind, index = device[len("/device:"):].split(":")
-        return f"/{kind.lower()}:{index}"
-    return device
-
-
-def palette(graph: nx.DiGraph, controller: str | None = None) -> dict[str, str]:
-    """A fill colour per device of ``graph``: the controller first, then towers in order."""
-    totals: collections.Counter = collections.Counter()
-    tower_devices: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    index = {g.key: g.index for g in graph.graph.get("groups", [])}
-    for _, attrs in graph.nodes(data=True):
-        totals.update(attrs["devices"])
-        if attrs["kind"] == "tower":
-            tower_devices[index[attrs["group"]]].update(attrs["devices"])
-    if controller is None:
-        shared = collections.Counter()
-        for _, attrs in graph.nodes(data=True):
-            if attrs["kind"] != "tower":
-                shared.update(attrs["devices"])
-        controller = shared.most_common(1)[0][0] if shared else None
-    order = [controller] if controller in totals else []
-    for k in sorted(tower_devices):
-        top = tower_devices[k].most_common(1)[0][0]
-        if top not in order:
-            order.append(top)
-    order += sorted(d for d in totals if d not in order)
-    colours, spare = {}, iter(DEVICE_COLOURS * (1 + len(order) // len(DEVICE_COLOURS)))
-    for device in order:
-        if not device:
-            colours[device] = NO_DEVICE_COLOUR
-        elif device == controller:
-            colours[device] = CONTROLLER_COLOUR
-        else:
-            colours[device] = next(spare)
-    return colours
 
 
 def _text(*lines: str) -> str:
     """Lines joined for a DOT label, backslashes kept literal."""
     return "\\n".join(line.replace("\\", "\\\\") for line in lines)
-
-
-def _tint(colour: str, amount: float = 0.75) -> str:
-    """``colour`` blended towards white by ``amount``."""
-    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
-    return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in rgb)
-
-
-def _shade(colour: str, amount: float = 0.45) -> str:
-    """``colour`` blended towards black by ``amount``."""
-    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
-    return "#" + "".join(f"{round(c * (1 - amount)):02x}" for c in rgb)
-
-
-def _fill(devices: collections.Counter, colours: dict[str, str]) -> dict[str, str]:
-    """Node style attributes: one fill, or stripes in proportion to each device's ops."""
-    total = sum(devices.values())
-    parts = [(colours[d], n / total) for d, n in devices.most_common() if n / total >= 0.02]
-    if len(parts) == 1:
-        return {"style": "filled", "fillcolor": parts[0][0]}
-    stripes = ":".join(f"{c};{f:.3f}" for c, f in parts)
-    return {"style": "striped", "fillcolor": stripes}
 
 
 def _tooltip(attrs: dict, group_title: str) -> str:
@@ -187,18 +118,18 @@ def dot_source(graph: nx.DiGraph, *, title: str | None = None, controller: str |
             where = f"{attrs['label']} · " if attrs["scope"] else ""
             label = _text(caption, f"{where}{_ops(ops)}")
             dot.node(ids[nodes[0]], label=label, tooltip=_tooltip(attrs, group.title),
-                     fontname="Helvetica-Bold", fontsize="12", **_fill(attrs["devices"], colours))
+                     fontname="Helvetica-Bold", fontsize="12", **fill(attrs["devices"], colours))
             continue
         clusters[group.key] = f"cluster_{i}"
         colour = colours.get(device, NO_DEVICE_COLOUR)
         with dot.subgraph(name=f"cluster_{i}") as sub:
             sub.attr(label=_text(f"{caption} · {ops:,} ops"), style="rounded,filled",
-                     fillcolor=_tint(colour, 0.8), color=_shade(colour),
+                     fillcolor=tint(colour, 0.8), color=shade(colour),
                      fontname="Helvetica-Bold", fontsize="13", penwidth="1.4")
             for node in nodes:
                 attrs = graph.nodes[node]
                 sub.node(ids[node], label=_node_label(attrs), tooltip=_tooltip(attrs, group.title),
-                         **_fill(attrs["devices"], colours))
+                         **fill(attrs["devices"], colours))
     _tower_order(dot, graph, members, ids)
     for source, target, attrs in _edges(graph, bundle):
         count = attrs["data"] or attrs["control"]
