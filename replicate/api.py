@@ -98,12 +98,12 @@ class Result:
         """A new tf.Graph holding the result (built on first use)."""
         import tensorflow as tf
 
+        from tensorflow.python.framework import meta_graph
+
         graph = tf.Graph()
         with graph.as_default():
-            if self.meta_graph_def.collection_def or self.meta_graph_def.HasField("saver_def"):
-                tf.compat.v1.train.import_meta_graph(self.meta_graph_def, clear_devices=False)
-            else:
-                tf.graph_util.import_graph_def(self.graph_def, name="")
+            # Collections (and so tf.Variable objects) without creating a new Saver.
+            meta_graph.import_scoped_meta_graph(self.meta_graph_def, clear_devices=False)
         return graph
 
     @property

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from replicate.errors import PassError, ReplicateError
+from replicate.errors import OutputError, PassError, ReplicateError
 from replicate.ir import IR
 
 __all__ = ["PassResult", "Pass", "PassRecord", "run_pipeline"]
@@ -73,7 +73,10 @@ def run_pipeline(ir: IR, passes: Sequence[Pass], *, verify_each: bool = False,
     done: list[str] = []
     records: list[PassRecord] = []
     if dump_dir:
-        os.makedirs(dump_dir, exist_ok=True)
+        try:
+            os.makedirs(dump_dir, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"{dump_dir}: cannot create the dump directory ({exc.strerror})") from None
     for index, p in enumerate(passes):
         if progress is not None:
             progress(p.name, index, len(passes))
@@ -96,7 +99,10 @@ def run_pipeline(ir: IR, passes: Sequence[Pass], *, verify_each: bool = False,
             from google.protobuf import text_format
 
             path = os.path.join(dump_dir, f"{index:02d}_{p.name}.pbtxt")
-            with open(path, "w", encoding="utf-8") as fh:
-                fh.write(text_format.MessageToString(ir.to_graph_def()))
+            try:
+                with open(path, "w", encoding="utf-8") as fh:
+                    fh.write(text_format.MessageToString(ir.to_graph_def()))
+            except OSError as exc:
+                raise OutputError(f"{path}: cannot write the IR dump ({exc.strerror})") from None
         done.append(p.name)
     return ir, records

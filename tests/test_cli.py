@@ -185,9 +185,6 @@ def test_debug_shows_the_traceback(files, tmp_path, capfd):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="core: replicate/__init__.py imports TensorFlow eagerly, so "
-                   "its C++ start-up lines reach stderr before cli.main silences fd 2 around the "
-                   "TensorFlow import")
 def test_stderr_is_exactly_one_line(files, tmp_path):
     proc = RUNS.get("missing file")
     if proc is None:

@@ -130,9 +130,6 @@ def test_static_batch_model_with_uneven_split(tmp_path):
     _static_batch_check(tmp_path, batch=11)
 
 
-@pytest.mark.xfail(strict=True, reason="core (rebatch): a shape constant equal to the static "
-                   "batch size but not a batch dimension (10 classes, batch 10) is rewritten "
-                   "per tower, so the converted graph does not import")
 def test_static_batch_equal_to_a_model_dimension(tmp_path):
     _static_batch_check(tmp_path, batch=10)
 

@@ -78,7 +78,7 @@ class Rebatch:
         plan: dict[str, str] = {}
         unexplained: list[str] = []
         region = analysis.region_set
-        shapes = _batch_shapes(ir, analysis, batch)
+        batch_shapes, other_shapes = _shapes(ir, analysis, batch)
         for name in analysis.region:
             node = ir.nodes[name]
             for key in ops.SHAPE_ATTRS.get(node.op, ()):
@@ -90,7 +90,8 @@ class Rebatch:
             value = ir.const_value(name)
             if value is None or value.size == 0 or value.size > 16:
                 continue
-            if value.ndim == 1 and value.dtype.kind == "i" and tuple(value.tolist()) in shapes:
+            key = tuple(value.tolist()) if value.ndim == 1 and value.dtype.kind == "i" else None
+            if key in batch_shapes and key not in other_shapes:
                 plan[name] = "shape"
                 continue
             for consumer in ir.consumers(name):
@@ -99,26 +100,62 @@ class Rebatch:
                 for pos, ref in enumerate(consumer.inputs):
                     if node_of(ref) != name:
                         continue
-                    how = _classify(ir, consumer, pos, value, batch, scopes, analysis)
+                    vote = _local_vote(ir, consumer, key, scopes, analysis)
+                    how = None if vote == "shared" else _classify(ir, consumer, pos, value, batch,
+                                                                  scopes, analysis)
+                    if vote == "batch" and key is not None and key[0] == batch:
+                        how = "shape"
                     if how is not None:
                         plan[name] = how
-                    elif (consumer.op, pos) in ops.SHAPE_CONSUMERS and value.ndim == 1 \
-                            and value[0] == batch and name not in plan:
-                        unexplained.append(name)
+                    elif key in batch_shapes or ((consumer.op, pos) in ops.SHAPE_CONSUMERS
+                                                 and key is not None and key[0] == batch):
+                        if vote != "shared":
+                            unexplained.append(name)
         return plan, [n for n in dict.fromkeys(unexplained) if n not in plan]
 
 
-def _batch_shapes(ir: IR, analysis, batch: int) -> set[tuple[int, ...]]:
-    """Fully known static shapes with leading dimension ``batch`` of batch-dependent tensors:
-    an integer constant equal to one of them is that tensor's shape, folded by Python."""
-    out: set[tuple[int, ...]] = set()
+def _shapes(ir: IR, analysis, batch: int) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+    """Fully known static shapes in the region: those with leading dimension ``batch`` of
+    batch-dependent tensors (an integer constant equal to one is that tensor's shape, folded
+    by Python), and those of tensors that do not depend on the batch (a constant equal to one
+    of these is ambiguous when the batch size coincides with a model dimension)."""
+    batch_shapes: set[tuple[int, ...]] = set()
+    other: set[tuple[int, ...]] = set()
     for name in analysis.region:
-        if name not in analysis.batch_dependent:
-            continue
+        dependent = name in analysis.batch_dependent
         for shape in ir.static_shapes.get(name) or ():
-            if shape and shape[0] == batch and None not in shape:
-                out.add(tuple(shape))
-    return out
+            if not shape or None in shape:
+                continue
+            if dependent and shape[0] == batch:
+                batch_shapes.add(tuple(shape))
+            elif not dependent:
+                other.add(tuple(shape))
+    return batch_shapes, other
+
+
+def _local_vote(ir: IR, consumer, key, scopes, analysis) -> str | None:
+    """Whether a shape constant is the shape of a batch-dependent tensor ("batch") or of a
+    batch-independent one ("shared") next to where it is used: among the inputs and outputs
+    of the forward op whose gradient code uses it, or of its consumer."""
+    if key is None:
+        return None
+    context = [consumer.name]
+    for prefix in scopes:
+        if consumer.name.startswith(prefix + "/"):
+            forward = forward_op_of(ir, prefix, consumer.name)
+            if forward is not None:
+                context = [forward]
+    tensors = []
+    for name in context:
+        node = ir.nodes[name]
+        tensors += [(node_of(r), r) for r in node.inputs]
+        tensors += [(name, f"{name}:{i}") for i in range(len(ir.static_shapes.get(name) or ()))]
+    votes = set()
+    for producer, ref in tensors:
+        shape = ir.static_shape(ref)
+        if shape and None not in shape and tuple(shape) == key:
+            votes.add("batch" if producer in analysis.batch_dependent else "shared")
+    return votes.pop() if len(votes) == 1 else None
 
 
 def _classify(ir: IR, consumer, pos: int, value: np.ndarray, batch: int, scopes, analysis) -> str | None:
