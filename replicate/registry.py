@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 import networkx as nx
+from google.protobuf.message import EncodeError
 from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
@@ -367,10 +368,14 @@ def check_message_size(message, what: str, error: type = OutputError) -> int:
     such as embedding tables, or many towers of a big model) cannot be written as one
     file; keep large values in variables restored from a checkpoint instead.
     """
-    size = message.ByteSize()
-    if size > PROTOBUF_LIMIT:
-        raise error(f"{what}: the graph is {size / (1 << 30):.2f} GiB, above protobuf's 2 GiB "
-                    "limit; move large constants into variables restored from a checkpoint")
+    try:
+        size = message.ByteSize()
+    except (EncodeError, ValueError):  # upb will not even size a message over the limit
+        size = None
+    if size is None or size > PROTOBUF_LIMIT:
+        amount = "over 2 GiB" if size is None else f"{size / (1 << 30):.2f} GiB"
+        raise error(f"{what}: the graph is {amount}, above protobuf's 2 GiB limit; move large "
+                    "constants into variables restored from a checkpoint")
     return size
 
 

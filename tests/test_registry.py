@@ -198,16 +198,23 @@ def test_colocation_with_removed_gradient_node():
     registry.import_checked(res.graph_def, "result")
 
 
-def test_message_size_limit():
+class _Oversized:
+    """Stands in for a message over 2 GiB: protobuf (upb) refuses even to size one."""
+
+    def ByteSize(self):  # noqa: N802 - the protobuf method name
+        from google.protobuf.message import EncodeError
+        raise EncodeError("Failed to serialize proto")
+
+
+def test_message_size_limit(monkeypatch):
     gd = _graph(0)
     assert registry.check_message_size(gd, "out.meta") == gd.ByteSize()
-    registry_limit = registry.PROTOBUF_LIMIT
-    try:
-        registry.PROTOBUF_LIMIT = 1000
-        with pytest.raises(OutputError, match=r"^out.meta: the graph is .* above protobuf's 2 GiB"):
-            registry.check_message_size(gd, "out.meta")
-    finally:
-        registry.PROTOBUF_LIMIT = registry_limit
+    with pytest.raises(OutputError, match=r"^out.meta: the graph is over 2 GiB, above protobuf's "
+                       r"2 GiB limit; move large constants into variables"):
+        registry.check_message_size(_Oversized(), "out.meta")
+    monkeypatch.setattr(registry, "PROTOBUF_LIMIT", 1000)
+    with pytest.raises(InputError, match=r"^GraphDef: the graph is 0.00 GiB, above protobuf's 2 GiB"):
+        replicate.transform(gd, DEVICES)
 
 
 # ---------------------------------------------------------------------------- structural fuzz
