@@ -106,6 +106,7 @@ class Analysis:
     external_controls: dict[str, list[str]]
     static_batch: int | None
     couplings: list[str] = dataclasses.field(default_factory=list)
+    rebatch: dict[str, str] = dataclasses.field(default_factory=dict)
     dead: set[str] = dataclasses.field(default_factory=set)
     reasons: list[Reason] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)

@@ -21,7 +21,7 @@ from replicate import ops
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, ApplyOp, GradScope, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _inputs
+from replicate.passes import _inputs, _static
 from replicate.passes._frontier import classify
 from replicate.pipeline import PassResult
 from replicate.reductions import FUSED_BATCH_NORM, couplings, reduction
@@ -77,13 +77,15 @@ class Analyze:
                                 "feeds the loss")
         dependent = _descendants(graph, {node_of(b.tensor) for b in batch_inputs}, region)
         inside = set(region)
+        rebatch, reasons = self._static_batch(ir, graph, region, dependent, grad_scopes, static_batch,
+                                              {node_of(b.tensor) for b in batch_inputs})
         updates = [n for n in region if ir.nodes[n].op in ops.MUTATING_OPS]
         outside = {n for n in region for c in ir.consumers(n) if c.name not in inside}
         needed = self._needed(ir, graph, region, updates, [node_of(t) for t in seeds + losses]
                               + sorted(outside - set(updates), key=_order(ir)))
         keep_targets = {n for n in region if n not in dependent and (n in outside or n in self.external)}
         keep = ir.ancestors(keep_targets, graph) & inside
-        reasons = _loss_kinds(ir, grad_scopes, dependent, inside)
+        reasons += _loss_kinds(ir, grad_scopes, dependent, inside)
         dead = _dead_gradient_code(ir, in_grad - inside)
         frontier, outputs, unmergeable = classify(ir, region, dependent, in_grad, grad_scopes,
                                                   apply_ops, static_batch, losses, self.outputs,
@@ -116,6 +118,7 @@ class Analyze:
             external_controls=controls,
             static_batch=static_batch,
             couplings=couplings(ir, region, dependent, in_grad, static_batch),
+            rebatch=rebatch,
             dead=dead,
             reasons=reasons,
             warnings=warnings,
@@ -196,6 +199,21 @@ class Analyze:
                     work.append(consumer.name)
         region = [n for n in ir.nodes if n in seen and n not in stop]
         return region, {n for n in seen if n in stop}
+
+    @staticmethod
+    def _static_batch(ir: IR, graph: nx.DiGraph, region: list[str], dependent: set[str],
+                      scopes: list[GradScope], batch: int | None, sources: set[str]
+                      ) -> tuple[dict[str, str], list[Reason]]:
+        """Constants baking a static batch size; they (and what they feed) depend on the batch."""
+        if batch is None:
+            return {}, []
+        prefixes = [s.prefix for s in scopes]
+        plan, unexplained = _static.plan(ir, region, dependent | sources, prefixes, batch)
+        dependent |= set(plan) | _descendants(graph, set(plan), region)
+        plan, unexplained = _static.plan(ir, region, dependent | sources, prefixes, batch)
+        return plan, [Reason(name, f"constant holds the static batch size {batch} where a tower "
+                             "sees fewer examples", "give the batch input a dynamic batch dimension "
+                             "(None)") for name in unexplained]
 
     def _needed(self, ir: IR, graph: nx.DiGraph, region: list[str], updates: list[str],
                 targets: list[str]) -> set[str]:

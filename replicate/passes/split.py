@@ -17,6 +17,7 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
+from replicate.errors import AnalysisError
 from replicate.facts import Towers
 from replicate.ir import IR, parse_tensor, tensor_name
 from replicate.pipeline import PassResult
@@ -58,6 +59,9 @@ class Split:
         dev = self.controller
         if analysis.static_batch is not None:
             batch = analysis.static_batch
+            if batch < n:
+                raise AnalysisError(f"the batch inputs have a static batch size of {batch}, fewer "
+                                    f"than the {n} towers; give them a dynamic batch dimension (None)")
             counts = [(batch + n - 1 - k) // n for k in range(n)]
             towers.static_counts = counts
             towers.batch_size = ir.const(f"{SCOPE}/batch_size", batch, dtypes.int32, dev)
