@@ -7,7 +7,8 @@ node first: names, the op (registered or a library function), each attribute's p
 kind, enum value, allowed values and minimum, tensors and shapes, devices, colocation,
 input syntax and counts, output indexes and cycles; then the function library (names,
 bodies, no recursion). :func:`import_checked` then imports the graph into a scratch
-``tf.Graph`` with any TensorFlow error turned into a one-line :class:`InputError`.
+``tf.Graph`` with any TensorFlow error turned into a one-line :class:`InputError`;
+:func:`check_message_size` turns protobuf's 2 GiB limit into a clear error.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from tensorflow.python.framework import op_def_registry
 
 from replicate.errors import InputError, OutputError
 
-__all__ = ["check_graph_def", "check_importable", "import_checked", "check_message_size",
-           "PROTOBUF_LIMIT", "MAX_RANK"]
+__all__ = ["check_graph_def", "import_checked", "import_error", "check_message_size",
+           "called_functions", "PROTOBUF_LIMIT", "MAX_RANK"]
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,7 @@ _BACK_EDGE_OPS = ("NextIteration", "RefNextIteration")
 
 
 def _fail(origin: str, node, what: str) -> InputError:
-    where = f"node '{node.name}' ({node.op})" if node is not None else "the graph"
-    return InputError(f"{origin}: {where} {what}")
+    return InputError(f"{origin}: node '{node.name}' ({node.op}) {what}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -306,7 +306,7 @@ def _check_library(graph_def: graph_pb2.GraphDef, origin: str, ops: dict, functi
             for ref in node.input:
                 if ref.lstrip("^").split(":", 1)[0] not in inner:
                     raise _fail(where, node, f"reads '{ref}', which does not exist")
-            calls.add_edges_from((name, callee) for callee in _callees(node, functions))
+            calls.add_edges_from((name, c) for c in called_functions(node.op, node.attr, functions))
         for ret in fdef.ret.values():
             if ret.split(":", 1)[0] not in inner:
                 raise InputError(f"{where} returns '{ret}', which does not exist")
@@ -322,12 +322,15 @@ def _check_library(graph_def: graph_pb2.GraphDef, origin: str, ops: dict, functi
                      "does not support recursive functions")
 
 
-def _callees(node, functions) -> list[str]:
-    out = [node.op] if node.op in functions else []
-    for value in node.attr.values():
-        if value.WhichOneof("value") == "func":
+def called_functions(op: str, attrs, functions) -> list[str]:
+    """Names in ``functions`` that a node of type ``op`` with attributes ``attrs`` calls
+    (as its op type or through ``func`` and ``list(func)`` attributes)."""
+    out = [op] if op in functions else []
+    for value in attrs.values():
+        kind = value.WhichOneof("value")
+        if kind == "func":
             out.append(value.func.name)
-        elif value.WhichOneof("value") == "list":
+        elif kind == "list":
             out.extend(f.name for f in value.list.func)
     return [c for c in out if c in functions]
 
@@ -379,37 +382,10 @@ def check_message_size(message, what: str, error: type = OutputError) -> int:
     return size
 
 
-def _import_error(origin: str, exc: Exception) -> InputError:
+def import_error(origin: str, exc: Exception) -> InputError:
+    """The one-line InputError for TensorFlow's error ``exc`` on importing ``origin``."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return InputError(f"{origin}: TensorFlow cannot import the graph: {text[:300]}")
-
-
-def check_importable(graph_def: graph_pb2.GraphDef, origin: str) -> None:
-    """Check ``graph_def`` and let TensorFlow's C++ importer validate it (op signatures,
-    input types, shape inference) without building Python objects: a fast proof that
-    :func:`import_checked` would succeed. InputError on any failure."""
-    import tensorflow as tf
-
-    check_graph_def(graph_def, origin)
-    try:
-        from tensorflow.python.client import pywrap_tf_session as c_api
-        from tensorflow.python.framework import c_api_util
-
-        options = c_api_util.ScopedTFImportGraphDefOptions()
-        graph = tf.Graph()
-        c_graph_owner = graph._c_graph  # noqa: SLF001 - the C graph TF's own importer fills
-    except (ImportError, AttributeError):  # pragma: no cover - TensorFlow moved its internals
-        import_checked(graph_def, origin)
-        return
-    buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
-    try:
-        with c_graph_owner.get() as c_graph:
-            results = c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options)
-        c_api_util.ScopedTFImportGraphDefResults(results)
-    except (ValueError, tf.errors.OpError) as exc:
-        raise _import_error(origin, exc) from None
-    finally:
-        c_api.TF_DeleteBuffer(buffer)
 
 
 def import_checked(graph_def: graph_pb2.GraphDef, origin: str):
@@ -422,5 +398,5 @@ def import_checked(graph_def: graph_pb2.GraphDef, origin: str):
         with graph.as_default():
             tf.graph_util.import_graph_def(graph_def, name="")
     except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
-        raise _import_error(origin, exc) from None
+        raise import_error(origin, exc) from None
     return graph

@@ -22,6 +22,7 @@ from tensorflow.python.framework import dtypes
 from replicate import ops
 from replicate.errors import InputError
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.registry import called_functions
 
 __all__ = ["InputSpec", "input_specs", "make_feed", "unsafe_ops", "FED_OPS", "UNSAFE_OPS",
            "SCALAR_VALUES"]
@@ -206,18 +207,6 @@ def make_feed(specs: Iterable[InputSpec], batch: int, rng: np.random.RandomState
     return feed
 
 
-def _callees(op: str, attrs: Mapping[str, Any], functions: Mapping[str, Any]) -> list[str]:
-    """Library functions a node of type ``op`` with attributes ``attrs`` calls."""
-    names = [op] if op in functions else []
-    for value in attrs.values():
-        kind = value.WhichOneof("value")
-        if kind == "func":
-            names.append(value.func.name)
-        elif kind == "list":
-            names.extend(f.name for f in value.list.func)
-    return [n for n in names if n in functions]
-
-
 def unsafe_ops(ir: IR, targets: Iterable[str], fed: Iterable[str] = ()) -> list[tuple[str, str]]:
     """(node, op type) of every file, network or Python op that running ``targets`` with the
     tensors ``fed`` (their producers do not run) would execute, in graph order; ops inside
@@ -230,7 +219,7 @@ def unsafe_ops(ir: IR, targets: Iterable[str], fed: Iterable[str] = ()) -> list[
     found = [(n, ir.nodes[n].op) for n in ir.nodes if n in run and ir.nodes[n].op in UNSAFE_OPS]
     functions = {f.signature.name: f for f in ir.library.function} if ir.library is not None else {}
     work = [c for n in ir.nodes if n in run
-            for c in _callees(ir.nodes[n].op, ir.nodes[n].attrs, functions)]
+            for c in called_functions(ir.nodes[n].op, ir.nodes[n].attrs, functions)]
     seen: set[str] = set()
     while work:
         name = work.pop()
@@ -240,7 +229,7 @@ def unsafe_ops(ir: IR, targets: Iterable[str], fed: Iterable[str] = ()) -> list[
         for inner in functions[name].node_def:
             if inner.op in UNSAFE_OPS:
                 found.append((f"{name}/{inner.name}", inner.op))
-            work.extend(_callees(inner.op, inner.attr, functions))
+            work.extend(called_functions(inner.op, inner.attr, functions))
     return found
 
 

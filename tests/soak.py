@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["fuzz", "Tally", "transform_cleanly", "outcome", "SCALE", "KNOWN_BUGS", "main"]
+__all__ = ["fuzz", "Tally", "transform_cleanly", "check_importable", "outcome", "SCALE",
+           "KNOWN_BUGS", "main"]
 
 SCALE = float(os.environ.get("REPLICATE_FUZZ_SCALE", "1"))
 SEED = os.environ.get("REPLICATE_FUZZ_SEED")
@@ -102,6 +103,29 @@ def outcome(exc: Exception) -> str:
     return "registry" if " node " in text or "function" in text or "cycle" in text else "reader"
 
 
+def check_importable(graph_def, origin: str) -> None:
+    """The registry check, then TensorFlow's C++ importer (op signatures, input types, shape
+    inference) without building Python objects: as strict as ``registry.import_checked``
+    and several times faster, which matters for thousands of fuzz cases."""
+    import tensorflow as tf
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    from tensorflow.python.framework import c_api_util
+
+    from replicate import registry
+
+    registry.check_graph_def(graph_def, origin)
+    options = c_api_util.ScopedTFImportGraphDefOptions()
+    buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
+    try:
+        with tf.Graph()._c_graph.get() as c_graph:  # noqa: SLF001 - what TF's importer fills
+            results = c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options)
+        c_api_util.ScopedTFImportGraphDefResults(results)
+    except (ValueError, tf.errors.OpError) as exc:
+        raise registry.import_error(origin, exc) from None
+    finally:
+        c_api.TF_DeleteBuffer(buffer)
+
+
 def transform_cleanly(source, devices, **options):
     """Transform ``source``; return ``(outcome, result or None)``.
 
@@ -110,7 +134,6 @@ def transform_cleanly(source, devices, **options):
     exception propagates (a failure of the calling test).
     """
     import replicate
-    from replicate import registry
 
     try:
         res = replicate.transform(source, devices, **options)
@@ -119,7 +142,7 @@ def transform_cleanly(source, devices, **options):
         assert message and "\n" not in message, f"not a one-line message: {message!r}"
         return outcome(exc), None
     try:
-        registry.check_importable(res.graph_def, "the transform's result")
+        check_importable(res.graph_def, "the transform's result")
     except replicate.ReplicateError as exc:
         known = [key for key in KNOWN_BUGS if key in str(exc)]
         if not known:

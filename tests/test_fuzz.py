@@ -241,7 +241,7 @@ def test_fuzz_corrupted_files_fail_cleanly(tmp_path):
     assert tally.counts["crash"] == 0, tally.counts
 
 
-# ------------------------------------------------------------- core bugs found by the fuzzers
+# ----------------------------------------- core bugs found by the fuzzers (open and fixed)
 def _regression(batch: int, x_shape: tuple[int, ...], loss_fn, x_dtype=tf.float32) -> models.Model:
     """x -> loss_fn(x, y) with SGD, placeholders of static batch size ``batch``."""
     graph = tf.Graph()
@@ -269,10 +269,8 @@ def _dense4(x, y):
     return tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: rebatch rewrites the bias shape [4] of a "
-                   "BroadcastGradientArgs-free add_grad Reshape because it equals the static batch "
-                   "4; TensorFlow rejects the result (Cannot reshape a tensor with 4 elements to [2])")
 def test_static_batch_equal_to_a_layer_width():
+    """Found by fuzzing (fixed): the bias shape [4] was rewritten as if it were the batch."""
     _exact(_regression(4, (5,), _dense4), towers=2, batch=4)
 
 
@@ -292,8 +290,7 @@ def test_static_batch_embedding_lookup():
     _exact(_regression(6, (3,), loss, tf.int64), towers=2, batch=6)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: static batch with tf.compat.v1.losses."
-                   "mean_squared_error: reported exact, but variables differ by ~30% after 2 steps")
 def test_static_batch_losses_mean_squared_error():
+    """Found by fuzzing (fixed): reported exact, but variables differed by ~30% after 2 steps."""
     _exact(_regression(8, (5,), lambda x, y: v1.losses.mean_squared_error(
         y, tf.matmul(x, v1.get_variable("w", [5, 4])))), towers=2, batch=8)
