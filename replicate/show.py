@@ -20,7 +20,8 @@ from replicate.errors import OutputError
 from replicate.ir import IR
 from replicate.viz.collapse import DEFAULT_MAX_NODES, DEFAULT_SHARED_MAX_NODES, collapse
 from replicate.viz.groups import roles_from_analysis
-from replicate.viz.render import FORMATS, check_dot, render, short_device
+from replicate.viz.render import FORMATS, check_dot, render
+from replicate.viz.style import short_device
 
 __all__ = ["cluster_graph", "picture", "draw", "show", "picture_format", "title_of", "Shown",
            "DEFAULT_MAX_NODES", "DEFAULT_SHARED_MAX_NODES", "FORMATS"]

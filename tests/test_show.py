@@ -25,6 +25,7 @@ from replicate.ir import IR
 from replicate.viz import collapse, dot_source, partition, render, roles_from_analysis
 from replicate.viz.collapse import MORE
 from replicate.viz.groups import Roles, assign, tower_prefixes
+from replicate.viz.layout import inversions, relabel, tower_classes
 
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -162,6 +163,17 @@ def test_collapse_with_one_box_per_group():
     assert boxes.nodes["tower_0:"]["ops"] == 14
 
 
+def test_only_identical_towers_are_relabelled():
+    boxes = collapse(_tiny(), max_nodes=4)
+    assert tower_classes(boxes) == [["tower_0", "tower_1"]]
+    assert relabel(boxes, [1, 0]) == {"tower_1": "tower_0", "tower_0": "tower_1"}
+    assert relabel(boxes, [0, 1]) == {} and inversions(boxes, [1, 0], {}) == 1
+    ir = _tiny()
+    ir.add("tower_1/dense/Extra", "NoOp", [], device=G1, defaults=False)   # tower 1 differs now
+    uneven = collapse(ir, max_nodes=4)
+    assert len(tower_classes(uneven)) == 2 and relabel(uneven, [1, 0]) == {}
+
+
 def test_collapse_rejects_an_empty_budget():
     with pytest.raises(ValueError):
         collapse(_tiny(), max_nodes=0)
@@ -215,6 +227,18 @@ def test_svg_parses_and_names_every_tower_and_device(mlp_result):
     for part in ("split of the batch", "gradient aggregation", "optimizer update", "controller"):
         assert part in texts
     assert "exact" in texts and "3 towers" in texts
+
+
+def _tower_columns(svg):
+    """Tower numbers in the SVG's cluster captions, left to right."""
+    found = re.findall(rb'<text[^>]*x="([\d.]+)"[^>]*>tower (\d+) ', svg)
+    return [int(k) for _, k in sorted((float(x), k) for x, k in found)]
+
+
+def test_towers_read_left_to_right_in_order(mlp_result):
+    assert _tower_columns(show.picture(mlp_result, "svg")) == [0, 1, 2]
+    four = replicate.transform(models.cnn().graph, [f"/gpu:{k}" for k in range(4)])
+    assert _tower_columns(show.picture(four, "svg")) == [0, 1, 2, 3]
 
 
 def _png_size(data):
@@ -273,8 +297,10 @@ def test_resnet50_on_four_towers_stays_readable(tmp_path):
     assert all({a["scope"] for a in t} == {a["scope"] for a in towers[0]} for t in towers)
     assert any("block3" in a["scope"] for a in towers[0])
     assert shown.boxes.number_of_nodes() < 120
-    root, texts = _svg_texts(open(tmp_path / "resnet.svg", "rb").read())
+    svg = open(tmp_path / "resnet.svg", "rb").read()
+    root, texts = _svg_texts(svg)
     assert all(f"tower {k} · /gpu:{k}" in texts for k in range(4))
+    assert _tower_columns(svg) == [0, 1, 2, 3]
     width_pt = float(root.get("width").removesuffix("pt"))
     assert width_pt < 4000            # four towers side by side, not a 20,000-point strip
 

@@ -21,10 +21,11 @@ import shutil
 import networkx as nx
 
 from replicate.errors import ReplicateError
+from replicate.viz.layout import bundled_edges, columns, inversions, level_towers, relabel
 from replicate.viz.style import (CONTROLLER_COLOUR, NO_DEVICE_COLOUR, fill, palette, shade,
                                  short_device, tint)
 
-__all__ = ["FORMATS", "dot_source", "render", "check_dot", "INSTALL_HINT"]
+__all__ = ["FORMATS", "dot_source", "render", "check_dot", "tower_marks", "INSTALL_HINT"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ FORMATS = ("svg", "png", "dot")
 #: How to get Graphviz, for error messages.
 INSTALL_HINT = ("install Graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew install "
                 "graphviz) and the Python package (pip install 'tf-replicate[viz]')")
+
+#: Colour of edges that carry only control dependencies (drawn dashed).
+CONTROL_COLOUR = "#8888aa77"
 
 #: Resolution of PNG output (Graphviz's own default).
 PNG_DPI = 96
@@ -77,7 +81,8 @@ def _legend(colours: dict[str, str], roles: dict[str, str]) -> str:
 
 
 def dot_source(graph: nx.DiGraph, *, title: str | None = None, controller: str | None = None,
-               dpi: int | None = None, bundle: bool = True) -> str:
+               dpi: int | None = None, bundle: bool = True,
+               show_as: dict[str, str] | None = None, anchor: bool = False) -> str:
     """The DOT text of ``graph`` (no ``dot`` program needed).
 
     Args:
@@ -87,11 +92,15 @@ def dot_source(graph: nx.DiGraph, *, title: str | None = None, controller: str |
         dpi: resolution for bitmap output.
         bundle: draw the edges between two groups as one edge between the groups, labelled
             with their total; False draws every edge between boxes.
+        show_as: ``{tower key: tower key}``: draw a tower's place with another's labels and
+            colours (identical towers only; see :func:`replicate.viz.layout.relabel`).
+        anchor: add an invisible node that hints the towers' order.
     """
     import graphviz
 
     colours = palette(graph, controller)
     groups = graph.graph.get("groups", [])
+    by_key = {g.key: g for g in groups}
     members = collections.defaultdict(list)
     for node, attrs in graph.nodes(data=True):
         members[attrs["group"]].append(node)
@@ -108,16 +117,19 @@ def dot_source(graph: nx.DiGraph, *, title: str | None = None, controller: str |
              shape="plaintext", fontsize="10")
     ids = {node: f"n{i}" for i, node in enumerate(graph.nodes)}
     clusters = {}
+    show_as = show_as or {}
     for i, group in enumerate(groups):
         nodes = members.get(group.key, [])
-        ops = sum(graph.nodes[n]["ops"] for n in nodes)
-        device = _majority(graph, nodes)
-        caption = f"{group.title} · {short_device(device)}"
+        shown = by_key.get(show_as.get(group.key, group.key), group)
+        shown_nodes = [f"{shown.key}:{graph.nodes[n]['scope']}" for n in nodes]
+        ops = sum(graph.nodes[n]["ops"] for n in shown_nodes)
+        device = _majority(graph, shown_nodes)
+        caption = f"{shown.title} · {short_device(device)}"
         if len(nodes) == 1:
-            attrs = graph.nodes[nodes[0]]
+            attrs = graph.nodes[shown_nodes[0]]
             where = f"{attrs['label']} · " if attrs["scope"] else ""
             label = _text(caption, f"{where}{_ops(ops)}")
-            dot.node(ids[nodes[0]], label=label, tooltip=_tooltip(attrs, group.title),
+            dot.node(ids[nodes[0]], label=label, tooltip=_tooltip(attrs, shown.title),
                      fontname="Helvetica-Bold", fontsize="12", **fill(attrs["devices"], colours))
             continue
         clusters[group.key] = f"cluster_{i}"
@@ -126,14 +138,14 @@ def dot_source(graph: nx.DiGraph, *, title: str | None = None, controller: str |
             sub.attr(label=_text(f"{caption} · {ops:,} ops"), style="rounded,filled",
                      fillcolor=tint(colour, 0.8), color=shade(colour),
                      fontname="Helvetica-Bold", fontsize="13", penwidth="1.4")
-            for node in nodes:
-                attrs = graph.nodes[node]
-                sub.node(ids[node], label=_node_label(attrs), tooltip=_tooltip(attrs, group.title),
+            for node, drawn in zip(nodes, shown_nodes):
+                attrs = graph.nodes[drawn]
+                sub.node(ids[node], label=_node_label(attrs), tooltip=_tooltip(attrs, shown.title),
                          **fill(attrs["devices"], colours))
-    _tower_order(dot, graph, members, ids)
-    for source, target, attrs in _edges(graph, bundle):
+    level_towers(dot, graph, members, ids, anchor)
+    for source, target, attrs in bundled_edges(graph, bundle):
         count = attrs["data"] or attrs["control"]
-        extra = {} if attrs["data"] else {"style": "dashed"}
+        extra = {} if attrs["data"] else {"style": "dashed", "color": CONTROL_COLOUR}
         group_s, group_t = graph.nodes[source]["group"], graph.nodes[target]["group"]
         if bundle and group_s != group_t:
             extra.update({k: v for k, v in (("ltail", clusters.get(group_s)),
@@ -148,52 +160,6 @@ def dot_source(graph: nx.DiGraph, *, title: str | None = None, controller: str |
                 extra.update(labeldistance="1.6", labelangle="35")
         dot.edge(ids[source], ids[target], penwidth=width, **extra)
     return dot.source
-
-
-def _edges(graph: nx.DiGraph, bundle: bool) -> list[tuple[str, str, dict]]:
-    """The edges to draw: every edge, or per pair of groups one edge with the pair's totals,
-    from the source group's deepest box to the target group's shallowest (so a group that
-    reads the towers' results sits below them, one that feeds them above)."""
-    if not bundle:
-        return list(graph.edges(data=True))
-    depth = _depths(graph)
-    inner, pairs = [], {}
-    for source, target, attrs in graph.edges(data=True):
-        key = (graph.nodes[source]["group"], graph.nodes[target]["group"])
-        if key[0] == key[1]:
-            inner.append((source, target, attrs))
-            continue
-        pairs.setdefault(key, []).append((source, target, attrs))
-    for edges in pairs.values():
-        sources = list(dict.fromkeys(s for s, _, _ in edges))
-        targets = list(dict.fromkeys(t for _, t, _ in edges))
-        total = {"data": sum(a["data"] for *_, a in edges),
-                 "control": sum(a["control"] for *_, a in edges)}
-        inner.append((max(sources, key=lambda n: depth[n]), min(targets, key=lambda n: depth[n]),
-                      total))
-    return inner
-
-
-def _depths(graph: nx.DiGraph) -> dict[str, int]:
-    """The longest path from a source to each box (boxes on a cycle share a depth)."""
-    dag = nx.condensation(graph)
-    level: dict[int, int] = {}
-    for scc in nx.topological_sort(dag):
-        level[scc] = max((level[p] + 1 for p in dag.predecessors(scc)), default=0)
-    return {node: level[scc] for node, scc in dag.graph["mapping"].items()}
-
-
-def _tower_order(dot, graph: nx.DiGraph, members: dict[str, list[str]], ids: dict[str, str]) -> None:
-    """Keep the towers left to right in index order: their top boxes on one rank, chained."""
-    depth = _depths(graph)
-    tops = [min(members[g.key], key=lambda n: depth[n]) for g in graph.graph.get("groups", [])
-            if g.kind == "tower" and members.get(g.key)]
-    if len(tops) < 2:
-        return
-    with dot.subgraph() as same:
-        same.attr(rank="same")
-        for left, right in zip(tops, tops[1:]):
-            same.edge(ids[left], ids[right], style="invis")
 
 
 def _majority(graph: nx.DiGraph, nodes: list[str]) -> str:
@@ -226,9 +192,25 @@ def check_dot() -> None:
         raise ReplicateError(f"Graphviz's 'dot' program is not on PATH; {INSTALL_HINT}")
 
 
+def tower_marks(graph: nx.DiGraph) -> list[str]:
+    """Per tower, in index order, the SVG title :func:`dot_source` gives it: its cluster's
+    name, or its one box's id."""
+    groups = graph.graph.get("groups", [])
+    ids = {node: f"n{i}" for i, node in enumerate(graph.nodes)}
+    members = collections.defaultdict(list)
+    for node, attrs in graph.nodes(data=True):
+        members[attrs["group"]].append(node)
+    return [f"cluster_{i}" if len(members[g.key]) > 1 else ids[members[g.key][0]]
+            for i, g in enumerate(groups) if g.kind == "tower" and members[g.key]]
+
+
 def render(graph: nx.DiGraph, fmt: str, *, title: str | None = None,
            controller: str | None = None) -> bytes:
     """``graph`` drawn as ``fmt`` (``svg``, ``png`` or ``dot``) bytes.
+
+    The towers should read left to right in index order; when ``dot`` lays identical
+    towers out in another order, they are relabelled to read in order (see
+    :func:`replicate.viz.layout.relabel`) and laid out again.
 
     Raises:
         ReplicateError: an unknown format, or Graphviz missing or failing.
@@ -236,14 +218,36 @@ def render(graph: nx.DiGraph, fmt: str, *, title: str | None = None,
     if fmt not in FORMATS:
         raise ReplicateError(f"picture format '{fmt}' is not one of {', '.join(FORMATS)}")
     try:
-        import graphviz
+        import graphviz  # noqa: F401
     except ImportError:
         raise ReplicateError(f"the graphviz Python package is not installed; {INSTALL_HINT}") from None
-    source = dot_source(graph, title=title, controller=controller,
-                        dpi=PNG_DPI if fmt == "png" else None)
+    options = {"title": title, "controller": controller}
     if fmt == "dot":
-        return source.encode("utf-8")
+        return dot_source(graph, **options).encode("utf-8")
     check_dot()
+    marks = tower_marks(graph)
+    best = None
+    for anchor in (False, True) if len(marks) > 1 else (False,):
+        svg = _pipe(dot_source(graph, anchor=anchor, **options), "svg")
+        order = columns(svg, marks)
+        swap = relabel(graph, order)
+        wrong = inversions(graph, order, swap)
+        if best is None or wrong < best[0]:
+            best = (wrong, anchor, swap, svg)
+        if not wrong:
+            break
+        log.info("towers drawn in order %s (anchor=%s)", order, anchor)
+    _, anchor, swap, svg = best
+    if swap:
+        svg = _pipe(dot_source(graph, show_as=swap, anchor=anchor, **options), "svg")
+    if fmt == "svg":
+        return svg
+    return _pipe(dot_source(graph, show_as=swap, anchor=anchor, dpi=PNG_DPI, **options), fmt)
+
+
+def _pipe(source: str, fmt: str) -> bytes:
+    import graphviz
+
     try:
         return graphviz.Source(source).pipe(format=fmt, engine="dot", quiet=True)
     except graphviz.ExecutableNotFound:
