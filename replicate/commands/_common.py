@@ -36,6 +36,24 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
                         help="more tensors to keep fetchable under their names, merged over towers")
 
 
+def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--batch-norm``, ``--aggregation`` and ``--param-devices``: how the towers share work."""
+    parser.add_argument("--batch-norm", choices=("tower0", "sync"), default="tower0",
+                        help="tower0: each tower normalizes by its slice, moving averages from "
+                             "tower 0; sync: statistics over the global batch (exact)")
+    parser.add_argument("--aggregation", choices=("add_n", "packed", "allreduce", "packed_allreduce"),
+                        default="add_n", help="how gradients are summed (default add_n on each "
+                                              "variable's device)")
+    parser.add_argument("--param-devices", metavar="DEV[,DEV...]", default="",
+                        help="spread the variables over these devices by size instead of the controller")
+
+
+def strategy_options(args: argparse.Namespace) -> dict:
+    """transform() keyword arguments from :func:`add_strategy_arguments`' options."""
+    params = parse_devices(args.param_devices, "--param-devices") if args.param_devices else None
+    return {"batch_norm": args.batch_norm, "aggregation": args.aggregation, "param_devices": params}
+
+
 def device_list(text: str) -> list[str]:
     """Split ``--devices``: a comma-separated list (empty items are an error later)."""
     return [d.strip() for d in text.split(",")]

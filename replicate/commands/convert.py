@@ -20,8 +20,8 @@ import logging
 import os
 
 from replicate.commands._common import (Progress, add_device_arguments, add_graph_arguments,
-                                        check_input, name_list, parse_devices, relabel,
-                                        train_op_hint)
+                                        add_strategy_arguments, check_input, name_list,
+                                        parse_devices, relabel, strategy_options, train_op_hint)
 from replicate.errors import DeviceError, OutputError, ReplicateError
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to write the result (refused if it exists, unless --force)")
     add_device_arguments(parser)
     add_graph_arguments(parser)
+    add_strategy_arguments(parser)
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="output format (default: IN's, as text when OUT ends in .pbtxt)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -96,7 +97,8 @@ def _transform(args: argparse.Namespace, loaded, devices: list[str], controller:
     try:
         return transform(source, devices, controller=controller, train_op=train_op,
                          loss=args.loss, outputs=name_list(args.outputs),
-                         verify_each=args.verify_each, dump_dir=args.dump_dir, progress=progress)
+                         verify_each=args.verify_each, dump_dir=args.dump_dir, progress=progress,
+                         **strategy_options(args))
     except ReplicateError as exc:
         raise relabel(exc, args.input) from None
 

@@ -18,8 +18,9 @@ import json
 import logging
 from typing import Any
 
-from replicate.commands._common import (add_device_arguments, add_graph_arguments, check_input,
-                                        human_bytes, name_list, parse_devices, relabel, table,
+from replicate.commands._common import (add_device_arguments, add_graph_arguments,
+                                        add_strategy_arguments, check_input, human_bytes, name_list,
+                                        parse_devices, relabel, strategy_options, table,
                                         train_op_hint)
 from replicate.errors import DeviceError, ReplicateError
 
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", metavar="IN", help="a .meta, .pb or .pbtxt file, or a SavedModel directory")
     add_device_arguments(parser, required=False)
     add_graph_arguments(parser)
+    add_strategy_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -60,14 +62,19 @@ def run(args: argparse.Namespace) -> int:
     if len(controller) != 1:
         raise DeviceError(f"--controller '{args.controller}': give exactly one device")
     info = collect(args.input, devices, controller[0], train_op=args.train_op, loss=args.loss,
-                   outputs=name_list(args.outputs))
+                   outputs=name_list(args.outputs), strategy=strategy_options(args))
     info["devices_assumed"] = assumed
     print(json.dumps(info, indent=2, sort_keys=True) if args.json else render(info))
     return 0
 
 
-def collect(path: str, devices: list[str], controller: str, **options: Any) -> dict[str, Any]:
-    """Everything ``inspect`` reports about the graph at ``path``, as plain data."""
+def collect(path: str, devices: list[str], controller: str, strategy: dict | None = None,
+            **options: Any) -> dict[str, Any]:
+    """Everything ``inspect`` reports about the graph at ``path``, as plain data.
+
+    ``strategy`` holds the transform's placement and aggregation options (see
+    :func:`replicate.commands._common.strategy_options`).
+    """
     from replicate import api, io, meta
 
     loaded = io.load(path)
@@ -75,7 +82,7 @@ def collect(path: str, devices: list[str], controller: str, **options: Any) -> d
     options["train_op"] = train_op_hint(options.get("train_op"), loaded.meta)
     try:
         ir = api.analyze_only(source, **options)
-        result = api.transform(source, devices, controller=controller, **options)
+        result = api.transform(source, devices, controller=controller, **options, **(strategy or {}))
     except ReplicateError as exc:
         raise relabel(exc, path) from None
     analysis, report = ir.facts["analysis"], result.report
