@@ -20,8 +20,10 @@ import tensorflow as tf
 from hypothesis import given, strategies as st
 
 import models
-from replicate.equivalence import compare
+import replicate
 from replicate import registry
+from replicate.equivalence import compare
+from replicate.errors import AnalysisError
 from soak import SCALE, Tally, fuzz, transform_cleanly
 
 v1 = tf.compat.v1
@@ -139,7 +141,7 @@ LAYERS = st.tuples(st.sampled_from(["dense", "relu", "tanh", "sigmoid", "residua
 
 
 @st.composite
-def cases(draw, static: bool):
+def cases(draw):
     """(spec, towers, batch): a generated graph and how to split it."""
     towers = draw(st.integers(1, 4))
     batch = draw(st.integers(1, 11))
@@ -147,16 +149,16 @@ def cases(draw, static: bool):
                 layers=tuple(draw(st.lists(LAYERS, max_size=3))),
                 loss=draw(st.sampled_from(["sparse_ce", "softmax_ce", "sigmoid_ce", "mse", "losses_mse"])),
                 optimizer=draw(st.sampled_from(sorted(models.OPTIMIZERS))),
-                resource=draw(st.booleans()), static=batch if static else None,
+                resource=draw(st.booleans()), static=draw(st.sampled_from([None, None, batch])),
                 global_step=draw(st.booleans()), clip=draw(st.booleans()), l2=draw(st.booleans()))
     return spec, towers, batch
 
 
-def _train_exactly(name: str, static: bool, examples: int) -> None:
-    tally = Tally(name)
+def test_fuzz_generated_graphs_train_exactly():
+    tally = Tally("generated graphs train exactly")
 
-    @fuzz(examples=examples, shrink=False)
-    @given(cases(static))
+    @fuzz(examples=16, shrink=False)
+    @given(cases())
     def check(case):
         spec, towers, batch = case
         model = build(spec)
@@ -171,16 +173,6 @@ def _train_exactly(name: str, static: bool, examples: int) -> None:
     check()
     tally.flush()
     assert tally.counts["ok"] >= tally.total // 2, f"most generated graphs failed: {tally.counts}"
-
-
-def test_fuzz_generated_graphs_train_exactly():
-    _train_exactly("generated graphs train exactly", static=False, examples=12)
-
-
-@pytest.mark.xfail(strict=True, reason="core bugs with static batch sizes; minimal reproductions: "
-                   "the test_static_batch_* tests below")
-def test_fuzz_generated_static_batch_graphs_train_exactly():
-    _train_exactly("generated static-batch graphs train exactly", static=True, examples=6)
 
 
 # ---------------------------------------------------------------------------- byte mutations
@@ -241,7 +233,7 @@ def test_fuzz_corrupted_files_fail_cleanly(tmp_path):
     assert tally.counts["crash"] == 0, tally.counts
 
 
-# ----------------------------------------- core bugs found by the fuzzers (open and fixed)
+# ------------------------------------------------------ core bugs the fuzzers found
 def _regression(batch: int, x_shape: tuple[int, ...], loss_fn, x_dtype=tf.float32) -> models.Model:
     """x -> loss_fn(x, y) with SGD, placeholders of static batch size ``batch``."""
     graph = tf.Graph()
@@ -274,16 +266,16 @@ def test_static_batch_equal_to_a_layer_width():
     _exact(_regression(4, (5,), _dense4), towers=2, batch=4)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: with a static batch of 1 and 2 towers, tower 1 "
-                   "gets 0 examples and a Reshape to [0, 1]; TensorFlow rejects the result")
-def test_static_batch_smaller_than_towers():
-    _exact(_regression(1, (5,), lambda x, y: tf.reduce_mean(tf.square(
-        tf.matmul(x, v1.get_variable("w", [5, 4])) - y))), towers=2, batch=1)
+def test_static_batch_smaller_than_towers_is_a_clear_error():
+    """Found by fuzzing (fixed): a tower with no examples got a Reshape to [0, 1]."""
+    model = _regression(1, (5,), lambda x, y: tf.reduce_mean(tf.square(
+        tf.matmul(x, v1.get_variable("w", [5, 4])) - y)))
+    with pytest.raises(AnalysisError, match="static batch size of 1, fewer than the 2 towers"):
+        replicate.transform(model.graph, CPUS[:2])
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: static batch with embedding_lookup: the "
-                   "gradient's Reshape keeps [batch*ids, dim] = [18, 4]; TensorFlow rejects the result")
 def test_static_batch_embedding_lookup():
+    """Found by fuzzing (fixed): the gradient's Reshape kept [batch * ids, dim]."""
     def loss(ids, y):
         table = v1.get_variable("table", [7, 4])
         return tf.reduce_mean(tf.square(tf.reduce_mean(tf.nn.embedding_lookup(table, ids), 1) - y))
@@ -294,3 +286,11 @@ def test_static_batch_losses_mean_squared_error():
     """Found by fuzzing (fixed): reported exact, but variables differed by ~30% after 2 steps."""
     _exact(_regression(8, (5,), lambda x, y: v1.losses.mean_squared_error(
         y, tf.matmul(x, v1.get_variable("w", [5, 4])))), towers=2, batch=8)
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: static batch with sigmoid_cross_entropy_with_logits:"
+                   " its zeros_like(logits) is a Const of shape [batch, 4] that stays [8, 4] in each "
+                   "tower; TensorFlow rejects the result (Dimensions must be equal, 4 and 8)")
+def test_static_batch_sigmoid_cross_entropy():
+    _exact(_regression(8, (5,), lambda x, y: tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+        labels=y, logits=tf.matmul(x, v1.get_variable("w", [5, 4]))))), towers=2, batch=8)
