@@ -129,7 +129,7 @@ def write_json(name: str, data: dict, directory: str = RESULTS_DIR) -> str:
     path = os.path.join(directory, name)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True, default=str)
+        json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
     return path
 

@@ -4,9 +4,10 @@
     python benchmarks/compile_time.py --graphs deep_60,resnet_v1_50 --towers 2,4
 
 For every training graph (``graphs.py``: tf-slim nets and a synthetic very deep model, 3,000
-to 100,000+ nodes) and tower count, a worker process loads the graph once, then for each tower
-count runs ``replicate.transform`` (``Result.transform_seconds``), records the peak resident
-memory the transform added (Linux ``VmHWM``, reset before each transform), and times
+to 100,000+ nodes) and tower count, a fresh worker process loads the graph, warms up on a tiny
+graph, runs ``replicate.transform`` (``Result.transform_seconds``), records the peak resident
+memory the transform added (Linux ``VmHWM``, reset just before the transform, less the RSS
+then), and times
 ``tf.graph_util.import_graph_def`` of the output into a fresh graph. Built graphs are cached
 as MetaGraphDefs (``--cache``), so only the first run pays for building them; the worker
 loads them with ``import_meta_graph``, which adds a Saver (``save/RestoreV2`` with one output
@@ -180,12 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         if not towers:
             print(f"  {name}: {nodes:,} nodes; every tower count exceeds --max-work")
             continue
-        for row in _run_worker(["measure", path, ",".join(map(str, towers)), str(args.repeats)],
-                               args.timeout):
-            row["graph"] = name
-            info["results"].append(row)
-            _print_row(name, row)
-        common.write_json(args.output, info)
+        for k in towers:                  # a fresh process per point: a clean peak RSS
+            for row in _run_worker(["measure", path, str(k), str(args.repeats)], args.timeout):
+                row["graph"] = name
+                info["results"].append(row)
+                _print_row(name, row)
+            common.write_json(args.output, info)
     info["scaling"] = _scaling(info["results"])
     info["machine_after"] = {"load_average": os.getloadavg(),
                              "busy_processes": common.busy_processes()}
