@@ -172,7 +172,7 @@ def collapse(ir: IR, prefixes: Sequence[str] | None = None, roles: Roles | None 
         A ``networkx.DiGraph``. Node ids are ``"<group>:<scope>"``; node attributes:
         ``group`` (key), ``kind``, ``scope`` (path inside the group, '' for the whole
         group), ``label``, ``ops`` (count), ``devices`` and ``types`` (``Counter``s of
-        device and op type), ``more`` (how many scopes a ``…`` box lumps), ``joined``
+        device and op type), ``more`` (how many scopes a ``…`` box still holds), ``joined``
         (ops moved in from a ``…`` box: stray ops join the box they feed). Edge
         attributes: ``data`` (tensors read) and ``control`` (control dependencies).
         ``graph.graph["groups"]`` lists the :class:`~replicate.viz.groups.Group`\\ s in
@@ -199,12 +199,20 @@ def collapse(ir: IR, prefixes: Sequence[str] | None = None, roles: Roles | None 
         if box_id not in graph:
             graph.add_node(box_id, group=group.key, kind=group.kind, scope="/".join(box),
                            label=_label(group, box, cut), ops=0, devices=collections.Counter(),
-                           types=collections.Counter(), more=_lumped(cut, box), joined=0)
+                           types=collections.Counter(), more=0, joined=0,
+                           lumped=collections.Counter())
         attrs = graph.nodes[box_id]
+        if box and box[-1] == MORE:
+            attrs["lumped"][paths[node.name][len(box) - 1]] += 1
         attrs["ops"] += 1
         attrs["joined"] += node.name in joined
         attrs["devices"][node.device] += 1
         attrs["types"][node.op] += 1
+    for _, attrs in graph.nodes(data=True):
+        lumped = attrs.pop("lumped")
+        if lumped:
+            attrs["more"] = len(lumped)
+            attrs["label"] = _more_label(attrs["label"], lumped)
     for node in ir:
         target = box_of[node.name]
         for refs, kind in ((node.inputs, "data"), (node.control, "control")):
@@ -227,30 +235,41 @@ def _absorb(ir: IR, placed: dict[str, str], paths: dict[str, tuple[str, ...]],
     A scope's stray top-level ops (the gradient sums of residual connections, a reshape
     before the loss) would otherwise form one box linked to everything around it. Each
     joins the neighbouring box (a producer or consumer in its group) whose scope shares
-    the most leading name components with it, then the one it has the most edges with;
-    this repeats so chains of stray ops follow their neighbours.
+    the most leading name components with it, then the one that feeds it most, then the
+    one it feeds most; this repeats so chains of stray ops follow their neighbours, first
+    within their top-level scope (gradients join gradients), then across.
     """
     stray = [n.name for n in ir if boxes[n.name] and boxes[n.name][-1] == MORE]
     joined: set[str] = set()
     waiting = set(stray)
-    while waiting:
-        moved = []
-        for name in stray:
-            if name not in waiting:
-                continue
-            node = ir.nodes[name]
-            neighbours = [c.name for c in ir.consumers(name)]
-            neighbours += [node_of(r) for r in node.inputs + node.control]
-            votes = collections.Counter(boxes[m] for m in neighbours if m in boxes
-                                        and m not in waiting and placed[m] == placed[name])
-            if votes:
-                boxes[name] = max(votes, key=lambda box: (_common(box, paths[name]), votes[box]))
-                moved.append(name)
-        if not moved:
-            break
-        waiting.difference_update(moved)
-        joined.update(moved)
+    for need in (1, 0):     # first only boxes in the same top-level scope (gradients to gradients)
+        moved = [None]
+        while waiting and moved:
+            moved = []
+            for name in stray:
+                if name not in waiting:
+                    continue
+                node = ir.nodes[name]
+                feeds = collections.Counter(_near(boxes, placed, paths, waiting, name, need,
+                                                  [node_of(r) for r in node.inputs + node.control]))
+                reads = collections.Counter(_near(boxes, placed, paths, waiting, name, need,
+                                                  [c.name for c in ir.consumers(name)]))
+                if feeds or reads:
+                    boxes[name] = max(list(feeds) + list(reads), key=lambda b: (
+                        _common(b, paths[name]), feeds[b], reads[b]))
+                    moved.append(name)
+            waiting.difference_update(moved)
+            joined.update(moved)
     return joined
+
+
+def _near(boxes: dict[str, tuple[str, ...]], placed: dict[str, str],
+          paths: dict[str, tuple[str, ...]], waiting: set[str], name: str, need: int,
+          neighbours: list[str]) -> list[tuple[str, ...]]:
+    """The boxes of ``name``'s settled neighbours in its group that share ``need`` leading
+    name components with it."""
+    return [boxes[m] for m in neighbours if m in boxes and m not in waiting
+            and placed[m] == placed[name] and _common(boxes[m], paths[name]) >= need]
 
 
 def _common(box: tuple[str, ...], path: tuple[str, ...]) -> int:
@@ -272,24 +291,22 @@ def _cuts(groups: list[Group], placed: dict[str, str], paths: dict[str, tuple[st
             for key, items in members.items()}
 
 
-def _lumped(cut: Partition, box: tuple[str, ...]) -> int:
-    if box and box[-1] == MORE:
-        return len(cut.opened.get(box[:-1], ()))
-    return 0
-
-
 def _label(group: Group, box: tuple[str, ...], cut: Partition) -> str:
     """The text of a box: its scope path without only-child components, shortened to its
-    first and last two components; a ``…`` box names its two largest scopes."""
+    first and last two components."""
     if not box:
         return group.title
-    parts = [_short(p) for i, p in enumerate(box) if box[:i + 1] not in cut.only or i == 0]
-    if box[-1] == MORE:
-        names = [_short(n) for n in list(cut.opened.get(box[:-1], {}))[:2]]
-        parts[-1] = ", ".join(names) + ", …"
+    parts = [_short(p) for i, p in enumerate(box) if i == 0 or box[:i + 1] not in cut.only]
     if len(parts) > 3:
         parts = [parts[0], "…"] + parts[-2:]
     return "/".join(parts)
+
+
+def _more_label(label: str, lumped: collections.Counter) -> str:
+    """A ``…`` box's text: the scope it is in and the two largest scopes it holds."""
+    names = [_short(n) for n, _ in sorted(lumped.items(), key=lambda kv: (-kv[1], kv[0]))]
+    inside = label.rsplit("/", 1)[0] + "/" if "/" in label else ""
+    return inside + (names[0] if len(names) == 1 else ", ".join(names[:2]) + ", …")
 
 
 def _short(part: str) -> str:

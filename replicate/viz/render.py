@@ -58,7 +58,7 @@ def _tooltip(attrs: dict, group_title: str) -> str:
 
 def _node_label(attrs: dict) -> str:
     label = attrs["label"]
-    if attrs["more"]:
+    if attrs["more"] > 1:
         label = f"{label} ({attrs['more']} scopes)"
     return _text(label, _ops(attrs["ops"]))
 
