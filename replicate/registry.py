@@ -41,6 +41,8 @@ _KIND_FIELD = {"type": "type", "int": "i", "float": "f", "bool": "b", "string": 
                "shape": "shape", "tensor": "tensor", "func": "func"}
 _DTYPES = frozenset(v for v in types_pb2.DataType.values() if 0 < v < 100)
 _BACK_EDGE_OPS = ("NextIteration", "RefNextIteration")
+#: Tensors larger than this are not copied out of the proto to count their values.
+_COPY_LIMIT = 16 << 20
 
 
 def _fail(origin: str, node, what: str) -> InputError:
@@ -93,6 +95,8 @@ def _tensor_error(tensor) -> str | None:
     nbytes = count * _dtype_bytes(tensor.dtype)
     if nbytes > PROTOBUF_LIMIT:
         return f"declares {nbytes / (1 << 30):.1f} GiB, more than a GraphDef can hold"
+    if nbytes > _COPY_LIMIT:  # reading the contents would copy them; TensorFlow checks them
+        return None
     if tensor.tensor_content:
         if tensor.dtype in (types_pb2.DT_STRING, types_pb2.DT_VARIANT, types_pb2.DT_RESOURCE):
             return "stores a string, variant or resource tensor as raw bytes"
@@ -343,7 +347,8 @@ def check_graph_def(graph_def: graph_pb2.GraphDef, origin: str) -> None:
         graph_def: the graph to check (not modified).
         origin: the file or object it came from, first in every message.
     """
-    check_message_size(graph_def, origin, InputError)
+    if _estimated_bytes(graph_def) > PROTOBUF_LIMIT // 2:  # sizing a message serializes it
+        check_message_size(graph_def, origin, InputError)
     functions: dict = {}
     for fdef in graph_def.library.function:
         if fdef.signature.name in functions:
@@ -362,6 +367,19 @@ def check_graph_def(graph_def: graph_pb2.GraphDef, origin: str) -> None:
         _check_inputs(node, origin, nodes, specs)
     _check_library(graph_def, origin, ops, functions)
     _check_cycles(graph_def, origin, nodes)
+
+
+def _estimated_bytes(graph_def: graph_pb2.GraphDef) -> int:
+    """A cheap estimate of the serialized size: constants' declared bytes, plus a little per node."""
+    total = 256 * len(graph_def.node)
+    for node in graph_def.node:
+        if node.op == "Const" and "value" in node.attr:
+            tensor = node.attr["value"].tensor
+            count = 1
+            for d in tensor.tensor_shape.dim:
+                count *= max(d.size, 0)
+            total += count * _dtype_bytes(tensor.dtype)
+    return total + sum(len(f.node_def) * 256 for f in graph_def.library.function)
 
 
 def check_message_size(message, what: str, error: type = OutputError) -> int:

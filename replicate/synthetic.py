@@ -4,9 +4,11 @@
 training step needs from outside (placeholders; iterator and queue outputs, fed so that
 no input pipeline runs) with their dtypes and static shapes, the batch axis of batch
 inputs and, for integer inputs used as class labels or lookup ids, the range their values
-must stay in (float labels of a softmax cross-entropy are drawn one-hot). :func:`make_feed` draws a feed of a given global batch size from them.
-:func:`unsafe_ops` lists the file, network and Python-callback ops that running given
-targets with given feeds would execute, library functions included.
+must stay in (float labels of a softmax cross-entropy are drawn one-hot). :func:`make_feed`
+draws a feed of a given global batch size from them. :func:`unsafe_ops` lists the file,
+network and Python-callback ops that running given targets with given feeds would
+execute, library functions included. :func:`with_variables` and :func:`initializers` let
+a bare GraphDef be trained like a MetaGraphDef with variable collections.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from replicate.errors import InputError
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.registry import called_functions
 
-__all__ = ["InputSpec", "input_specs", "make_feed", "unsafe_ops", "FED_OPS", "UNSAFE_OPS",
-           "SCALAR_VALUES"]
+__all__ = ["InputSpec", "input_specs", "make_feed", "unsafe_ops", "initializers", "with_variables",
+           "FED_OPS", "UNSAFE_OPS", "SCALAR_VALUES"]
 
 log = logging.getLogger(__name__)
 
