@@ -3,8 +3,11 @@
 - :mod:`replicate.viz.groups`: which part (tower, split, aggregation, variables, update...)
   each node belongs to.
 - :mod:`replicate.viz.collapse`: the graph of boxes (one per name scope, within a budget)
-  and of edges counting the tensors between them.
-- :mod:`replicate.viz.render`: DOT text, and SVG or PNG through Graphviz's ``dot``.
+  and of edges counting the tensors between them; :mod:`replicate.viz.strays` moves the
+  ops of leftover boxes into their neighbours' boxes.
+- :mod:`replicate.viz.render`: DOT text, and SVG or PNG through Graphviz's ``dot``;
+  :mod:`replicate.viz.layout` (bundled edges, towers in order) and
+  :mod:`replicate.viz.style` (colours per device) help it.
 """
 
 from replicate.viz.collapse import DEFAULT_MAX_NODES, Partition, collapse, partition
