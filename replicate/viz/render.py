@@ -49,11 +49,12 @@ def _text(*lines: str) -> str:
 
 
 def _tooltip(attrs: dict, group_title: str) -> str:
-    devices = ", ".join(f"{short_device(d)} {n}" for d, n in attrs["devices"].most_common())
+    devices = ", ".join(f"{n} on {short_device(d)}" for d, n in attrs["devices"].most_common())
     types = ", ".join(f"{t} {n}" for t, n in attrs["types"].most_common(6))
     scope = attrs["scope"] or "(whole group)"
-    more = f" (+{attrs['more']} scopes)" if attrs["more"] else ""
-    return _text(f"{group_title}: {scope}{more}", f"{attrs['ops']} ops on {devices}", types)
+    more = f" ({attrs['more']} scopes)" if attrs["more"] > 1 else ""
+    return _text(f"{group_title}: {scope}{more}", f"{_ops(attrs['ops'])}: {devices}",
+                 f"op types: {types}")
 
 
 def _node_label(attrs: dict) -> str:
