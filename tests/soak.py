@@ -8,7 +8,7 @@ and a fresh seed per round, each round in its own process (a TensorFlow abort ki
 that round, and is reported with its seed)::
 
     python tests/soak.py --minutes 30            # 30 minutes, 2 processes
-    python tests/soak.py --minutes 5 --scale 20  # rounds of 20x the CI example counts
+    python tests/soak.py --minutes 5 --scale 10  # rounds of 10x the CI example counts
 
 Environment read by the tests: ``REPLICATE_FUZZ_SCALE`` (multiplies every example count),
 ``REPLICATE_FUZZ_SEED`` (an integer: random cases from that seed instead of the
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["fuzz", "Tally", "transform_cleanly", "check_importable", "outcome", "SCALE",
            "KNOWN_BUGS", "main"]
@@ -158,7 +159,7 @@ def _round(seed: int, scale: float, stats: str, timeout: float) -> tuple[int, st
     env = dict(os.environ, REPLICATE_FUZZ_SEED=str(seed), REPLICATE_FUZZ_SCALE=str(scale),
                REPLICATE_FUZZ_STATS=stats)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS,
-           "-k", "fuzz"]
+           "-k", "fuzz_"]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -167,11 +168,16 @@ def _round(seed: int, scale: float, stats: str, timeout: float) -> tuple[int, st
     return done.returncode, done.stdout[-4000:] + done.stderr[-2000:]
 
 
+def _distinct(counts: collections.Counter[str]) -> int:
+    """Cases counted, less the repeats of an input already checked."""
+    return sum(counts.values()) - counts["repeat"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run fuzz rounds with fresh seeds until the time is up; print the totals."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="how long to soak")
-    parser.add_argument("--scale", type=float, default=10.0, help="examples per round, times CI's")
+    parser.add_argument("--scale", type=float, default=3.0, help="examples per round, times CI's")
     parser.add_argument("--seed", type=int, default=int(time.time()), help="first round's seed")
     parser.add_argument("--jobs", type=int, default=2, help="rounds run at the same time")
     args = parser.parse_args(argv)
@@ -186,24 +192,24 @@ def main(argv: list[str] | None = None) -> int:
                 stats = os.path.join(tmp, f"{seed}.jsonl")
                 batch.append((seed, stats))
                 seed += 1
-            from concurrent.futures import ThreadPoolExecutor
-
             with ThreadPoolExecutor(len(batch)) as pool:
                 runs = list(pool.map(lambda b: _round(b[0], args.scale, b[1], 3600.0), batch))
             for (s, stats), (code, text) in zip(batch, runs):
                 rounds += 1
                 if code != 0:
-                    failures.append(f"seed {s}: exit {code}\n{text}")
+                    failures.append(f"seed {s}: exit {code}; reproduce with REPLICATE_FUZZ_SEED={s} "
+                                    f"REPLICATE_FUZZ_SCALE={args.scale:g} python -m pytest "
+                                    f"{' '.join(TESTS)} -k fuzz_\n{text}")
                 if os.path.exists(stats):
                     for line in open(stats, encoding="utf-8"):
                         row = json.loads(line)
                         totals[row["test"]].update(row["counts"])
-            print(f"[{rounds} rounds] " + ", ".join(f"{t}: {sum(c.values())}"
+            print(f"[{rounds} rounds] " + ", ".join(f"{t}: {_distinct(c)}"
                                                     for t, c in sorted(totals.items())), flush=True)
-    grand = sum(sum(c.values()) for c in totals.values())
-    print(f"\nsoak: {rounds} rounds, {grand} cases, {len(failures)} failing rounds")
+    grand = sum(_distinct(c) for c in totals.values())
+    print(f"\nsoak: {rounds} rounds, {grand} distinct cases, {len(failures)} failing rounds")
     for test, counts in sorted(totals.items()):
-        print(f"  {test}: {sum(counts.values())} cases " + json.dumps(dict(sorted(counts.items()))))
+        print(f"  {test}: {_distinct(counts)} cases " + json.dumps(dict(sorted(counts.items()))))
     for failure in failures:
         print("\n" + failure)
     return 1 if failures else 0

@@ -170,9 +170,12 @@ def test_fuzz_generated_graphs_train_exactly():
                          cpus=max(towers, 1))
         assert result.max_rel <= RTOL, f"{spec}: {result.worst} differs by {result.max_rel:.3g}"
 
-    check()
-    tally.flush()
+    try:
+        check()
+    finally:
+        tally.flush()
     assert tally.counts["ok"] >= tally.total // 2, f"most generated graphs failed: {tally.counts}"
+    assert tally.counts["crash"] == 0, tally.counts
 
 
 # ---------------------------------------------------------------------------- byte mutations
@@ -227,8 +230,10 @@ def test_fuzz_corrupted_files_fail_cleanly(tmp_path):
         kind, _ = transform_cleanly(str(path), CPUS[:2])
         tally.add(kind)
 
-    check()
-    tally.flush()
+    try:
+        check()
+    finally:
+        tally.flush()
     assert tally.total >= 800 * min(1.0, SCALE)
     assert tally.counts["crash"] == 0, tally.counts
 

@@ -376,7 +376,9 @@ def test_fuzz_structural_mutations_fail_cleanly():
         kind, _ = transform_cleanly(source, DEVICES)
         tally.add(kind)
 
-    check()
-    tally.flush()
+    try:
+        check()
+    finally:
+        tally.flush()
     assert tally.total - tally.counts["repeat"] >= 1050 * min(1.0, SCALE), tally.counts
     assert tally.counts["crash"] == 0, tally.counts
