@@ -8,6 +8,7 @@ A ResNet-50 on 4 towers stays within the box budget. The command writes atomical
 refuses to overwrite without --force, and fails with exit 2 and one line.
 """
 
+import importlib
 import os
 import re
 import struct
@@ -256,6 +257,10 @@ def test_dot_text_needs_no_graphviz_and_is_deterministic(mlp_result, monkeypatch
     data = show.picture(mlp_result, "dot")
     assert data.startswith(b"digraph") and data == show.picture(mlp_result, "dot")
     assert b"cluster_" in data and b"lhead=" in data
+    # pygraphviz's wheel carries Graphviz: pictures need no `dot` program...
+    assert show.picture(mlp_result, "svg").lstrip().startswith(b"<?xml")
+    # ...and without pygraphviz or `dot`, one clear error says what to install.
+    monkeypatch.setattr(importlib.import_module("replicate.viz.render"), "_pygraphviz", lambda: None)
     with pytest.raises(ReplicateError, match=r"'dot' program is not on PATH.*apt-get install graphviz"):
         show.picture(mlp_result, "svg")
 
@@ -363,6 +368,7 @@ def test_cli_errors_are_one_line_and_write_nothing(meta_file, tmp_path, capsys, 
 
 def test_cli_without_dot_says_how_to_install_it(meta_file, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(importlib.import_module("replicate.viz.render"), "_pygraphviz", lambda: None)
     code, _, err = _main(capsys, meta_file, "--devices", "/cpu:1,/cpu:2", "-o", tmp_path / "t.png")
     assert code == 2 and "apt-get install graphviz" in err and len(err.strip().splitlines()) == 1
     assert os.listdir(tmp_path) == []

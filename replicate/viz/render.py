@@ -6,8 +6,9 @@ the split above them, the aggregation and the update below), boxes coloured by d
 the number of tensors they stand for (dashed: control dependencies only), and a legend.
 :func:`render` lays it out with Graphviz's ``dot`` program into SVG or PNG bytes.
 
-The DOT text needs nothing installed; SVG and PNG need the ``graphviz`` Python package
-and Graphviz's ``dot`` on ``PATH`` (Debian/Ubuntu: ``apt-get install graphviz``).
+The DOT text needs the ``graphviz`` Python package only; SVG and PNG are laid out by
+pygraphviz, whose wheels carry Graphviz (both come with the ``viz`` extra), or else by
+Graphviz's ``dot`` program on ``PATH`` (Debian/Ubuntu: ``apt-get install graphviz``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 FORMATS = ("svg", "png", "dot")
 
 #: How to get Graphviz, for error messages.
-INSTALL_HINT = ("install Graphviz (Debian/Ubuntu: apt-get install graphviz; macOS: brew install "
-                "graphviz) and the Python package (pip install 'tf-replicate[viz]')")
+INSTALL_HINT = ("install the viz extra (pip install 'tf-replicate[viz]', which brings pygraphviz "
+                "with Graphviz inside), or Graphviz itself (Debian/Ubuntu: apt-get install graphviz)")
 
 #: Colour of edges that carry only control dependencies (drawn dashed).
 CONTROL_COLOUR = "#8888aa77"
@@ -183,8 +184,20 @@ def _device_roles(graph: nx.DiGraph, members: dict[str, list[str]],
     return {d: ", ".join(r) for d, r in roles.items()}
 
 
+def _pygraphviz():
+    """pygraphviz, whose wheels carry Graphviz's libraries (no ``dot`` program needed), or None."""
+    try:
+        import pygraphviz
+    except ImportError:
+        return None
+    return pygraphviz
+
+
 def check_dot() -> None:
-    """Raise :class:`ReplicateError` unless the ``graphviz`` package and ``dot`` are installed."""
+    """Raise :class:`ReplicateError` unless a Graphviz layout engine is available: pygraphviz
+    (installed with the ``viz`` extra), or the ``graphviz`` package and ``dot`` on PATH."""
+    if _pygraphviz() is not None:
+        return
     try:
         import graphviz  # noqa: F401
     except ImportError:
@@ -247,6 +260,12 @@ def render(graph: nx.DiGraph, fmt: str, *, title: str | None = None,
 
 
 def _pipe(source: str, fmt: str) -> bytes:
+    pygraphviz = _pygraphviz()
+    if pygraphviz is not None:
+        try:
+            return pygraphviz.AGraph(string=source).draw(format=fmt, prog="dot")
+        except (pygraphviz.DotError, OSError, ValueError) as exc:
+            raise ReplicateError(f"Graphviz failed to lay out the picture: {exc}") from None
     import graphviz
 
     try:
