@@ -64,7 +64,7 @@ def _layer(h, layer: tuple[str, int], i: int):
         return h + tf.nn.tanh(_dense(h, int(h.shape[-1]), f"res{i}"))
     if kind == "norm":
         mean, var = tf.nn.moments(h, axes=[1], keepdims=True)
-        return (h - mean) * tf.math.rsqrt(var + 1e-3)
+        return (h - mean) * tf.math.rsqrt(var + 0.1)  # well conditioned: the test is about towers
     act = {"relu": tf.nn.relu, "tanh": tf.nn.tanh, "sigmoid": tf.nn.sigmoid, "dense": tf.identity}
     return act.get(kind, tf.identity)(_dense(h, size, f"dense{i}"))
 
