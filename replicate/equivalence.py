@@ -2,7 +2,9 @@
 
 Both graphs start from the same variable values (the single-device graph's initial
 values are copied into the replicated one), take the same feeds step by step, and their
-variables are compared afterwards. Used by the tests, the examples and ``replicate verify``.
+variables are compared afterwards (optionally next to a rounding reference: the
+single-device graph trained on the same batches with their examples reordered). Used by
+the tests, the examples and ``replicate verify``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["session_config", "Trainer", "Comparison", "compare", "Verification", "verify",
-           "default_batch", "DRIFT_FACTOR"]
+__all__ = ["session_config", "Trainer", "Comparison", "compare", "relative_difference"]
 
 log = logging.getLogger(__name__)
 
@@ -180,137 +181,3 @@ def compare(original: Any, replicated: Any, train_op: str, feeds: Sequence[dict[
     return Comparison(max(abs_diff.values(), default=0.0), max(per_var.values(), default=0.0), worst,
                       per_var, fetched, unchanged, ref_rel)
 
-
-@dataclasses.dataclass
-class Verification:
-    """What ``replicate verify`` found: N towers against one device on synthetic inputs.
-
-    Attributes:
-        devices: the logical CPU devices the towers ran on.
-        inputs: the fed tensors (see :class:`replicate.synthetic.InputSpec`).
-        comparison: the variables' differences after ``steps`` steps.
-        exact: whether the transform's report promises exactness (``reasons`` if not).
-        unchanged: variables the single-device train op never changed.
-        no_gradient: trainable variables that no optimizer update gives a gradient.
-    """
-
-    source: str
-    devices: list[str]
-    steps: int
-    batch: int
-    seed: int
-    rtol: float
-    inputs: list[Any]
-    comparison: Comparison
-    exact: bool
-    reasons: list[str]
-    unchanged: list[str]
-    no_gradient: list[str]
-
-    @property
-    def ok(self) -> bool:
-        """True when every variable agrees within ``rtol`` or, for a graph promised exact,
-        within :data:`DRIFT_FACTOR` times the rounding reference (one device with each batch
-        reordered; meaningless when random ops make every run differ)."""
-        ref = self.comparison.reference_rel if self.exact else None
-        return self.comparison.max_rel <= max(self.rtol, DRIFT_FACTOR * (ref or 0.0))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``--json``."""
-        c = self.comparison
-        return {"source": self.source, "devices": self.devices, "steps": self.steps,
-                "batch": self.batch, "seed": self.seed, "rtol": self.rtol, "ok": self.ok,
-                "max_abs_difference": c.max_abs, "max_rel_difference": c.max_rel, "worst": c.worst,
-                "rounding_reference": c.reference_rel,
-                "inputs": [i.describe() for i in self.inputs], "exact": self.exact,
-                "reasons": self.reasons, "unchanged": self.unchanged, "no_gradient": self.no_gradient}
-
-
-#: How much further than the rounding reference replicated training may drift in ``verify``.
-DRIFT_FACTOR = 4.0
-
-
-def default_batch(towers: int) -> int:
-    """A global batch that splits unevenly over ``towers`` (``4N - 1``, at least 3)."""
-    return max(4 * towers - 1, 3)
-
-
-def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None, seed: int = 0,
-           rtol: float = 1e-5, train_op: str | None = None, loss: str | None = None,
-           feeds: dict[str, Any] | None = None, allow_unsafe: bool = False) -> Verification:
-    """Train ``source`` on one device and on ``towers`` logical CPUs from the same start with
-    the same synthetic inputs; compare the variables.
-
-    Raises:
-        ReplicateError: bad input, an op that touches files, the network or Python (unless
-            ``allow_unsafe``), inputs that cannot be synthesized, or a graph that fails to run.
-    """
-    import tensorflow as tf
-
-    from replicate import api, io, synthetic
-    from replicate.errors import InputError
-    from replicate.ir import IR, node_of
-
-    loaded = io.load(source)
-    origin = loaded.origin
-    meta = loaded.meta if loaded.meta is not None else _bare_meta(loaded.graph_def)
-    ir = api.analyze_only(meta, train_op=train_op, loss=loss)
-    analysis = ir.facts["analysis"]
-    trainable = _trainable(meta, ir, analysis)
-    meta = synthetic.with_variables(meta, ir, trainable)
-    targets = [analysis.train_op] + synthetic.initializers(meta)
-    specs = synthetic.input_specs(ir, targets, [b.tensor for b in analysis.batch_inputs])
-    devices = [f"/cpu:{k}" for k in range(towers)]
-    result = api.transform(meta, devices, controller="/cpu:0", train_op=analysis.train_op, loss=loss)
-    if not allow_unsafe:
-        fed = [s.tensor for s in specs]
-        bad = synthetic.unsafe_ops(ir, targets, fed) or synthetic.unsafe_ops(
-            IR.from_graph_def(result.graph_def), targets, fed)
-        if bad:
-            raise InputError(f"{origin}: refusing to run node '{bad[0][0]}' ({bad[0][1]}): it touches "
-                             "files, the network or Python; pass --allow-unsafe-ops to run it anyway")
-    static = [s.shape[0] for s in specs if s.batch_axis is not None and s.shape and s.shape[0]]
-    batch = batch or (static[0] if static else default_batch(towers))
-    rng = np.random.RandomState(seed)
-    steps_feeds = [synthetic.make_feed(specs, batch, rng, overrides=feeds) for _ in range(steps)]
-    batched = {s.tensor for s in specs if s.batch_axis is not None}
-
-    def reorder(feed: dict[str, Any]) -> dict[str, Any]:
-        order = rng.permutation(batch)
-        return {k: v[order] if k in batched and np.ndim(v) else v for k, v in feed.items()}
-    try:
-        comparison = compare(meta, result.meta_graph_def, analysis.train_op, steps_feeds,
-                             cpus=towers, soft_placement=True, reference=reorder if batched else None)
-    except (tf.errors.OpError, ValueError, TypeError) as exc:
-        first = " ".join(str(exc).split())[:300]
-        raise InputError(f"{origin}: the graph fails on synthetic inputs: {first}") from None
-    updated = {a.variable for a in analysis.apply_ops} | {analysis.global_step}
-    return Verification(origin, devices, steps, batch, seed, rtol, specs, comparison,
-                        result.report.exact, [str(r) for r in result.report.reasons],
-                        [node_of(n) for n in comparison.unchanged],
-                        [v for v in trainable if v not in updated])
-
-
-def _bare_meta(graph_def):
-    from tensorflow.core.protobuf import meta_graph_pb2
-
-    meta = meta_graph_pb2.MetaGraphDef()
-    meta.graph_def.CopyFrom(graph_def)
-    return meta
-
-
-def _trainable(meta, ir, analysis) -> list[str]:
-    """Trainable variables: the ``trainable_variables`` collection, or else the float
-    variables the loss reads."""
-    from tensorflow.core.framework import variable_pb2
-    from tensorflow.python.framework import dtypes
-
-    from replicate import ops
-    from replicate.ir import node_of
-
-    if "trainable_variables" in meta.collection_def:
-        return [node_of(variable_pb2.VariableDef.FromString(raw).variable_name)
-                for raw in meta.collection_def["trainable_variables"].bytes_list.value]
-    reads = ir.ancestors([node_of(analysis.loss)]) if analysis.loss else set()
-    return [n for n in ir.nodes if n in reads and ir.nodes[n].op in ops.VARIABLE_OPS
-            and dtypes.as_dtype(ir.nodes[n].attr("dtype", 1)).base_dtype.is_floating]
