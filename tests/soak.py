@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()), help="first round's seed")
     parser.add_argument("--jobs", type=int, default=2, help="rounds run at the same time")
     args = parser.parse_args(argv)
-    deadline = time.monotonic() + args.minutes * 60
+    began = time.monotonic()
+    deadline = began + args.minutes * 60
     totals: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     failures: list[str] = []
     rounds, seed = 0, args.seed
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{rounds} rounds] " + ", ".join(f"{t}: {_distinct(c)}"
                                                     for t, c in sorted(totals.items())), flush=True)
     grand = sum(_distinct(c) for c in totals.values())
-    print(f"\nsoak: {rounds} rounds, {grand} distinct cases, {len(failures)} failing rounds")
+    print(f"\nsoak: {rounds} rounds in {(time.monotonic() - began) / 60:.1f} minutes, {grand} "
+          f"distinct cases, {len(failures)} failing rounds")
     for test, counts in sorted(totals.items()):
         print(f"  {test}: {_distinct(counts)} cases " + json.dumps(dict(sorted(counts.items()))))
     for failure in failures:
