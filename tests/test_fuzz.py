@@ -293,17 +293,11 @@ def test_static_batch_losses_mean_squared_error():
         y, tf.matmul(x, v1.get_variable("w", [5, 4])))), towers=2, batch=8)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: static batch with sigmoid_cross_entropy_with_logits:"
-                   " its zeros_like(logits) is a Const of shape [batch, 4] that stays [8, 4] in each "
-                   "tower; TensorFlow rejects the result (Dimensions must be equal, 4 and 8)")
 def test_static_batch_sigmoid_cross_entropy():
     _exact(_regression(8, (5,), lambda x, y: tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
         labels=y, logits=tf.matmul(x, v1.get_variable("w", [5, 4]))))), towers=2, batch=8)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: static batch 4 with a hidden layer 4 wide: the "
-                   "Reshape of softmax_cross_entropy_with_logits' per-example loss back to [4] is "
-                   "taken for a model dimension and not resized; TensorFlow rejects the result")
 def test_static_batch_equal_to_a_hidden_width_with_softmax_cross_entropy():
     def loss(x, y):
         hidden = tf.nn.relu(tf.matmul(x, v1.get_variable("h", [5, 4])))

@@ -187,9 +187,6 @@ def test_recursive_function_kills_tensorflow_but_not_transform(tmp_path):
         replicate.transform(str(path), DEVICES)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a node colocated with dead gradient code (here "
-                   "the gradient with respect to the labels) keeps its _class after the transform "
-                   "removes that code; TensorFlow rejects the result")
 def test_colocation_with_removed_gradient_node():
     gd = tiny().as_graph_def()
     _node(gd, "logits").attr["_class"].list.s.append(b"loc:@gradients/sub_grad/tuple/control_dependency_1")

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 def plan(ir: IR, region: list[str], dependent: set[str], scopes: list[str], batch: int
          ) -> tuple[dict[str, str], list[str]]:
     """Region nodes to rewrite per tower -> ``"shape"`` (scale element 0), ``"factor"`` (scale
-    the value) or the name of a shape attribute; and the constants it cannot account for."""
+    the value), ``"fill"`` (a uniform tensor resized along axis 0) or the name of a shape
+    attribute; and the constants it cannot account for."""
     inside = set(region)
     plan: dict[str, str] = {}
     unexplained: list[str] = []
@@ -44,10 +45,17 @@ def plan(ir: IR, region: list[str], dependent: set[str], scopes: list[str], batc
         if node.op != "Const":
             continue
         value = ir.const_value(name)
-        if value is None or value.size == 0 or value.size > 16:
+        if value is None or value.size == 0:
+            continue
+        if _uniform_batch_tensor(ir, name, value, batch, scopes, dependent):
+            plan[name] = "fill"
+            continue
+        if value.size > 16:
             continue
         key = tuple(value.tolist()) if value.ndim == 1 and value.dtype.kind == "i" else None
-        if key in batch_shapes and key not in other_shapes:
+        forward = not any(name.startswith(p + "/") for p in scopes)
+        if key in batch_shapes and (key not in other_shapes or (
+                forward and _scope_vote(ir, name, key, dependent) == "batch")):
             plan[name] = "shape"
             continue
         if value.ndim == 0 and value.dtype.kind == "i" and _scales((int(value),), batch):
@@ -121,7 +129,37 @@ def _count_vote(ir: IR, name: str, value: int, scopes, dependent: set[str]) -> s
     return votes.pop() if len(votes) == 1 else None
 
 
-def _local_vote(ir: IR, consumer, key, scopes, dependent: set[str]) -> str | None:
+def _uniform_batch_tensor(ir: IR, name: str, value: np.ndarray, batch: int, scopes,
+                          dependent: set[str]) -> bool:
+    """A constant filled with one value whose shape is a per-example tensor's (a folded
+    ``zeros_like``/``ones_like`` of a batch-dependent tensor): each tower needs its own size."""
+    if value.ndim == 0 or not _scales(value.shape, batch) or value.size > (1 << 24):
+        return False
+    flat = value.reshape(-1)
+    if not np.all(flat == flat[0]):
+        return False
+    votes = {_local_vote(ir, c, tuple(value.shape), scopes, dependent, exclude=name)
+             for c in ir.consumers(name)}
+    return votes == {"batch"}
+
+
+def _scope_vote(ir: IR, name: str, key, dependent: set[str]) -> str | None:
+    """For a folded shape in forward code (``<scope>/Shape``): which tensors of the same name
+    scope have that shape, batch-dependent or not. Python folds ``tf.shape(x)`` of an op's own
+    input there. (Not for gradient code, whose parameter gradients depend on the batch.)"""
+    scope = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+    votes = set()
+    for other, node in ir.nodes.items():
+        if node.op == "Const" or not (other.startswith(scope) or scope.rstrip("/") == other):
+            continue
+        for producer, ref in [(node_of(r), r) for r in node.inputs] + [(other, f"{other}:0")]:
+            shape = ir.static_shape(ref)
+            if shape and None not in shape and tuple(shape) == key:
+                votes.add("batch" if producer in dependent else "shared")
+    return votes.pop() if len(votes) == 1 else None
+
+
+def _local_vote(ir: IR, consumer, key, scopes, dependent: set[str], exclude: str = "") -> str | None:
     """Whether a shape constant is the shape of a batch-dependent tensor ("batch") or of a
     batch-independent one ("shared") next to where it is used: among the inputs and outputs
     of the forward op whose gradient code uses it, or of its consumer."""
@@ -130,6 +168,8 @@ def _local_vote(ir: IR, consumer, key, scopes, dependent: set[str]) -> str | Non
     tensors = _context(ir, consumer, scopes)
     votes = set()
     for producer, ref in tensors:
+        if producer == exclude:
+            continue
         shape = ir.static_shape(ref)
         if shape and None not in shape and tuple(shape) == key:
             votes.add("batch" if producer in dependent else "shared")

@@ -50,6 +50,7 @@ class Clone:
         kinds = [tf.DeviceSpec.from_string(d).device_type or "CPU" for d in towers.devices]
         hosts = [host_of(d) for d in towers.devices]
         moved = 0
+        gone = (analysis.region_set - analysis.keep) | analysis.dead
         for k, (prefix, device) in enumerate(zip(towers.prefixes, towers.devices)):
             members = [n for n in region if k == 0 or n in analysis.needed]
             inside = set(members)
@@ -59,7 +60,7 @@ class Clone:
                 inputs = [self._map_input(ref, inside, slices, prefix) for ref in node.inputs]
                 control = [f"{prefix}/{c}" if c in inside else c for c in node.control
                            if c in inside or c not in analysis.region_set]
-                attrs = self._attrs(node, k, prefix, inside)
+                attrs = self._attrs(node, k, prefix, inside, gone)
                 where = anchors[name] or device
                 if where == device and not has_kernel(node.op, kinds[k], node.attrs):
                     where = hosts[k]
@@ -97,14 +98,19 @@ class Clone:
         return None
 
     @staticmethod
-    def _attrs(node: Node, k: int, prefix: str, inside: set[str]) -> dict[str, attr_value_pb2.AttrValue]:
+    def _attrs(node: Node, k: int, prefix: str, inside: set[str],
+               gone: frozenset[str] | set[str]) -> dict[str, attr_value_pb2.AttrValue]:
+        """Per-tower attributes; colocation with nodes the rewrite removes (``gone``) is dropped."""
         attrs = node.attrs
         changed: dict[str, attr_value_pb2.AttrValue] = {}
         if "_class" in attrs:
             locs = []
             for loc in node.attr("_class", []):
                 target = loc[len("loc:@"):] if loc.startswith("loc:@") else None
-                locs.append(f"loc:@{prefix}/{target}" if target in inside else loc)
+                if target in inside:
+                    locs.append(f"loc:@{prefix}/{target}")
+                elif target is None or target not in gone:
+                    locs.append(loc)
             value = attr_value_pb2.AttrValue()
             value.list.s.extend(s.encode() for s in locs)
             changed["_class"] = value

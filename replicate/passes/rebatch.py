@@ -7,7 +7,8 @@ per-tower counts, and ``ir.facts["copies"]`` from the clone pass.
 Produces: in each tower whose count ``n_k`` differs from the global batch ``B``, the copies of
 the planned constants rewritten: shapes have their leading element scaled by ``n_k / B``
 (reshape targets, tile multiples, fill dims, folded shapes of per-example tensors), the
-element-count factor of a ``Mean`` gradient likewise, and shape attributes
+element-count factor of a ``Mean`` gradient likewise, uniform tensors (a folded
+``zeros_like`` of a per-example tensor) are resized along axis 0, and shape attributes
 (``ops.SHAPE_ATTRS``) get leading dimension ``n_k``. With a dynamic batch size there is
 nothing to do.
 """
@@ -53,6 +54,10 @@ class Rebatch:
                     value = np.array(value)
                     value[0] = value[0] // batch * count
                     ir.set_const(copy, value)
+                elif how == "fill":
+                    value = np.array(value)
+                    shape = (value.shape[0] // batch * count,) + value.shape[1:]
+                    ir.set_const(copy, np.full(shape, value.reshape(-1)[0], dtype=value.dtype))
                 elif how == "factor":
                     ir.set_const(copy, np.array(value) * count / batch)
                 else:
