@@ -1,0 +1,288 @@
+"""Train the seeds' MNIST CNN over a TensorFlow cluster: 1 ps + 2 workers, in-graph.
+
+The model is the ordinary single-device TF1 graph (``replicate.demo.build_cnn``).
+``replicate.transform(..., devices="worker", controller="ps", cluster=...)`` puts one tower on
+each worker task and the variables and Adam's update on the ps task; one client session on
+the master (worker 0) runs the whole replicated graph. The same global batches train the
+single-device graph in this process, from the same initial values; after ``--check-step``
+steps every variable must agree within ``--rtol``.
+
+    replicate cluster --ps 1 --workers 2 --json /tmp/cluster.json &
+    python examples/distributed/train.py --cluster /tmp/cluster.json --steps 20
+
+``--local`` starts (and stops) the servers itself. ``--checkpoint-dir DIR`` then trains the
+same steps again with ``MonitoredTrainingSession``, checkpointing every ``--save-steps``;
+the batch of each step is chosen by the global step, so a run that loses a worker and
+resumes from the last checkpoint must end where the uninterrupted run did. With ``--local``,
+``--kill-at STEP`` kills worker 1 after that step and restarts it, to watch the recovery.
+Exit code 0 when everything agrees, 1 when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+import replicate
+from replicate.demo import FULL_SIZE, SMALL_SIZE, batches, build_cnn, load
+from replicate.equivalence import Trainer, relative_difference
+
+__all__ = ["make_feeds", "train_single", "train_in_graph", "StepFeeder", "train_monitored",
+           "checkpoint_steps", "checkpoint_values", "largest_difference", "kill_and_restart",
+           "once_at", "main"]
+
+log = logging.getLogger(__name__)
+v1 = tf.compat.v1
+
+
+def make_feeds(model, batch: int, steps: int, data_source: str = "auto", seed: int = 0
+               ) -> list[dict]:
+    """One feed dict per global step (the same batches for every training)."""
+    data = load(source=data_source)
+    log.info("data: %s", data.source)
+    return [{model.images: x, model.labels: y} for x, y in batches(data, batch, steps, seed)]
+
+
+def train_single(model, feeds: list[dict], keep: tuple[int, ...] = ()) -> dict[int, dict]:
+    """Single-device training in this process.
+
+    Returns:
+        Variable values by step: 0 (initial), each step in ``keep``, and ``len(feeds)``.
+    """
+    trainer = Trainer(model.graph, model.train_op, cpus=1)
+    try:
+        values = {0: trainer.values()}
+        for step, feed in enumerate(feeds, 1):
+            trainer.step(feed)
+            if step in keep or step == len(feeds):
+                values[step] = trainer.values()
+        return values
+    finally:
+        trainer.close()
+
+
+def train_in_graph(result, master: str, feeds: list[dict], initial: dict,
+                   keep: tuple[int, ...] = (), fetch: str = "loss:0"
+                   ) -> tuple[dict[int, dict], list[float]]:
+    """Train the replicated graph with one client session on ``master``, from ``initial``.
+
+    Returns:
+        (variable values by step as in :func:`train_single`, the loss of every step).
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.train.import_meta_graph(result.meta_graph_def, clear_devices=False)
+        variables = {v.op.name: v for v in v1.global_variables()}
+        init = v1.global_variables_initializer()
+    values, losses = {0: dict(initial)}, []
+    with v1.Session(master, graph=graph) as sess:
+        sess.run(init)
+        for name, value in initial.items():
+            variables[name].load(value, sess)
+        for step, feed in enumerate(feeds, 1):
+            losses.append(float(sess.run([result.analysis.train_op, fetch], feed)[1]))
+            if step in keep or step == len(feeds):
+                values[step] = dict(zip(variables, sess.run(list(variables.values()))))
+    return values, losses
+
+
+class StepFeeder(v1.train.SessionRunHook):
+    """Feeds the batch of the current global step, so a resumed run sees the same data.
+
+    The step is read from the session whenever one is created (first start and every
+    recovery), and advanced after each successful step. ``starts`` lists the global step
+    each session began at; ``on_step(step)`` is called after every step.
+    """
+
+    def __init__(self, feeds: list[dict], on_step=None):
+        self.feeds = feeds
+        self.on_step = on_step
+        self.step = 0
+        self.starts: list[int] = []
+        self._global_step = None
+
+    def begin(self) -> None:
+        self._global_step = v1.train.get_global_step()
+
+    def after_create_session(self, session, coord) -> None:
+        self.step = int(session.run(self._global_step))
+        self.starts.append(self.step)
+        log.info("session created at global step %d", self.step)
+
+    def before_run(self, run_context):
+        return v1.train.SessionRunArgs(None, feed_dict=self.feeds[self.step])
+
+    def after_run(self, run_context, run_values) -> None:
+        self.step += 1
+        if self.on_step is not None:
+            self.on_step(self.step)
+
+
+def train_monitored(result, master: str, feeds: list[dict], checkpoint_dir: str,
+                    save_steps: int, on_step=None) -> StepFeeder:
+    """Train to ``len(feeds)`` global steps with MonitoredTrainingSession on ``master``.
+
+    Checkpoints go to ``checkpoint_dir`` every ``save_steps`` steps (and at start and end).
+    An AbortedError or UnavailableError (a lost worker or ps) makes the session recreate
+    itself and restore the last checkpoint; training then continues from its step.
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.train.import_meta_graph(result.meta_graph_def, clear_devices=False)
+        train_op = graph.get_operation_by_name(result.analysis.train_op)
+        feeder = StepFeeder(feeds, on_step)
+        hooks = [feeder, v1.train.StopAtStepHook(last_step=len(feeds))]
+        with v1.train.MonitoredTrainingSession(
+                master=master, is_chief=True, checkpoint_dir=checkpoint_dir, hooks=hooks,
+                save_checkpoint_steps=save_steps, save_checkpoint_secs=None,
+                save_summaries_steps=None, save_summaries_secs=None,
+                log_step_count_steps=None) as sess:
+            while not sess.should_stop():
+                sess.run(train_op)
+    return feeder
+
+
+def checkpoint_steps(checkpoint_dir: str) -> list[int]:
+    """Global step of every checkpoint the directory lists, each read back in full.
+
+    Raises:
+        ValueError: no checkpoint, a listed checkpoint is missing or unreadable, its
+            global step disagrees with its name, or the steps are not increasing.
+    """
+    state = tf.train.get_checkpoint_state(checkpoint_dir)
+    if state is None or not state.all_model_checkpoint_paths:
+        raise ValueError(f"{checkpoint_dir}: no checkpoint")
+    steps = []
+    for path in state.all_model_checkpoint_paths:
+        reader = tf.train.load_checkpoint(path)
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+        step = int(reader.get_tensor("global_step"))
+        if not path.endswith(f"-{step}"):
+            raise ValueError(f"{path}: holds global step {step}")
+        steps.append(step)
+    if steps != sorted(set(steps)):
+        raise ValueError(f"{checkpoint_dir}: checkpoint steps {steps} are not increasing")
+    return steps
+
+
+def largest_difference(a: dict, b: dict) -> tuple[float, str]:
+    """(largest relative difference, variable name) over the variables of ``a``."""
+    diffs = {n: relative_difference(a[n], b[n]) for n in a}
+    worst = max(diffs, key=diffs.get)
+    return diffs[worst], worst
+
+
+def kill_and_restart(local, job: str = "worker", task: int = 1) -> threading.Thread:
+    """SIGKILL one task of a LocalCluster and start it again on its port, in the background."""
+    local.kill(job, task)
+    print(f"killed {job}:{task}; restarting it on {local.cluster.address(job, task)}", flush=True)
+    thread = threading.Thread(target=local.restart, args=(job, task), name="restart", daemon=True)
+    thread.start()
+    return thread
+
+
+def once_at(step: int, action):
+    """An ``on_step`` callback running ``action()`` the first time ``step`` is reached (a
+    resumed run passes the same steps again)."""
+    done: list[object] = []
+
+    def on_step(current: int) -> None:
+        if current == step and not done:
+            done.append(action())
+    on_step.done = done
+    return on_step
+
+
+def checkpoint_values(checkpoint_dir: str) -> dict:
+    """Every variable of the newest checkpoint in ``checkpoint_dir``."""
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoint_dir))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help="ClusterSpec JSON file (from `replicate cluster --json`) "
+                                         "or TF_CONFIG; needs jobs 'ps' and 'worker'")
+    where.add_argument("--local", action="store_true",
+                       help="start 1 ps + 2 workers on loopback for the run, then stop them")
+    parser.add_argument("--steps", type=int, default=20, help="global steps (default 20)")
+    parser.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
+    parser.add_argument("--small", action="store_true", help="16/32 filters, 256 dense")
+    parser.add_argument("--data", choices=("auto", "mnist", "digits", "synthetic"), default="auto")
+    parser.add_argument("--check-step", type=int, default=3,
+                        help="compare with single-device training after this step (default 3)")
+    parser.add_argument("--rtol", type=float, default=1e-5,
+                        help="largest relative difference allowed there (default 1e-5)")
+    parser.add_argument("--checkpoint-dir", help="also train with MonitoredTrainingSession, "
+                                                 "checkpointing here (resumes what it finds)")
+    parser.add_argument("--save-steps", type=int, default=5, help="checkpoint every N steps")
+    parser.add_argument("--kill-at", type=int, metavar="STEP",
+                        help="with --local --checkpoint-dir: kill worker 1 after STEP, restart it")
+    return parser
+
+
+def _verdict(label: str, a: dict, b: dict, rtol: float) -> bool:
+    diff, worst = largest_difference(a, b)
+    ok = diff <= rtol
+    print(f"{label}: largest relative difference {diff:.2g} ({worst}): "
+          f"{'agree' if ok else 'DIFFER'} (rtol {rtol:g})")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train on the cluster and on one device; print and return whether they agree."""
+    from replicate.cluster import load as load_cluster
+    from replicate.cluster_server import LocalCluster
+
+    args = _parser().parse_args(argv)
+    if args.kill_at is not None and not (args.local and args.checkpoint_dir):
+        raise SystemExit("--kill-at needs --local and --checkpoint-dir")
+    if not 1 <= args.check_step <= args.steps:
+        raise SystemExit("--check-step must be between 1 and --steps")
+    v1.disable_eager_execution()
+    model = build_cnn(SMALL_SIZE if args.small else FULL_SIZE)
+    feeds = make_feeds(model, args.batch, args.steps, args.data)
+    single = train_single(model, feeds, keep=(args.check_step,))
+    local = LocalCluster(1, 2) if args.local else None
+    try:
+        cluster = local.start().cluster if local else load_cluster(args.cluster)
+        print(f"cluster: {cluster.describe()}  (master {cluster.master()})")
+        res = replicate.transform(model.graph, "worker", controller="ps", cluster=cluster)
+        print(f"towers on {', '.join(res.report.devices)}; variables on {res.report.controller}")
+        multi, losses = train_in_graph(res, cluster.master(), feeds, single[0],
+                                       keep=(args.check_step,))
+        print(f"in-graph on the cluster: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+              f"over {len(losses)} steps")
+        ok = _verdict(f"step {args.check_step} vs one device", single[args.check_step],
+                      multi[args.check_step], args.rtol)
+        largest, _ = largest_difference(single[args.steps], multi[args.steps])
+        print(f"step {args.steps} vs one device: {largest:.2g} (float rounding drifts with "
+              "steps; `replicate demo` measures how much)")
+        if args.checkpoint_dir:
+            on_step = None
+            if args.kill_at is not None:
+                on_step = once_at(args.kill_at, lambda: kill_and_restart(local))
+            feeder = train_monitored(res, cluster.master(), feeds, args.checkpoint_dir,
+                                     args.save_steps, on_step)
+            print(f"MonitoredTrainingSession: sessions began at global steps {feeder.starts}; "
+                  f"checkpoints at steps {checkpoint_steps(args.checkpoint_dir)}")
+            ok &= _verdict("its last checkpoint vs the uninterrupted run",
+                           multi[args.steps], checkpoint_values(args.checkpoint_dir), args.rtol)
+    finally:
+        if local is not None:
+            local.stop()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())
