@@ -258,7 +258,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         raise
     except Exception as exc:  # noqa: BLE001 - the contract: only ReplicateError escapes
         origin = graph if isinstance(graph, str) else type(graph).__name__
-        raise InputError(f"{origin}: cannot be replicated ({type(exc).__name__}: {exc})") from exc
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise InputError(f"{origin}: cannot be replicated ({type(exc).__name__}: {first})") from exc
     towers: Towers = ir.facts["towers"]
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),

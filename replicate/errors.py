@@ -43,4 +43,5 @@ class PassError(ReplicateError):
         self.done = list(done)
         self.cause = cause
         after = ", ".join(done) if done else "nothing"
-        super().__init__(f"pass '{pass_name}' failed (after {after}): {cause}")
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        super().__init__(f"pass '{pass_name}' failed (after {after}): {first}")

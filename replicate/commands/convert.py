@@ -72,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
                           "(its variables are copied)")
     result = _transform(args, loaded, devices, controller[0], progress)
     progress.note("checking the result")
+    from replicate.registry import check_message_size
+
+    check_message_size(result.meta_graph_def, args.output)
     _check_consistent(result.meta_graph_def, args.output)
     graph = _imported(result.graph_def, args.output)
     progress.note(f"writing {args.output}")
