@@ -351,7 +351,7 @@ class LocalCluster:
         pending = set(keys)
         deadline = time.monotonic() + self.timeout
         try:
-            while pending and time.monotonic() < deadline:
+            while pending and not failed and time.monotonic() < deadline:
                 for event, _ in selector.select(timeout=min(1.0, deadline - time.monotonic())):
                     key = event.data
                     line = event.fileobj.readline().decode(errors="replace")
@@ -365,7 +365,7 @@ class LocalCluster:
                         selector.unregister(event.fileobj)
         finally:
             selector.close()
-        if pending:
+        if pending and not failed:
             names = ", ".join(f"{j}:{t}" for j, t in sorted(pending))
             self.stop(remove_logs=False)
             raise ReplicateError(f"{names} not serving after {self.timeout:.0f} s "

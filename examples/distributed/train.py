@@ -35,10 +35,13 @@ from replicate.equivalence import Trainer, relative_difference
 
 __all__ = ["make_feeds", "train_single", "train_in_graph", "StepFeeder", "train_monitored",
            "checkpoint_steps", "checkpoint_values", "largest_difference", "kill_and_restart",
-           "once_at", "main"]
+           "once_at", "main", "SIZES"]
 
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
+
+#: CNN sizes (conv1 filters, conv2 filters, dense units) by name.
+SIZES = {"full": FULL_SIZE, "small": SMALL_SIZE, "tiny": (4, 8, 32)}
 
 
 def make_feeds(model, batch: int, steps: int, data_source: str = "auto", seed: int = 0
@@ -49,20 +52,22 @@ def make_feeds(model, batch: int, steps: int, data_source: str = "auto", seed: i
     return [{model.images: x, model.labels: y} for x, y in batches(data, batch, steps, seed)]
 
 
-def train_single(model, feeds: list[dict], keep: tuple[int, ...] = ()) -> dict[int, dict]:
+def train_single(model, feeds: list[dict], keep: tuple[int, ...] = (),
+                 fetch: str = "loss:0") -> tuple[dict[int, dict], list[float]]:
     """Single-device training in this process.
 
     Returns:
-        Variable values by step: 0 (initial), each step in ``keep``, and ``len(feeds)``.
+        (variable values by step: 0 (initial), each step in ``keep`` and ``len(feeds)``;
+        the loss of every step).
     """
     trainer = Trainer(model.graph, model.train_op, cpus=1)
     try:
-        values = {0: trainer.values()}
+        values, losses = {0: trainer.values()}, []
         for step, feed in enumerate(feeds, 1):
-            trainer.step(feed)
+            losses.append(float(trainer.step(feed, [fetch])[0]))
             if step in keep or step == len(feeds):
                 values[step] = trainer.values()
-        return values
+        return values, losses
     finally:
         trainer.close()
 
@@ -215,7 +220,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="start 1 ps + 2 workers on loopback for the run, then stop them")
     parser.add_argument("--steps", type=int, default=20, help="global steps (default 20)")
     parser.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
-    parser.add_argument("--small", action="store_true", help="16/32 filters, 256 dense")
+    parser.add_argument("--size", choices=sorted(SIZES), default="full",
+                        help="full: the seeds' 32/64 filters and 1024 dense units (default); "
+                             "small: 16/32/256; tiny: 4/8/32, for tests")
     parser.add_argument("--data", choices=("auto", "mnist", "digits", "synthetic"), default="auto")
     parser.add_argument("--check-step", type=int, default=3,
                         help="compare with single-device training after this step (default 3)")
@@ -248,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.check_step <= args.steps:
         raise SystemExit("--check-step must be between 1 and --steps")
     v1.disable_eager_execution()
-    model = build_cnn(SMALL_SIZE if args.small else FULL_SIZE)
+    model = build_cnn(SIZES[args.size])
     feeds = make_feeds(model, args.batch, args.steps, args.data)
-    single = train_single(model, feeds, keep=(args.check_step,))
+    single, single_losses = train_single(model, feeds, keep=(args.check_step,))
     local = LocalCluster(1, 2) if args.local else None
     try:
         cluster = local.start().cluster if local else load_cluster(args.cluster)
@@ -259,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"towers on {', '.join(res.report.devices)}; variables on {res.report.controller}")
         multi, losses = train_in_graph(res, cluster.master(), feeds, single[0],
                                        keep=(args.check_step,))
-        print(f"in-graph on the cluster: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"over {len(losses)} steps")
+        print(f"loss over {len(losses)} steps: one device {single_losses[0]:.4f} -> "
+              f"{single_losses[-1]:.4f}, in-graph on the cluster {losses[0]:.4f} -> {losses[-1]:.4f}")
         ok = _verdict(f"step {args.check_step} vs one device", single[args.check_step],
                       multi[args.check_step], args.rtol)
         largest, _ = largest_difference(single[args.steps], multi[args.steps])

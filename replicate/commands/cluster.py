@@ -90,7 +90,7 @@ def _describe(local) -> str:
     lines = []
     for job, task in local.tasks:
         note = f"  master: {cluster.master()}" if (job, task) == master else ""
-        lines.append(f"  {job}:{task:<3d} {cluster.address(job, task):<22s} "
+        lines.append(f"  {f'{job}:{task}':<10s} {cluster.address(job, task):<22s} "
                      f"pid {local.procs[(job, task)].pid}{note}")
     return "\n".join(lines)
 
