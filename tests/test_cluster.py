@@ -378,7 +378,11 @@ def test_example_script_against_a_running_cluster(local_cluster, capsys):
 
 
 @pytest.mark.timeout(500)
-def test_killed_worker_resumes_from_the_last_checkpoint(local_cluster, tmp_path):
+@pytest.mark.parametrize("job,task", [("worker", 1), ("worker", 0), ("ps", 0)],
+                         ids=["worker1", "master", "ps"])
+def test_killed_task_resumes_from_the_last_checkpoint(local_cluster, tmp_path, job, task):
+    """SIGKILL a task after step 7 (checkpoints every 3 steps), restart it on its port: the
+    session recovers, restores step 6 and ends exactly where an uninterrupted run ends."""
     train = example()
     steps, save_steps, kill_after = 12, 3, 7
     model = replicate.demo.build_cnn(train.SIZES["tiny"])
@@ -387,14 +391,14 @@ def test_killed_worker_resumes_from_the_last_checkpoint(local_cluster, tmp_path)
     res = replicate.transform(model.graph, "worker", controller="ps", cluster=local_cluster.cluster)
     master = local_cluster.cluster.master()
     uninterrupted, _ = train.train_in_graph(res, master, feeds, single[0])
-    old_pid = local_cluster.procs[("worker", 1)].pid
-    fault = train.once_at(kill_after, lambda: train.kill_and_restart(local_cluster, "worker", 1))
+    old_pid = local_cluster.procs[(job, task)].pid
+    fault = train.once_at(kill_after, lambda: train.kill_and_restart(local_cluster, job, task))
     ckpt = str(tmp_path / "ckpt")
     feeder = train.train_monitored(res, master, feeds, ckpt, save_steps, on_step=fault)
 
     assert fault.done, "the worker was never killed"
     fault.done[0].join(timeout=SERVER_TIMEOUT)
-    assert not local_cluster.poll() and local_cluster.procs[("worker", 1)].pid != old_pid
+    assert not local_cluster.poll() and local_cluster.procs[(job, task)].pid != old_pid
     _assert_loopback(local_cluster.cluster)
     # The first session began at 0; every later one restored the checkpoint of step 6,
     # not the ps's in-memory state of step 7.
