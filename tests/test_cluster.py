@@ -370,7 +370,7 @@ def test_in_graph_training_over_ps_and_workers_equals_one_device(local_cluster):
 @pytest.mark.timeout(400)
 def test_example_script_against_a_running_cluster(local_cluster, capsys):
     code = example().main(["--cluster", local_cluster.spec_file, "--size", "tiny", "--steps", "4",
-                           "--data", "synthetic"])
+                           "--data", "synthetic", "--rtol", str(RTOL)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "towers on /job:worker/task:0, /job:worker/task:1; variables on /job:ps/task:0" in out

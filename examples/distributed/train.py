@@ -40,6 +40,9 @@ __all__ = ["make_feeds", "train_single", "train_in_graph", "StepFeeder", "train_
 log = logging.getLogger(__name__)
 v1 = tf.compat.v1
 
+#: A resumed run replays the same ops on the same values as an uninterrupted one.
+RESUME_RTOL = 1e-6
+
 #: CNN sizes (conv1 filters, conv2 filters, dense units) by name.
 SIZES = {"full": FULL_SIZE, "small": SMALL_SIZE, "tiny": (4, 8, 32)}
 
@@ -148,7 +151,7 @@ def train_monitored(result, master: str, feeds: list[dict], checkpoint_dir: str,
                 save_checkpoint_steps=save_steps, save_checkpoint_secs=None,
                 save_summaries_steps=None, save_summaries_secs=None,
                 log_step_count_steps=None) as sess:
-            while not sess.should_stop():
+            while not sess.should_stop() and feeder.step < len(feeds):
                 sess.run(train_op)
     return feeder
 
@@ -226,8 +229,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", choices=("auto", "mnist", "digits", "synthetic"), default="auto")
     parser.add_argument("--check-step", type=int, default=3,
                         help="compare with single-device training after this step (default 3)")
-    parser.add_argument("--rtol", type=float, default=1e-5,
-                        help="largest relative difference allowed there (default 1e-5)")
+    parser.add_argument("--rtol", type=float, default=1e-4,
+                        help="largest relative difference allowed there (default 1e-4: the "
+                             "full CNN's Adam update on 2 x 16 examples differs by ~1e-5 from "
+                             "one device's on 32 by float rounding alone, in one process as "
+                             "on a cluster)")
     parser.add_argument("--checkpoint-dir", help="also train with MonitoredTrainingSession, "
                                                  "checkpointing here (resumes what it finds)")
     parser.add_argument("--save-steps", type=int, default=5, help="checkpoint every N steps")
@@ -282,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"MonitoredTrainingSession: sessions began at global steps {feeder.starts}; "
                   f"checkpoints at steps {checkpoint_steps(args.checkpoint_dir)}")
             ok &= _verdict("its last checkpoint vs the uninterrupted run",
-                           multi[args.steps], checkpoint_values(args.checkpoint_dir), args.rtol)
+                           multi[args.steps], checkpoint_values(args.checkpoint_dir), RESUME_RTOL)
     finally:
         if local is not None:
             local.stop()
