@@ -67,7 +67,8 @@ class Cluster:
         out: dict[str, Any] = {}
         for job, tasks in self.jobs.items():
             dense = sorted(tasks) == list(range(len(tasks)))
-            out[job] = [tasks[i] for i in sorted(tasks)] if dense else {i: tasks[i] for i in sorted(tasks)}
+            ordered = {i: tasks[i] for i in sorted(tasks)}
+            out[job] = list(ordered.values()) if dense else ordered
         return out
 
     def to_json(self) -> str:
@@ -103,7 +104,8 @@ class Cluster:
             job = next(iter(self.jobs))
             return job, self.tasks(job)[0]
         raise DeviceError(f"the cluster (jobs {', '.join(sorted(self.jobs))}) has no "
-                          f"{', '.join(MASTER_JOBS[:-1])} or {MASTER_JOBS[-1]} job to act as master")
+                          f"{', '.join(MASTER_JOBS[:-1])} or {MASTER_JOBS[-1]} job to act as "
+                          "master")
 
     def master(self) -> str:
         """The session target of the master task, e.g. ``grpc://127.0.0.1:2223``."""

@@ -26,9 +26,9 @@ import tensorflow as tf
 import models
 import replicate
 from replicate import cli
-from replicate.cluster import Cluster, expand, load, resolve
-from replicate.cluster_server import (EXIT_BIND, LocalCluster, _decode, _loopback_only,
-                                      is_loopback_host, listening_addresses, shim_path)
+from replicate.cluster import expand, load, resolve
+from replicate.cluster_server import (LocalCluster, _decode, _loopback_only, is_loopback_host,
+                                      listening_addresses, shim_path)
 from replicate.commands._cluster_args import (add_cluster_arguments, cluster_value,
                                               default_devices, resolve_devices)
 from replicate.errors import DeviceError, InputError, ReplicateError
@@ -36,7 +36,8 @@ from replicate.errors import DeviceError, InputError, ReplicateError
 v1 = tf.compat.v1
 RTOL = 1e-5
 SPEC = {"ps": ["127.0.0.1:2222"], "worker": ["127.0.0.1:2223", "127.0.0.1:2224"]}
-TWO_PS = {"ps": ["127.0.0.1:2220", "127.0.0.1:2221"], "worker": ["127.0.0.1:2223", "127.0.0.1:2224"]}
+TWO_PS = {"ps": ["127.0.0.1:2220", "127.0.0.1:2221"],
+          "worker": ["127.0.0.1:2223", "127.0.0.1:2224"]}
 SERVER_TIMEOUT = 200.0
 
 
@@ -127,8 +128,10 @@ def test_several_ps_tasks_spread_the_variables():
 
 
 @pytest.mark.parametrize("item,expected", [
-    ("/job:worker/device:GPU:0", ["/job:worker/task:0/device:GPU:0", "/job:worker/task:1/device:GPU:0"]),
-    ("/job:worker/task:*/gpu:1", ["/job:worker/task:0/device:GPU:1", "/job:worker/task:1/device:GPU:1"]),
+    ("/job:worker/device:GPU:0",
+     ["/job:worker/task:0/device:GPU:0", "/job:worker/task:1/device:GPU:0"]),
+    ("/job:worker/task:*/gpu:1",
+     ["/job:worker/task:0/device:GPU:1", "/job:worker/task:1/device:GPU:1"]),
     ("/job:worker/task:1/device:GPU:0", ["/job:worker/task:1/device:GPU:0"]),
     ("/gpu:0", ["/job:worker/task:0/device:GPU:0"]),
     ("/job:worker/replica:0/task:1/cpu:2", ["/job:worker/replica:0/task:1/device:CPU:2"]),
@@ -149,8 +152,10 @@ def test_resolve_is_idempotent():
 
 
 @pytest.mark.parametrize("devices,controller,words", [
-    ("/job:trainer/task:0", "ps", "device '/job:trainer/task:0' names job 'trainer'.*jobs: ps, worker"),
-    ("/job:worker/task:5", "ps", "device '/job:worker/task:5' names task 5 of job 'worker', which has tasks 0, 1"),
+    ("/job:trainer/task:0", "ps",
+     "device '/job:trainer/task:0' names job 'trainer'.*jobs: ps, worker"),
+    ("/job:worker/task:5", "ps",
+     "device '/job:worker/task:5' names task 5 of job 'worker', which has tasks 0, 1"),
     ("worker", "/job:ps/task:1", "controller '/job:ps/task:1' names task 1"),
     ("workers", "ps", "names job 'workers'"),
     ("/job:worker/foo:1", "ps", "not a TensorFlow device"),
@@ -250,7 +255,8 @@ def test_server_entry_point_refuses_an_unknown_task(capsys):
 
 
 def test_cluster_command_refuses_bad_options(tmp_path, capsys):
-    for argv, words in ((["--workers", "0"], "--workers 0"), (["--port-base", "80"], "--port-base 80"),
+    for argv, words in ((["--workers", "0"], "--workers 0"),
+                        (["--port-base", "80"], "--port-base 80"),
                         (["--json", str(tmp_path / "no" / "c.json")], "not a writable directory")):
         assert cli.main(["cluster", *argv]) == 2
         assert words in capsys.readouterr().err
@@ -277,7 +283,8 @@ def test_cluster_command_serves_restarts_and_stops_on_ctrl_c(tmp_path):
            "--json", str(spec), "--restart"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + SERVER_TIMEOUT
@@ -294,7 +301,8 @@ def test_cluster_command_serves_restarts_and_stops_on_ctrl_c(tmp_path):
             assert f"/job:{task}/device:CPU:0" in devices
         os.kill(pids["worker:1"], signal.SIGKILL)
         while not any("worker:1 restarted" in ln for ln in lines):
-            assert proc.poll() is None and time.monotonic() < deadline + SERVER_TIMEOUT, "".join(lines)
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline + SERVER_TIMEOUT, "".join(lines)
             time.sleep(0.5)
         _assert_loopback(cluster)
         restarted = next(ln for ln in lines if "worker:1 restarted" in ln)
@@ -346,8 +354,9 @@ def local_cluster():
 @pytest.mark.timeout(400)
 def test_local_cluster_retries_a_taken_port(local_cluster):
     assert local_cluster.starts == 2
-    assert local_cluster.held not in [int(a.rsplit(":", 1)[1])
-                                      for t in local_cluster.cluster.jobs.values() for a in t.values()]
+    ports = [int(a.rsplit(":", 1)[1]) for t in local_cluster.cluster.jobs.values()
+             for a in t.values()]
+    assert local_cluster.held not in ports
     assert not local_cluster.poll()
     _assert_loopback(local_cluster.cluster)
 

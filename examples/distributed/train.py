@@ -26,7 +26,6 @@ import os
 import sys
 import threading
 
-import numpy as np
 import tensorflow as tf
 
 import replicate
@@ -273,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         multi, losses = train_in_graph(res, cluster.master(), feeds, single[0],
                                        keep=(args.check_step,))
         print(f"loss over {len(losses)} steps: one device {single_losses[0]:.4f} -> "
-              f"{single_losses[-1]:.4f}, in-graph on the cluster {losses[0]:.4f} -> {losses[-1]:.4f}")
+              f"{single_losses[-1]:.4f}, in-graph on the cluster {losses[0]:.4f} -> "
+              f"{losses[-1]:.4f}")
         ok = _verdict(f"step {args.check_step} vs one device", single[args.check_step],
                       multi[args.check_step], args.rtol)
         largest, _ = largest_difference(single[args.steps], multi[args.steps])
