@@ -5,8 +5,8 @@ import pytest
 
 import breadth_models as bm
 import replicate
-from replicate.equivalence import Trainer, compare
-from test_equivalence import CPUS, RTOL, check
+from replicate.equivalence import Trainer
+from test_equivalence import CPUS, check
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad", "momentum", "ftrl"])

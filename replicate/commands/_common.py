@@ -54,6 +54,29 @@ def strategy_options(args: argparse.Namespace) -> dict:
     return {"batch_norm": args.batch_norm, "aggregation": args.aggregation, "param_devices": params}
 
 
+def targets(args: argparse.Namespace, default: str | None = None) -> dict:
+    """Tower devices, controller, parameter devices and cluster from the device, strategy and
+    ``--cluster`` options, as ``transform()`` keyword arguments (``devices`` included).
+
+    ``default`` stands for ``--devices`` when it is not given (inspect).
+    """
+    from replicate.commands._cluster_args import cluster_value, default_devices, resolve_devices
+
+    options = strategy_options(args)
+    cluster = cluster_value(args)
+    if cluster is None:
+        devices = parse_devices(args.devices if args.devices is not None else default)
+        controller = parse_devices(args.controller, "--controller")
+        if len(controller) != 1:
+            raise DeviceError(f"--controller '{args.controller}': give exactly one device")
+        return {"devices": devices, "controller": controller[0], **options}
+    text = args.devices if args.devices is not None else default_devices(cluster)
+    devices, controller, params = resolve_devices(cluster, text, args.controller)
+    if options["param_devices"] is None:
+        options["param_devices"] = params
+    return {"devices": devices, "controller": controller, "cluster": cluster, **options}
+
+
 def device_list(text: str) -> list[str]:
     """Split ``--devices``: a comma-separated list (empty items are an error later)."""
     return [d.strip() for d in text.split(",")]

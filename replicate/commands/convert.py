@@ -21,8 +21,9 @@ import os
 
 from replicate.commands._common import (Progress, add_device_arguments, add_graph_arguments,
                                         add_strategy_arguments, check_input, name_list,
-                                        parse_devices, relabel, strategy_options, train_op_hint)
-from replicate.errors import DeviceError, OutputError, ReplicateError
+                                        relabel, targets, train_op_hint)
+from replicate.commands._cluster_args import add_cluster_arguments
+from replicate.errors import OutputError, ReplicateError
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser)
     add_graph_arguments(parser)
     add_strategy_arguments(parser)
+    add_cluster_arguments(parser)
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="output format (default: IN's, as text when OUT ends in .pbtxt)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -57,10 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     progress = Progress("replicate convert")
     check_input(args.input)
-    devices = parse_devices(args.devices)
-    controller = parse_devices(args.controller, "--controller")
-    if len(controller) != 1:
-        raise DeviceError(f"--controller '{args.controller}': give exactly one device")
+    where = targets(args)
+    devices = where["devices"]
     io.check_writable(args.output, args.force, source=args.input)
     for option, directory in (("--tensorboard", args.tensorboard), ("--dump-dir", args.dump_dir)):
         if directory:
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt == "savedmodel" and loaded.saved_model is None:
         raise OutputError(f"{args.output}: --format savedmodel needs a SavedModel input "
                           "(its variables are copied)")
-    result = _transform(args, loaded, devices, controller[0], progress)
+    result = _transform(args, loaded, where, progress)
     progress.note("checking the result")
     from replicate.registry import check_message_size
 
@@ -91,17 +91,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _transform(args: argparse.Namespace, loaded, devices: list[str], controller: str, progress):
+def _transform(args: argparse.Namespace, loaded, where: dict, progress):
     """Run the transform on the loaded graph; errors name IN."""
     from replicate.api import transform
 
     source = loaded.meta if loaded.meta is not None else loaded.graph_def
     train_op = train_op_hint(args.train_op, loaded.meta)
     try:
-        return transform(source, devices, controller=controller, train_op=train_op,
+        return transform(source, train_op=train_op,
                          loss=args.loss, outputs=name_list(args.outputs),
                          verify_each=args.verify_each, dump_dir=args.dump_dir, progress=progress,
-                         **strategy_options(args))
+                         **where)
     except ReplicateError as exc:
         raise relabel(exc, args.input) from None
 

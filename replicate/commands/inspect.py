@@ -20,9 +20,9 @@ from typing import Any
 
 from replicate.commands._common import (add_device_arguments, add_graph_arguments,
                                         add_strategy_arguments, check_input, human_bytes, name_list,
-                                        parse_devices, relabel, strategy_options, table,
-                                        train_op_hint)
-from replicate.errors import DeviceError, ReplicateError
+                                        relabel, table, targets, train_op_hint)
+from replicate.commands._cluster_args import add_cluster_arguments
+from replicate.errors import ReplicateError
 
 __all__ = ["HELP", "add_arguments", "run", "collect", "render"]
 
@@ -50,19 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser, required=False)
     add_graph_arguments(parser)
     add_strategy_arguments(parser)
+    add_cluster_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def run(args: argparse.Namespace) -> int:
     """Analyse ``args.input`` and print the findings; return the exit code."""
     check_input(args.input)
-    assumed = args.devices is None
-    devices = parse_devices(DEFAULT_DEVICES if assumed else args.devices)
-    controller = parse_devices(args.controller, "--controller")
-    if len(controller) != 1:
-        raise DeviceError(f"--controller '{args.controller}': give exactly one device")
-    info = collect(args.input, devices, controller[0], train_op=args.train_op, loss=args.loss,
-                   outputs=name_list(args.outputs), strategy=strategy_options(args))
+    assumed = args.devices is None and getattr(args, "cluster", None) is None
+    where = targets(args, default=DEFAULT_DEVICES)
+    devices, controller = where.pop("devices"), where.pop("controller")
+    info = collect(args.input, devices, controller, train_op=args.train_op, loss=args.loss,
+                   outputs=name_list(args.outputs), strategy=where)
     info["devices_assumed"] = assumed
     print(json.dumps(info, indent=2, sort_keys=True) if args.json else render(info))
     return 0
