@@ -446,8 +446,10 @@ class IR:
         node.control = list(dict.fromkeys(control))
         for ctl in node.control:
             self._consumers.setdefault(ctl, {})[name] = None
+        still = set(node.control) | {node_of(r) for r in node.inputs}
         for ctl in old:
-            self._forget_if_unused(ctl, name)
+            if ctl not in still:
+                self._consumers.get(ctl, {}).pop(name, None)
 
     def replace_uses(self, old: str, new: str, only: Iterable[str] | None = None) -> int:
         """Make every reader of tensor ``old`` (or only those named in ``only``) read ``new``.

@@ -32,6 +32,24 @@ def has_kernel(op_type: str, device_type: str, attrs: dict) -> bool:
     Ops with no registered kernels at all (library functions, unknown ops) count as runnable:
     the function's own ops are placed by TensorFlow.
     """
+    names = _constraint_names(op_type)
+    key = tuple(attrs[n].SerializeToString(deterministic=True) if n in attrs else b"" for n in names)
+    return _has_kernel(op_type, device_type, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _constraint_names(op_type: str) -> tuple[str, ...]:
+    return tuple(sorted({c.name for k in _kernels(op_type) for c in k.constraint}))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_kernel(op_type: str, device_type: str, key: tuple) -> bool:
+    from tensorflow.core.framework import attr_value_pb2
+
+    attrs = {}
+    for name, raw in zip(_constraint_names(op_type), key):
+        if raw:
+            attrs[name] = attr_value_pb2.AttrValue.FromString(raw)
     registered = _kernels(op_type)
     if not registered:
         return True

@@ -93,10 +93,12 @@ class Analyze:
         reasons += _unmergeable(ir, graph, train_op, unmergeable, inside, warnings)
         step = _inputs.global_step(ir, apply_ops)
         controls: dict[str, list[str]] = {}
-        for n in region:
-            for c in ir.consumers(n):
-                if c.name not in inside and n in c.control:
-                    controls[c.name] = [x for x in c.control if x in inside]
+        for consumer in {c.name for n in region for c in ir.consumers(n)} - inside:
+            waits = [x for x in ir.nodes[consumer].control if x in inside]
+            if waits:
+                controls[consumer] = waits
+        order = _order(ir)
+        controls = dict(sorted(controls.items(), key=lambda kv: order(kv[0])))
         analysis = Analysis(
             train_op=train_op,
             variables=_inputs.variables(ir, region, apply_ops),
@@ -217,14 +219,23 @@ class Analyze:
 
     def _needed(self, ir: IR, graph: nx.DiGraph, region: list[str], updates: list[str],
                 targets: list[str]) -> set[str]:
-        """Region nodes every tower needs; the rest only feed update ops (tower 0's job)."""
-        pruned = graph.copy()
-        for u in updates:
-            for consumer in list(pruned.successors(u)):
-                if u in ir.nodes[consumer].control and not any(
-                        node_of(r) == u for r in ir.nodes[consumer].inputs):
-                    pruned.remove_edge(u, consumer)
-        return ir.ancestors(targets, pruned) & set(region)
+        """Region nodes every tower needs; the rest only feed update ops (tower 0's job).
+
+        Walks back from ``targets`` inside the region, not following control edges into update
+        ops (an op that merely waits for a batch-norm update does not need it in every tower).
+        """
+        inside, skip = set(region), set(updates)
+        seen = {t for t in targets if t in inside}
+        work = list(seen)
+        while work:
+            node = ir.nodes[work.pop()]
+            producers = [node_of(r) for r in node.inputs]
+            waits = [c for c in node.control if c not in skip or c in producers]
+            for name in producers + waits:
+                if name in inside and name not in seen:
+                    seen.add(name)
+                    work.append(name)
+        return seen
 
 
 def _order(ir: IR):
