@@ -1,0 +1,157 @@
+"""Helpers of the analyze pass: the train op and the optimizer updates it runs.
+
+An optimizer update is an op of ``ops.APPLY_OPS`` or ``ops.MUTATING_OPS`` whose value comes
+from a gradient. The train op is the sink that runs them all (or the one the user names);
+integer counters updated next to them are the global step.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from replicate import ops
+from replicate.errors import AnalysisError
+from replicate.facts import ApplyOp
+from replicate.ir import IR, node_of
+from replicate.roles import variable_of
+
+__all__ = ["find_train_op", "descendants"]
+
+
+def find_train_op(ir: IR, graph: nx.DiGraph, in_grad: set[str], train_op: str | None
+                  ) -> tuple[str, list[ApplyOp]]:
+    """The train op (given, or the sink that runs every optimizer update fed by a gradient)
+    and the optimizer updates it runs."""
+    below = descendants(graph, in_grad, list(ir.nodes))
+    fed = _gradient_fed(ir, graph, in_grad)
+    updates = [n for n in ir.nodes if n in below and n not in in_grad
+               and (ir.nodes[n].op in ops.APPLY_OPS or ir.nodes[n].op in ops.MUTATING_OPS)]
+    if train_op is not None:
+        name = node_of(train_op)
+        if name not in ir.nodes:
+            raise AnalysisError(f"train op '{train_op}' is not a node of the graph")
+        ancestors = ir.ancestors([name], graph)
+        chosen = [u for u in updates if u in ancestors]
+        if not chosen:
+            raise AnalysisError(f"train op '{name}' updates no variable from a gradient")
+        return name, _apply_ops(ir, chosen, fed)
+    reach: set[str] = set()
+    for u in updates:
+        if u not in reach:
+            reach |= nx.descendants(graph, u) | {u}
+    sinks = [n for n in ir.nodes if n in reach and graph.out_degree(n) == 0]
+    if not sinks:
+        raise AnalysisError("no train op found: no optimizer update consumes a gradient")
+    if len(sinks) > 1:
+        sinks = _widest(ir, graph, sinks, updates)
+    if len(sinks) > 1:
+        collected = [s for s in _collection_names(ir, "train_op") if s in sinks]
+        if len(collected) == 1:
+            sinks = collected
+        else:
+            names = ", ".join(f"'{s}'" for s in sinks[:6])
+            raise AnalysisError(f"several candidate train ops ({names}); "
+                                "choose one with train_op=")
+    ancestors = ir.ancestors(sinks, graph)
+    return sinks[0], _apply_ops(ir, [u for u in updates if u in ancestors], fed)
+
+
+
+def descendants(graph: nx.DiGraph, starts: set[str], region: list[str]) -> set[str]:
+    inside = set(region)
+    out: set[str] = set()
+    work = [s for n in starts for s in graph.successors(n) if s in inside]
+    while work:
+        name = work.pop()
+        if name in out:
+            continue
+        out.add(name)
+        work.extend(s for s in graph.successors(name) if s in inside and s not in out)
+    return out
+
+
+def _gradient_fed(ir: IR, graph: nx.DiGraph, in_grad: set[str]) -> set[str]:
+    """Nodes computed from a gradient: data descendants of the gradient code, and reads of a
+    variable that wait (by control edge) for an update of that same variable from a gradient
+    (TF1 Adam's sparse path reads its slots back after scattering into them)."""
+    data_only = nx.DiGraph()
+    data_only.add_nodes_from(graph)
+    data_only.add_edges_from((node_of(r), n.name) for n in ir for r in n.inputs)
+    fed = descendants(data_only, in_grad, list(ir.nodes)) | in_grad
+    while True:
+        extra = set()
+        for name in fed:
+            node = ir.nodes[name]
+            if node.op not in ops.MUTATING_OPS or not node.inputs:
+                continue
+            target = variable_of(ir, node.inputs[0])
+            for reader in ir.consumers(name):
+                if reader.name not in fed and name in reader.control and reader.inputs \
+                        and reader.op in ("ReadVariableOp", "Identity") \
+                        and variable_of(ir, reader.inputs[0]) == target:
+                    extra.add(reader.name)
+        if not extra:
+            return fed
+        fed |= extra | descendants(data_only, extra, list(ir.nodes))
+
+
+def _widest(ir: IR, graph: nx.DiGraph, sinks: list[str], updates: list[str]) -> list[str]:
+    """Sinks whose set of ancestor updates no other sink strictly contains; reads dropped
+    when an op that is not a read remains."""
+    update_set = set(updates)
+    covers = {s: frozenset(ir.ancestors([s], graph) & update_set) for s in sinks}
+    out = [s for s in sinks if not any(covers[s] < covers[o] for o in sinks)]
+    non_reads = [s for s in out if ir.nodes[s].op not in ("ReadVariableOp", "Identity")]
+    return non_reads or out
+
+
+def _apply_ops(ir: IR, names: list[str], fed: set[str]) -> list[ApplyOp]:
+    """Updates among ``names`` whose value input is computed from a gradient (in ``fed``),
+    plus integer counters (the global step), which the caller separates."""
+    out = []
+    for name in names:
+        node = ir.nodes[name]
+        spec = ops.APPLY_OPS.get(node.op)
+        if spec is not None:
+            var_arg, grad_arg, idx_arg, family = spec.var_arg, spec.grad_arg, spec.indices_arg, spec.optimizer
+        else:
+            var_arg, grad_arg, idx_arg = ops.MUTATING_OPS[node.op]
+            family = _family(ir, name, names)
+        vpos, gpos = ir.arg_index(node, var_arg), ir.arg_index(node, grad_arg)
+        ipos = ir.arg_index(node, idx_arg) if idx_arg else None
+        variable = variable_of(ir, node.inputs[vpos]) if vpos is not None else None
+        if variable is None or gpos is None:
+            continue
+        counter = node.op in ("AssignAdd", "AssignAddVariableOp") and _is_integer(ir, variable)
+        if node_of(node.inputs[gpos]) not in fed and not counter:
+            continue
+        out.append(ApplyOp(name, node.op, family, variable, node.inputs[gpos],
+                           node.inputs[ipos] if ipos is not None else None))
+    return out
+
+
+def _family(ir: IR, name: str, names: list[str]) -> str:
+    """Optimizer family of a plain variable update: that of an optimizer kernel in the same
+    top-level name scope (TF1 Adam's sparse path scatters, then assigns), else the scope."""
+    top = name.split("/")[0]
+    for other in names:
+        spec = ops.APPLY_OPS.get(ir.nodes[other].op)
+        if spec is not None and other.split("/")[0] == top:
+            return spec.optimizer
+    return top
+
+
+def _is_integer(ir: IR, variable: str) -> bool:
+    from tensorflow.python.framework import dtypes
+
+    dtype = ir.nodes[variable].attr("dtype")
+    return dtype is not None and dtypes.as_dtype(dtype).base_dtype.is_integer
+
+
+def _collection_names(ir: IR, key: str) -> list[str]:
+    if ir.meta is None or key not in ir.meta.collection_def:
+        return []
+    return [node_of(v.decode() if isinstance(v, bytes) else v)
+            for v in ir.meta.collection_def[key].node_list.value]
+
+
