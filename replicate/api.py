@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -229,6 +231,30 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
     Raises:
         ReplicateError: for any bad input; the message names the file, node or option.
     """
+    with _gc_paused():
+        return _transform(graph, devices, controller=controller, train_op=train_op, loss=loss,
+                          outputs=outputs, merge_forward=merge_forward, param_devices=param_devices,
+                          aggregation=aggregation, batch_norm=batch_norm, cluster=cluster,
+                          verify_each=verify_each, dump_dir=dump_dir, progress=progress)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector: a transform allocates hundreds of thousands of
+    small objects and holds them all, so collections would only rescan them (measured: a
+    36,688-node graph transformed in 12.7 s with collections, 7.6 s without)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op, loss, outputs,
+               merge_forward: bool, param_devices, aggregation: str, batch_norm: str, cluster,
+               verify_each: bool, dump_dir, progress) -> Result:
     start = time.perf_counter()
     if cluster is not None:
         from replicate.cluster import resolve

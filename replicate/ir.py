@@ -168,6 +168,7 @@ class IR:
         self.static_shapes: dict[str, list[list[int | None] | None]] = {}
         self.facts: dict[str, Any] = {}
         self._functions: dict[str, Any] = {}
+        self._types: dict[str, tuple] = {}
 
     # ------------------------------------------------------------------ build / write
     @classmethod
@@ -284,7 +285,18 @@ class IR:
         return 1
 
     def output_types(self, node: Node) -> list[tuple[int, bool]]:
-        """The outputs of ``node`` as (DataType enum, is_ref) pairs, from the op registry."""
+        """The outputs of ``node`` as (DataType enum, is_ref) pairs, from the op registry.
+
+        Cached per node while its attributes are unchanged (they are replaced, never mutated).
+        """
+        cached = self._types.get(node.name)
+        if cached is not None and cached[0] is node.attrs and cached[1] == node.op:
+            return cached[2]
+        out = self._output_types(node)
+        self._types[node.name] = (node.attrs, node.op, out)
+        return out
+
+    def _output_types(self, node: Node) -> list[tuple[int, bool]]:
         op_def = self.op_def(node.op)
         if op_def is None:
             return []
