@@ -33,11 +33,12 @@ log = logging.getLogger(__name__)
 def plot_step_time(data: dict, path: str) -> None:
     """Bars of step time / single-device step time, one group per (model, devices)."""
     groups = [(r["model"], r["devices"], r["timed"]) for r in data["results"]]
-    labels = []
+    labels = ["single device", "hand-written towers", "MirroredStrategy"]
     for _, _, timed in groups:
         labels += [k for k in timed if k not in labels]
     fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(groups)), 4.2))
     width = 0.8 / max(1, len(labels))
+    labels = [k for k in labels if any(k in timed for _, _, timed in groups)]
     for j, label in enumerate(labels):
         xs, ys = [], []
         for i, (_, _, timed) in enumerate(groups):
