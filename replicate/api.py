@@ -21,6 +21,7 @@ from replicate.ir import IR, parse_tensor
 from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
+from replicate.passes.mirror import MIRRORED, Mirror
 from replicate.passes.place import Place
 from replicate.passes.rebatch import Rebatch
 from replicate.passes.rewire import Rewire
@@ -31,7 +32,7 @@ from replicate.pipeline import PassRecord, run_pipeline
 from replicate.report import Report
 from replicate import registry
 
-__all__ = ["transform", "Result", "normalize_device", "analyze_only", "BATCH_NORM_MODES", "STRATEGIES"]
+__all__ = ["transform", "Result", "normalize_device", "analyze_only", "BATCH_NORM_MODES", "STRATEGIES", "MIRRORED"]
 
 #: Batch-norm modes of :func:`transform`.
 BATCH_NORM_MODES = ("tower0", "sync")
@@ -210,7 +211,10 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         loss: the loss tensor's name, when it cannot be recovered from the gradients.
         outputs: more tensor names to keep fetchable (merged over towers) under their names.
         merge_forward: merge every per-example forward tensor under its name (default True).
-        param_devices: spread variables over these devices by size instead of the controller.
+        param_devices: spread variables over these devices by size instead of the controller;
+            or ``"mirrored"``: a copy of every trained variable (and its optimizer state) on
+            each tower device, gradients all-reduced and the update applied on every device
+            (the original names, on tower 0's device, are what checkpoints hold).
         aggregation: ``"add_n"`` (each gradient summed on its variable's device), ``"packed"``
             (small dense gradients flattened into a few buffers per tower before summing),
             ``"allreduce"`` or ``"packed_allreduce"`` (the sums done by collective all-reduce
@@ -256,11 +260,18 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                merge_forward: bool, param_devices, aggregation: str, batch_norm: str, cluster,
                verify_each: bool, dump_dir, progress) -> Result:
     start = time.perf_counter()
+    mirrored = param_devices == MIRRORED or (
+        not isinstance(param_devices, str) and list(param_devices or []) == [MIRRORED])
+    if mirrored:
+        param_devices = None
     if cluster is not None:
         from replicate.cluster import resolve
 
         devices, controller, param_devices = resolve(cluster, devices, controller, param_devices)
     devices, controller = _devices(devices, controller)
+    if isinstance(param_devices, str):
+        raise ReplicateError(f"param_devices='{param_devices}': give a list of devices or "
+                             f"'{MIRRORED}'")
     params = [normalize_device(d, "parameter device") for d in (param_devices or [])]
     if aggregation not in STRATEGIES:
         raise ReplicateError(f"aggregation='{aggregation}' is not one of {', '.join(STRATEGIES)}")
@@ -273,7 +284,10 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         passes = [analyze, Place(controller, params), Split(devices, controller), Clone()]
         if batch_norm == "sync":
             passes.append(Sync(controller))
-        passes += [Rebatch(), Aggregate(controller, aggregation), Rewire(controller), validator]
+        if mirrored and not aggregation.endswith("allreduce"):
+            aggregation = "packed_allreduce" if aggregation == "packed" else "allreduce"
+        passes += [Rebatch(), Aggregate(controller, aggregation), Rewire(controller)]
+        passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
         analysis: Analysis = ir.facts["analysis"]
@@ -318,4 +332,5 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         synced=list(ir.facts.get("synced", [])),
         rebatched=list(ir.facts.get("rebatched", [])), exact=not analysis.reasons,
         reasons=list(analysis.reasons), warnings=warnings,
-        passes=[dataclasses.asdict(r) for r in records])
+        passes=[dataclasses.asdict(r) for r in records],
+        mirrored=list(ir.facts.get("mirrored", [])))

@@ -54,6 +54,7 @@ class Report:
     reasons: list[Reason]
     warnings: list[str]
     passes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    mirrored: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""
@@ -92,6 +93,11 @@ class Report:
             lines.append(f"  batch norm    {len(self.batch_norm['ops'])} batch statistics "
                          f"({', '.join(self.batch_norm['ops'][:3])}{'...' if len(self.batch_norm['ops']) > 3 else ''}); "
                          f"mode {self.batch_norm['mode']}: {how}")
+        if self.mirrored:
+            lines.append(f"  mirrored      {len(self.mirrored)} variables copied on every tower device, "
+                         "updated in place from all-reduced gradients (checkpoints hold the "
+                         "originals; run replicate/mirror/sync after restoring with a Saver "
+                         "built after import)")
         if self.rebatched:
             lines.append(f"  static batch  {len(self.rebatched)} constants rewritten per tower")
         if self.exact:

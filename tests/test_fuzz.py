@@ -22,6 +22,7 @@ from hypothesis import given, strategies as st
 import models
 import replicate
 from replicate import registry
+from replicate.passes.aggregate import STRATEGIES
 from replicate.equivalence import compare
 from replicate.errors import AnalysisError
 from soak import SCALE, Tally, fuzz, transform_cleanly
@@ -151,7 +152,9 @@ def cases(draw):
                 optimizer=draw(st.sampled_from(sorted(models.OPTIMIZERS))),
                 resource=draw(st.booleans()), static=draw(st.sampled_from([None, None, batch])),
                 global_step=draw(st.booleans()), clip=draw(st.booleans()), l2=draw(st.booleans()))
-    return spec, towers, batch
+    strategy = {"aggregation": draw(st.sampled_from(sorted(STRATEGIES))),
+                "param_devices": draw(st.sampled_from([None, None, "mirrored"]))}
+    return spec, towers, batch, strategy
 
 
 def test_fuzz_generated_graphs_train_exactly():
@@ -160,15 +163,16 @@ def test_fuzz_generated_graphs_train_exactly():
     @fuzz(examples=16, shrink=False)
     @given(cases())
     def check(case):
-        spec, towers, batch = case
+        spec, towers, batch, strategy = case
         model = build(spec)
-        kind, res = transform_cleanly(model.graph, CPUS[:towers])
+        kind, res = transform_cleanly(model.graph, CPUS[:towers], **strategy)
         tally.add(kind if kind != "ok" or res.report.exact else "ok (inexact)")
         if kind != "ok" or not res.report.exact:
             return
         result = compare(model.graph, res.meta_graph_def, "train", model.feeds(batch, steps=2),
                          cpus=max(towers, 1))
-        assert result.max_rel <= RTOL, f"{spec}: {result.worst} differs by {result.max_rel:.3g}"
+        assert result.max_rel <= RTOL, \
+            f"{spec} {strategy}: {result.worst} differs by {result.max_rel:.3g}"
 
     try:
         check()

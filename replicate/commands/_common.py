@@ -44,13 +44,18 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregation", choices=("add_n", "packed", "allreduce", "packed_allreduce"),
                         default="add_n", help="how gradients are summed (default add_n on each "
                                               "variable's device)")
-    parser.add_argument("--param-devices", metavar="DEV[,DEV...]", default="",
-                        help="spread the variables over these devices by size instead of the controller")
+    parser.add_argument("--param-devices", metavar="DEV[,DEV...]|mirrored", default="",
+                        help="spread the variables over these devices by size instead of the "
+                             "controller; 'mirrored': a copy on every tower device, gradients "
+                             "all-reduced, the update applied on each device")
 
 
 def strategy_options(args: argparse.Namespace) -> dict:
     """transform() keyword arguments from :func:`add_strategy_arguments`' options."""
-    params = parse_devices(args.param_devices, "--param-devices") if args.param_devices else None
+    if args.param_devices.strip() == "mirrored":
+        params = "mirrored"
+    else:
+        params = parse_devices(args.param_devices, "--param-devices") if args.param_devices else None
     return {"batch_norm": args.batch_norm, "aggregation": args.aggregation, "param_devices": params}
 
 

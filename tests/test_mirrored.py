@@ -1,0 +1,200 @@
+"""Mirrored variables: a copy per tower device, gradients all-reduced, the update applied on
+every device; exact, copies equal after every step, checkpoints under the original names."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import breadth_models
+import models
+import replicate
+from replicate.equivalence import Trainer
+from replicate.passes.mirror import COPY_SCOPE, SYNC_OP
+from test_equivalence import CPUS, check
+
+v1 = tf.compat.v1
+
+
+def _value(trainer: Trainer, name: str) -> np.ndarray:
+    """Current value of variable node ``name`` (ref or resource) in ``trainer``'s session."""
+    graph = trainer.graph
+    op = graph.get_operation_by_name(name)
+    with graph.as_default():
+        if op.type == "VarHandleOp":
+            read = tf.raw_ops.ReadVariableOp(resource=op.outputs[0], dtype=op.get_attr("dtype"))
+        else:
+            read = tf.identity(op.outputs[0])
+    return trainer.session.run(read)
+
+
+def _assert_copies_equal(res, trainer: Trainer, towers: int) -> int:
+    """Every mirror holds exactly its original's value; returns how many were checked."""
+    mirrored = res.report.mirrored
+    assert mirrored, "no variable was mirrored"
+    for name in mirrored:
+        original = _value(trainer, name)
+        for k in range(1, towers):
+            np.testing.assert_array_equal(_value(trainer, f"{COPY_SCOPE}_{k}/{name}"), original,
+                                          err_msg=f"mirror {k} of {name} drifted")
+    return len(mirrored)
+
+
+def _train(res, model, batch, steps=3):
+    trainer = Trainer(res.meta_graph_def, model.train_op)
+    for feed in model.feeds(batch, steps):
+        trainer.step(feed)
+    return trainer
+
+
+@pytest.mark.parametrize("optimizer", sorted(models.OPTIMIZERS))
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_every_optimizer_is_exact_and_copies_agree(optimizer, resource):
+    model = models.mlp(optimizer, resource)
+    res, _ = check(model, towers=3, batch=10, param_devices="mirrored")
+    assert res.report.exact, str(res.report)
+    trainer = _train(res, model, 10)
+    try:
+        _assert_copies_equal(res, trainer, 3)
+        assert _value(trainer, "global_step") == 3, "the global step must advance once per step"
+    finally:
+        trainer.close()
+
+
+def test_towers_read_their_own_copy_on_their_device():
+    model = models.mlp("adam")
+    res = replicate.transform(model.graph, CPUS[:2], param_devices="mirrored")
+    nodes = {n.name: n for n in res.meta_graph_def.graph_def.node}
+    w1 = "model/w1"
+    assert nodes[w1].device.endswith("CPU:0")
+    assert nodes[f"{COPY_SCOPE}_1/{w1}"].device.endswith("CPU:1")
+    readers = [n for n in nodes.values() if n.name.startswith("tower_1/") and n.op == "ReadVariableOp"]
+    assert readers and all(n.input[0].startswith(f"{COPY_SCOPE}_1/") for n in readers)
+    assert all(n.device.endswith("CPU:1") for n in readers)
+    applies = [n for n in nodes.values() if n.op == "ResourceApplyAdam"]
+    assert sorted(n.device[-5:] for n in applies) == ["CPU:0"] * 4 + ["CPU:1"] * 4
+    assert "allreduce" in str(res.report).lower() or any(
+        n.op == "CollectiveReduceV2" for n in nodes.values())
+
+
+@pytest.mark.parametrize("towers,batch", [(2, 12), (3, 13)])
+@pytest.mark.parametrize("aggregation", ["add_n", "packed"])
+def test_processing_two_optimizers_and_packing(towers, batch, aggregation):
+    for model in (models.clipped(), models.two_optimizers(resource=False)):
+        res, _ = check(model, towers=towers, batch=batch, param_devices="mirrored",
+                       aggregation=aggregation)
+        trainer = _train(res, model, batch)
+        try:
+            _assert_copies_equal(res, trainer, towers)
+        finally:
+            trainer.close()
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_sparse_gradients(resource):
+    model = breadth_models.embedding("adagrad", resource)
+    res, _ = check(model, towers=3, batch=11, param_devices="mirrored")
+    kinds = res.report.gradients
+    assert any(k.startswith("sparse") for k in kinds), kinds
+    trainer = _train(res, model, 11)
+    try:
+        _assert_copies_equal(res, trainer, 3)
+    finally:
+        trainer.close()
+
+
+def test_sync_batch_norm_with_mirrors():
+    model = breadth_models.batch_norm_cnn(fused=True)
+    res, _ = check(model, towers=2, batch=8, steps=2, param_devices="mirrored", batch_norm="sync")
+    moving = [v for v in res.report.mirrored if "moving" in v]
+    assert not moving, f"moving statistics are written once per step, not mirrored: {moving}"
+
+
+def test_checkpoints_keep_original_names_and_restore_into_every_copy(tmp_path):
+    model = models.mlp("momentum")
+    with model.graph.as_default():
+        saver_def = v1.train.Saver().as_saver_def()
+    meta = v1.train.export_meta_graph(graph=model.graph, saver_def=saver_def, clear_devices=False)
+    res = replicate.transform(meta, CPUS[:3], param_devices="mirrored")
+    assert res.meta_graph_def.saver_def.restore_op_name == saver_def.restore_op_name
+    trainer = _train(res, model, 9)
+    try:
+        saver = v1.train.Saver  # the metagraph's own saver, as a driver's import_meta_graph gives
+        with trainer.graph.as_default():
+            restorer = saver(saver_def=res.meta_graph_def.saver_def)
+        path = restorer.save(trainer.session, str(tmp_path / "ckpt"))
+        saved = {name for name, _ in tf.train.list_variables(path)}
+        assert saved and not any(COPY_SCOPE in n for n in saved), saved
+        trained = {n: _value(trainer, n) for n in res.report.mirrored}
+    finally:
+        trainer.close()
+    fresh = Trainer(res.meta_graph_def, model.train_op)   # freshly initialized, different values
+    try:
+        with fresh.graph.as_default():
+            restorer = saver(saver_def=res.meta_graph_def.saver_def)
+        restorer.restore(fresh.session, path)
+        for name, value in trained.items():
+            np.testing.assert_array_equal(_value(fresh, f"{COPY_SCOPE}_2/{name}"), value)
+        _assert_copies_equal(res, fresh, 3)
+    finally:
+        fresh.close()
+
+
+def test_sync_op_repairs_copies_after_a_saver_built_after_import(tmp_path):
+    model = models.mlp("sgd")
+    res = replicate.transform(model.graph, CPUS[:2], param_devices="mirrored")
+    trainer = _train(res, model, 8)
+    try:
+        with trainer.graph.as_default():
+            own = v1.train.Saver(var_list=v1.global_variables())   # the driver's own Saver
+        path = own.save(trainer.session, str(tmp_path / "own"))
+        trainer.step(model.feeds(8, 1)[0])
+        own.restore(trainer.session, path)
+        stale = any(not np.array_equal(_value(trainer, f"{COPY_SCOPE}_1/{n}"), _value(trainer, n))
+                    for n in res.report.mirrored)
+        assert stale, "a Saver built after import does not know the copies"
+        trainer.session.run(trainer.graph.get_operation_by_name(SYNC_OP))
+        _assert_copies_equal(res, trainer, 2)
+    finally:
+        trainer.close()
+
+
+def test_report_and_cli_option(tmp_path):
+    model = models.mlp("adam")
+    res = replicate.transform(model.graph, CPUS[:2], param_devices="mirrored")
+    text = str(res.report)
+    assert "mirrored" in text and SYNC_OP in text
+    assert replicate.transform(model.graph, CPUS[:2]).report.mirrored == []
+
+
+def test_single_tower_needs_no_mirrors():
+    model = models.mlp("adam")
+    res = replicate.transform(model.graph, CPUS[:1], param_devices="mirrored")
+    assert res.report.mirrored == []
+
+
+def test_cli_convert_mirrored_and_bad_value(tmp_path, capsys):
+    from replicate.cli import main
+
+    path, out = tmp_path / "in.meta", tmp_path / "out.meta"
+    v1.train.export_meta_graph(str(path), graph=models.mlp("adam").graph)
+    assert main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0,/cpu:1",
+                 "--param-devices", "mirrored"]) == 0
+    assert "mirrored" in capsys.readouterr().out
+    meta = v1.MetaGraphDef()
+    meta.ParseFromString(out.read_bytes())
+    names = {n.name for n in meta.graph_def.node}
+    assert f"{COPY_SCOPE}_1/model/w1" in names and SYNC_OP in names
+    with pytest.raises(replicate.ReplicateError, match="param_devices"):
+        replicate.transform(models.mlp("adam").graph, CPUS[:2], param_devices="mirror")
+
+
+@pytest.mark.parametrize("build", [lambda: breadth_models.lstm(1), breadth_models.layers_cnn],
+                         ids=["lstm_v1", "layers_cnn"])
+def test_control_flow_and_layers(build):
+    model = build()
+    res, _ = check(model, towers=2, batch=7, steps=2, param_devices="mirrored")
+    trainer = _train(res, model, 7, steps=2)
+    try:
+        _assert_copies_equal(res, trainer, 2)
+    finally:
+        trainer.close()
