@@ -52,6 +52,7 @@ REPLICATE_VARIANTS: list[dict] = [
     {"label": "replicate aggregation=allreduce", "options": {"aggregation": "allreduce"}},
     {"label": "replicate aggregation=packed_allreduce",
      "options": {"aggregation": "packed_allreduce"}},
+    {"label": "replicate param_devices=mirrored", "options": {"param_devices": "mirrored"}},
 ]
 
 

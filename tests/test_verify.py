@@ -194,3 +194,13 @@ def test_verify_command_line_in_eager_mode(tmp_path):
                            "--steps", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "verdict: agrees" in done.stdout
+
+
+@pytest.mark.parametrize("strategy", [["--param-devices", "mirrored"],
+                                      ["--aggregation", "packed_allreduce"]],
+                         ids=["mirrored", "packed_allreduce"])
+def test_verify_proves_a_strategy(tmp_path, capsys, strategy):
+    path = _save(models.mlp("momentum", resource=False).graph, tmp_path / "mlp.meta", saver=True)
+    code, out, _ = _verify(capsys, path, "--devices", DEVICES, "--steps", "2", "--json", *strategy)
+    info = json.loads(out)
+    assert code == 0 and info["ok"] and info["max_rel_difference"] <= 1e-5, info

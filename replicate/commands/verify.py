@@ -27,7 +27,8 @@ import json
 import logging
 from typing import Any
 
-from replicate.commands._common import add_device_arguments, check_input, parse_devices, relabel
+from replicate.commands._common import (add_device_arguments, add_strategy_arguments, check_input,
+                                        parse_devices, relabel, strategy_options)
 from replicate.equivalence import Comparison
 from replicate.errors import InputError, ReplicateError
 
@@ -62,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-unsafe-ops", action="store_true",
                         help="run graphs with file, network or Python-callback ops")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_strategy_arguments(parser)
 
 
 @dataclasses.dataclass
@@ -116,7 +118,8 @@ def default_batch(towers: int) -> int:
 
 def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None, seed: int = 0,
            rtol: float = 1e-5, train_op: str | None = None, loss: str | None = None,
-           feeds: dict[str, Any] | None = None, allow_unsafe: bool = False) -> Verification:
+           feeds: dict[str, Any] | None = None, allow_unsafe: bool = False,
+           strategy: dict[str, Any] | None = None) -> Verification:
     """Train ``source`` on one device and on ``towers`` logical CPUs from the same start with
     the same synthetic inputs; compare the variables.
 
@@ -132,6 +135,7 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
         loss: the loss tensor, when it cannot be recovered from the gradients.
         feeds: tensor name -> value, instead of synthetic values.
         allow_unsafe: run file, network and Python-callback ops.
+        strategy: more ``transform`` options (``aggregation``, ``param_devices``, ``batch_norm``).
 
     Raises:
         ReplicateError: bad input, an op that touches files, the network or Python (unless
@@ -157,7 +161,8 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     targets = [analysis.train_op] + synthetic.initializers(meta)
     specs = synthetic.input_specs(ir, targets, [b.tensor for b in analysis.batch_inputs])
     devices = [f"/cpu:{k}" for k in range(towers)]
-    result = api.transform(meta, devices, controller="/cpu:0", train_op=analysis.train_op, loss=loss)
+    result = api.transform(meta, devices, controller="/cpu:0", train_op=analysis.train_op, loss=loss,
+                           **(strategy or {}))
     if not allow_unsafe:
         fed = [s.tensor for s in specs]
         bad = synthetic.unsafe_ops(ir, targets, fed) or synthetic.unsafe_ops(
@@ -241,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = verify(args.input, len(devices), steps=args.steps, batch=args.batch, seed=args.seed,
                         rtol=args.rtol, train_op=args.train_op, loss=args.loss, feeds=feeds,
-                        allow_unsafe=args.allow_unsafe_ops)
+                        allow_unsafe=args.allow_unsafe_ops, strategy=strategy_options(args))
     except ReplicateError as exc:
         raise relabel(exc, args.input) from None
     if args.json:
