@@ -184,6 +184,11 @@ def test_cli_convert_mirrored_and_bad_value(tmp_path, capsys):
     meta.ParseFromString(out.read_bytes())
     names = {n.name for n in meta.graph_def.node}
     assert f"{COPY_SCOPE}_1/model/w1" in names and SYNC_OP in names
+    assert main(["inspect", str(path), "--devices", "/gpu:0,/gpu:1", "--param-devices", "mirrored",
+                 "--json"]) == 0
+    import json
+    info = json.loads(capsys.readouterr().out)
+    assert "model/w1" in info["mirrored"] and "global_step" not in info["mirrored"]
     with pytest.raises(replicate.ReplicateError, match="param_devices"):
         replicate.transform(models.mlp("adam").graph, CPUS[:2], param_devices="mirror")
 

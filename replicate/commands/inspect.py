@@ -108,6 +108,7 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
         "shared": {"nodes": report.shared_nodes, "variables": report.variables,
                    "optimizer_updates": report.updates, "inputs": len(report.inputs)
                    + len(report.shared_inputs)},
+        "mirrored": list(report.mirrored),
         "merged_outputs": [f.tensor for f in analysis.outputs],
         "named_outputs": [f.tensor for f in analysis.outputs if _named(ir, f.tensor)],
         "output_nodes": report.output_nodes, "exact": report.exact,
@@ -217,6 +218,9 @@ def render(info: dict[str, Any]) -> str:
         ["merged", len(info["merged_outputs"]), "forward tensors under their original names"
          + (": " + ", ".join(info["named_outputs"][:6]) if info["named_outputs"] else "")],
     ]))
+    if info.get("mirrored"):
+        lines.append(f"Mirrored: {len(info['mirrored'])} variables (weights and optimizer state) "
+                     "copied on every tower device; the update runs on each device")
     lines.append("")
     if info["exact"]:
         lines.append("Exact: yes (N towers train as one device on the same global batch)")
