@@ -203,3 +203,21 @@ def test_control_flow_and_layers(build):
         _assert_copies_equal(res, trainer, 2)
     finally:
         trainer.close()
+
+
+def test_output_is_byte_identical_across_hash_seeds():
+    import os
+    import subprocess
+    import sys
+
+    script = ("import hashlib, sys; sys.path.insert(0, 'tests'); import tensorflow as tf; "
+              "tf.compat.v1.disable_eager_execution(); import models, replicate; "
+              "res = replicate.transform(models.clipped().graph, ['/cpu:0', '/cpu:1', '/cpu:2'], "
+              "param_devices='mirrored', aggregation='packed'); "
+              "print(hashlib.sha256(res.meta_graph_def.graph_def.SerializeToString("
+              "deterministic=True)).hexdigest())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digests = {subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONHASHSEED=seed), timeout=300,
+                              check=True).stdout.split()[-1] for seed in ("1", "2")}
+    assert len(digests) == 1, digests

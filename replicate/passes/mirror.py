@@ -84,8 +84,8 @@ class Mirror:
             if more <= mirrored:
                 break
             mirrored |= more
-        self._check_writers(ir, mirrored, section, shared)
-        self._move_to_first(ir, graph, mirrored, section, devices[0])
+        self._check_writers(ir, mirrored, shared)
+        self._move_to_first(ir, mirrored, section, devices[0])
         copies = [self._copy(ir, k, towers.prefixes[k], devices[k], mirrored, section, sources,
                              needed | {train}, shared) for k in range(1, len(devices))]
         self._mirror_writes(ir, mirrored, section, shared, copies, towers.prefixes, devices)
@@ -107,7 +107,7 @@ class Mirror:
         return out
 
     @staticmethod
-    def _check_writers(ir: IR, mirrored: set[str], section: set[str], shared: set[str]) -> None:
+    def _check_writers(ir: IR, mirrored: set[str], shared: set[str]) -> None:
         """A mirrored variable written inside a tower would drift apart from its copies."""
         for node in ir:
             if node.name in shared or node.op not in _WRITES:
@@ -120,8 +120,7 @@ class Mirror:
                     "device placement for this graph")
 
     @staticmethod
-    def _move_to_first(ir: IR, graph: nx.DiGraph, mirrored: set[str], section: set[str],
-                       device: str) -> None:
+    def _move_to_first(ir: IR, mirrored: set[str], section: set[str], device: str) -> None:
         """The originals become tower 0's copies: they, the update section and every op bound
         to them (colocated, or taking their ref or handle) run on tower 0's device."""
         bound = set(mirrored) | section
@@ -167,7 +166,7 @@ class Mirror:
         for node in list(ir):
             if node.name.split("/", 1)[0] == prefix and node.name not in names.values():
                 self._retarget_tower_node(ir, node, names, remap, device, kind)
-        for name in section:
+        for name in sorted(section):
             for consumer in ir.consumers(name):
                 if consumer.name in run and consumer.name not in section and consumer.name in shared:
                     ir.set_control(consumer.name, consumer.control + [names[name]])
