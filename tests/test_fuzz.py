@@ -153,8 +153,8 @@ def cases(draw):
                 resource=draw(st.booleans()), static=draw(st.sampled_from([None, None, batch])),
                 global_step=draw(st.booleans()), clip=draw(st.booleans()), l2=draw(st.booleans()))
     # Collective strategies (allreduce, mirrored) are left to the deterministic tests: with them
-    # in the draw, 2 of 3 runs of 96 generated cases aborted the process inside a TensorFlow
-    # session run (a CHECK failure; see the README's known limits).
+    # in the draw, 2 of the first 3 runs of 96 generated cases aborted the process inside a
+    # TensorFlow session run (a CHECK failure, not reproduced since; see the README's known limits).
     strategy = {"aggregation": draw(st.sampled_from([s for s in STRATEGIES if "allreduce" not in s]))}
     return spec, towers, batch, strategy
 
