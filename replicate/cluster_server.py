@@ -187,6 +187,10 @@ def serve(cluster, job: str, task: int, cpus: int = 1, threads: int = 1,
 
     address = cluster.address(job, task)
     config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus})
+    leader_job, leader_task = cluster.master_task()
+    # Collective all-reduce across tasks (aggregation="allreduce", mirrored variables) needs
+    # every server to agree on the task that resolves collective groups.
+    config.experimental.collective_group_leader = f"/job:{leader_job}/replica:0/task:{leader_task}"
     if threads:
         config.intra_op_parallelism_threads = threads
         config.inter_op_parallelism_threads = threads

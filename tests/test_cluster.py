@@ -362,12 +362,14 @@ def test_local_cluster_retries_a_taken_port(local_cluster):
 
 
 @pytest.mark.timeout(400)
-def test_in_graph_training_over_ps_and_workers_equals_one_device(local_cluster):
+@pytest.mark.parametrize("placement", [None, "mirrored"], ids=["ps", "mirrored"])
+def test_in_graph_training_over_ps_and_workers_equals_one_device(local_cluster, placement):
     train = example()
     model = replicate.demo.build_cnn(train.SIZES["tiny"])
     feeds = train.make_feeds(model, batch=32, steps=3, data_source="synthetic")
     single, single_losses = train.train_single(model, feeds)
-    res = replicate.transform(model.graph, "worker", controller="ps", cluster=local_cluster.cluster)
+    res = replicate.transform(model.graph, "worker", controller="ps", cluster=local_cluster.cluster,
+                              param_devices=placement)
     multi, losses = train.train_in_graph(res, local_cluster.cluster.master(), feeds, single[0])
     diff, worst = train.largest_difference(single[3], multi[3])
     assert diff <= RTOL, f"{worst} differs by {diff:.3g}"
