@@ -292,6 +292,11 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                                    dump_dir=dump_dir, progress=progress)
         analysis: Analysis = ir.facts["analysis"]
         warnings = list(analysis.warnings)
+        tasks = {(d.split("/device:", 1)[0]) for d in devices}
+        if aggregation.endswith("allreduce") and len(devices) > 1 and len(tasks) > 1:
+            warnings.append("collective all-reduce spans several tasks: start every server with "
+                            "ConfigProto.experimental.collective_group_leader set to the master "
+                            "task, or the first step waits forever (replicate cluster does this)")
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
     except ReplicateError:

@@ -370,6 +370,7 @@ def test_in_graph_training_over_ps_and_workers_equals_one_device(local_cluster, 
     single, single_losses = train.train_single(model, feeds)
     res = replicate.transform(model.graph, "worker", controller="ps", cluster=local_cluster.cluster,
                               param_devices=placement)
+    assert ("collective_group_leader" in str(res.report)) == (placement == "mirrored")
     multi, losses = train.train_in_graph(res, local_cluster.cluster.master(), feeds, single[0])
     diff, worst = train.largest_difference(single[3], multi[3])
     assert diff <= RTOL, f"{worst} differs by {diff:.3g}"
