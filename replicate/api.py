@@ -18,6 +18,7 @@ from replicate import io, meta
 from replicate.errors import DeviceError, InputError, ReplicateError
 from replicate.facts import Analysis, Towers
 from replicate.ir import IR, parse_tensor
+from replicate.kernels import host_of
 from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
@@ -275,6 +276,8 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     params = [normalize_device(d, "parameter device") for d in (param_devices or [])]
     if aggregation not in STRATEGIES:
         raise ReplicateError(f"aggregation='{aggregation}' is not one of {', '.join(STRATEGIES)}")
+    if mirrored and not aggregation.endswith("allreduce"):   # mirrors need every device's sum
+        aggregation = "packed_allreduce" if aggregation == "packed" else "allreduce"
     if batch_norm not in BATCH_NORM_MODES:
         raise ReplicateError(f"batch_norm='{batch_norm}' is not one of {', '.join(BATCH_NORM_MODES)}")
     try:
@@ -284,16 +287,13 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         passes = [analyze, Place(controller, params), Split(devices, controller), Clone()]
         if batch_norm == "sync":
             passes.append(Sync(controller))
-        if mirrored and not aggregation.endswith("allreduce"):
-            aggregation = "packed_allreduce" if aggregation == "packed" else "allreduce"
         passes += [Rebatch(), Aggregate(controller, aggregation), Rewire(controller)]
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
         analysis: Analysis = ir.facts["analysis"]
         warnings = list(analysis.warnings)
-        tasks = {(d.split("/device:", 1)[0]) for d in devices}
-        if aggregation.endswith("allreduce") and len(devices) > 1 and len(tasks) > 1:
+        if aggregation.endswith("allreduce") and len({host_of(d) for d in devices}) > 1:
             warnings.append("collective all-reduce spans several tasks: start every server with "
                             "ConfigProto.experimental.collective_group_leader set to the master "
                             "task, or the first step waits forever (replicate cluster does this)")

@@ -13,7 +13,7 @@ import logging
 import tensorflow as tf
 from tensorflow.python.framework import kernels
 
-__all__ = ["has_kernel", "host_of"]
+__all__ = ["has_kernel", "host_of", "runnable_on"]
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +78,9 @@ def host_of(device: str) -> str:
     """The CPU of the same job and task as ``device`` (``/device:CPU:0`` locally)."""
     spec = tf.DeviceSpec.from_string(device)
     return spec.replace(device_type="CPU", device_index=0).to_string()
+
+
+def runnable_on(op_type: str, attrs: dict, device: str) -> str:
+    """``device`` when it has a kernel for the op, else the CPU of the same task."""
+    kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
+    return device if has_kernel(op_type, kind, attrs) else host_of(device)

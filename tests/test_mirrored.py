@@ -1,6 +1,8 @@
 """Mirrored variables: a copy per tower device, gradients all-reduced, the update applied on
 every device; exact, copies equal after every step, checkpoints under the original names."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -39,11 +41,16 @@ def _assert_copies_equal(res, trainer: Trainer, towers: int) -> int:
     return len(mirrored)
 
 
-def _train(res, model, batch, steps=3):
+@contextlib.contextmanager
+def _trained(res, model, batch, steps=3):
+    """A session on ``res`` after ``steps`` training steps; closed on exit."""
     trainer = Trainer(res.meta_graph_def, model.train_op)
-    for feed in model.feeds(batch, steps):
-        trainer.step(feed)
-    return trainer
+    try:
+        for feed in model.feeds(batch, steps):
+            trainer.step(feed)
+        yield trainer
+    finally:
+        trainer.close()
 
 
 @pytest.mark.parametrize("optimizer", sorted(models.OPTIMIZERS))
@@ -52,12 +59,9 @@ def test_every_optimizer_is_exact_and_copies_agree(optimizer, resource):
     model = models.mlp(optimizer, resource)
     res, _ = check(model, towers=3, batch=10, param_devices="mirrored")
     assert res.report.exact, str(res.report)
-    trainer = _train(res, model, 10)
-    try:
+    with _trained(res, model, 10) as trainer:
         _assert_copies_equal(res, trainer, 3)
         assert _value(trainer, "global_step") == 3, "the global step must advance once per step"
-    finally:
-        trainer.close()
 
 
 def test_towers_read_their_own_copy_on_their_device():
@@ -82,11 +86,8 @@ def test_processing_two_optimizers_and_packing(towers, batch, aggregation):
     for model in (models.clipped(), models.two_optimizers(resource=False)):
         res, _ = check(model, towers=towers, batch=batch, param_devices="mirrored",
                        aggregation=aggregation)
-        trainer = _train(res, model, batch)
-        try:
+        with _trained(res, model, batch) as trainer:
             _assert_copies_equal(res, trainer, towers)
-        finally:
-            trainer.close()
 
 
 @pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
@@ -95,11 +96,8 @@ def test_sparse_gradients(resource):
     res, _ = check(model, towers=3, batch=11, param_devices="mirrored")
     kinds = res.report.gradients
     assert any(k.startswith("sparse") for k in kinds), kinds
-    trainer = _train(res, model, 11)
-    try:
+    with _trained(res, model, 11) as trainer:
         _assert_copies_equal(res, trainer, 3)
-    finally:
-        trainer.close()
 
 
 def test_sync_batch_norm_with_mirrors():
@@ -116,8 +114,7 @@ def test_checkpoints_keep_original_names_and_restore_into_every_copy(tmp_path):
     meta = v1.train.export_meta_graph(graph=model.graph, saver_def=saver_def, clear_devices=False)
     res = replicate.transform(meta, CPUS[:3], param_devices="mirrored")
     assert res.meta_graph_def.saver_def.restore_op_name == saver_def.restore_op_name
-    trainer = _train(res, model, 9)
-    try:
+    with _trained(res, model, 9) as trainer:
         saver = v1.train.Saver  # the metagraph's own saver, as a driver's import_meta_graph gives
         with trainer.graph.as_default():
             restorer = saver(saver_def=res.meta_graph_def.saver_def)
@@ -125,25 +122,19 @@ def test_checkpoints_keep_original_names_and_restore_into_every_copy(tmp_path):
         saved = {name for name, _ in tf.train.list_variables(path)}
         assert saved and not any(COPY_SCOPE in n for n in saved), saved
         trained = {n: _value(trainer, n) for n in res.report.mirrored}
-    finally:
-        trainer.close()
-    fresh = Trainer(res.meta_graph_def, model.train_op)   # freshly initialized, different values
-    try:
+    with _trained(res, model, 9, steps=0) as fresh:   # freshly initialized, different values
         with fresh.graph.as_default():
             restorer = saver(saver_def=res.meta_graph_def.saver_def)
         restorer.restore(fresh.session, path)
         for name, value in trained.items():
             np.testing.assert_array_equal(_value(fresh, f"{COPY_SCOPE}_2/{name}"), value)
         _assert_copies_equal(res, fresh, 3)
-    finally:
-        fresh.close()
 
 
 def test_sync_op_repairs_copies_after_a_saver_built_after_import(tmp_path):
     model = models.mlp("sgd")
     res = replicate.transform(model.graph, CPUS[:2], param_devices="mirrored")
-    trainer = _train(res, model, 8)
-    try:
+    with _trained(res, model, 8) as trainer:
         with trainer.graph.as_default():
             own = v1.train.Saver(var_list=v1.global_variables())   # the driver's own Saver
         path = own.save(trainer.session, str(tmp_path / "own"))
@@ -154,8 +145,6 @@ def test_sync_op_repairs_copies_after_a_saver_built_after_import(tmp_path):
         assert stale, "a Saver built after import does not know the copies"
         trainer.session.run(trainer.graph.get_operation_by_name(SYNC_OP))
         _assert_copies_equal(res, trainer, 2)
-    finally:
-        trainer.close()
 
 
 def test_report_and_cli_option(tmp_path):
@@ -198,11 +187,8 @@ def test_cli_convert_mirrored_and_bad_value(tmp_path, capsys):
 def test_control_flow_and_layers(build):
     model = build()
     res, _ = check(model, towers=2, batch=7, steps=2, param_devices="mirrored")
-    trainer = _train(res, model, 7, steps=2)
-    try:
+    with _trained(res, model, 7, steps=2) as trainer:
         _assert_copies_equal(res, trainer, 2)
-    finally:
-        trainer.close()
 
 
 def test_output_is_byte_identical_across_hash_seeds():

@@ -26,13 +26,12 @@ from __future__ import annotations
 import logging
 
 import networkx as nx
-import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 from replicate import ops
 from replicate.errors import AnalysisError
 from replicate.ir import IR, Node, node_of, parse_tensor
-from replicate.kernels import has_kernel, host_of
+from replicate.kernels import runnable_on
 from replicate.pipeline import PassResult
 
 __all__ = ["Mirror", "MIRRORED", "SYNC_OP"]
@@ -128,15 +127,11 @@ class Mirror:
             if node.name in bound:
                 continue
             if any(c in mirrored for c in node.colocation()) or any(
-                    node_of(r) in mirrored and (ir.is_handle(r) or _is_ref(ir, r)) for r in node.inputs):
+                    node_of(r) in mirrored for r in node.inputs):   # a variable's ref or handle
                 bound.add(node.name)
         for name in bound:
             node = ir.nodes[name]
-            where = device
-            kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
-            if not has_kernel(node.op, kind, node.attrs):
-                where = host_of(device)
-            ir.set_device(name, where)
+            ir.set_device(name, runnable_on(node.op, node.attrs, device))
 
     def _copy(self, ir: IR, k: int, prefix: str, device: str, mirrored: set[str],
               section: set[str], sources: dict[str, list[str]], run: set[str],
@@ -144,7 +139,6 @@ class Mirror:
         """Tower ``k``'s mirrors and update section, and its tower reading them; returns the
         names of the copies."""
         names = {n: ir.unique_name(f"{COPY_SCOPE}_{k}/{n}") for n in sorted(mirrored | section)}
-        kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
 
         def remap(ref: str) -> str:
             name, idx = parse_tensor(ref)
@@ -160,12 +154,12 @@ class Mirror:
             _rebind_colocation(attrs, node, names)
             if name in mirrored and node.attr("shared_name"):
                 attrs["shared_name"] = attr_value_pb2.AttrValue(s=names[name].encode())
-            where = device if has_kernel(node.op, kind, node.attrs) else host_of(device)
             ir.add_node(Node(names[name], node.op, [remap(r) for r in node.inputs],
-                             [names.get(c, c) for c in node.control], where, attrs))
+                             [names.get(c, c) for c in node.control],
+                             runnable_on(node.op, node.attrs, device), attrs))
         for node in list(ir):
             if node.name.split("/", 1)[0] == prefix and node.name not in names.values():
-                self._retarget_tower_node(ir, node, names, remap, device, kind)
+                self._retarget_tower_node(ir, node, names, remap, device)
         for name in sorted(section):
             for consumer in ir.consumers(name):
                 if consumer.name in run and consumer.name not in section and consumer.name in shared:
@@ -173,8 +167,7 @@ class Mirror:
         return names
 
     @staticmethod
-    def _retarget_tower_node(ir: IR, node: Node, names: dict[str, str], remap, device: str,
-                             kind: str) -> None:
+    def _retarget_tower_node(ir: IR, node: Node, names: dict[str, str], remap, device: str) -> None:
         inputs = [remap(r) if node_of(r) in names else r for r in node.inputs]
         locs = node.colocation()
         if inputs == node.inputs and not any(c in names for c in locs) and \
@@ -188,7 +181,7 @@ class Mirror:
         attrs = dict(node.attrs)
         _rebind_colocation(attrs, node, names)
         node.attrs = attrs
-        ir.set_device(node.name, device if has_kernel(node.op, kind, node.attrs) else host_of(device))
+        ir.set_device(node.name, runnable_on(node.op, node.attrs, device))
 
     @staticmethod
     def _mirror_writes(ir: IR, mirrored: set[str], section: set[str], shared: set[str],
@@ -206,11 +199,10 @@ class Mirror:
                 names = copies[k - 1]
                 attrs = dict(node.attrs)
                 _rebind_colocation(attrs, node, names)
-                kind = tf.DeviceSpec.from_string(devices[k]).device_type or "CPU"
-                where = devices[k] if has_kernel(node.op, kind, attrs) else host_of(devices[k])
                 inputs = [names[node_of(r)] if node_of(r) in targets else r for r in node.inputs]
                 repeats.append(ir.add_node(Node(ir.unique_name(f"{COPY_SCOPE}_{k}/{node.name}"), node.op,
-                                                inputs, list(node.control), where, attrs)).name)
+                                                inputs, list(node.control),
+                                                runnable_on(node.op, attrs, devices[k]), attrs)).name)
             ir.set_control(node.name, node.control + repeats)
 
     @staticmethod
@@ -259,11 +251,6 @@ def _written(ir: IR, node: Node) -> set[str]:
         if producer is not None and producer.op in ops.VARIABLE_OPS:
             out.add(producer.name)
     return out
-
-
-def _is_ref(ir: IR, ref: str) -> bool:
-    producer = ir.nodes.get(node_of(ref))
-    return producer is not None and producer.op in ops.REF_VARIABLE_OPS
 
 
 def _rebind_colocation(attrs: dict, node: Node, names: dict[str, str]) -> None:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import logging
 
-import tensorflow as tf
 
 from replicate.ir import IR, node_of
-from replicate.kernels import has_kernel, host_of
+from replicate.kernels import runnable_on
 from replicate.pipeline import PassResult
 from replicate.roles import variable_of
 
@@ -52,10 +51,7 @@ class Place:
                 continue
             device = var_devices.get(node.name) or self._anchor(ir, node, var_devices)
             if device is None:
-                device = node.device or self.controller
-                kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
-                if not has_kernel(node.op, kind, node.attrs):
-                    device = host_of(device)
+                device = runnable_on(node.op, node.attrs, node.device or self.controller)
             if device != node.device:
                 ir.set_device(node.name, device)
                 changed = True
