@@ -15,7 +15,8 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from replicate import io, meta
-from replicate.errors import DeviceError, InputError, ReplicateError
+from replicate.errors import (REPORT, AnalysisError, DeviceError, InputError, InternalError,
+                              ReplicateError)
 from replicate.facts import Analysis, Towers
 from replicate.ir import IR, parse_tensor
 from replicate.kernels import host_of
@@ -29,6 +30,7 @@ from replicate.passes.rewire import Rewire
 from replicate.passes.split import Split
 from replicate.passes.sync import Sync
 from replicate.passes.validate import Validate
+from replicate.passes.weigh import Weigh
 from replicate.pipeline import PassRecord, run_pipeline
 from replicate.report import Report
 from replicate import registry
@@ -99,21 +101,35 @@ class Result:
 
     @functools.cached_property
     def graph(self):
-        """A new tf.Graph holding the result (built on first use)."""
+        """A new tf.Graph holding the result (built on first use).
+
+        ``transform`` imported the graph already, so this does not fail on the graph; should
+        it fail anyway, the error is an :class:`InternalError`, never TensorFlow's own.
+        """
         import tensorflow as tf
 
         from tensorflow.python.framework import meta_graph
 
         graph = tf.Graph()
-        with graph.as_default():
-            # Collections (and so tf.Variable objects) without creating a new Saver.
-            meta_graph.import_scoped_meta_graph(self.meta_graph_def, clear_devices=False)
+        try:
+            with graph.as_default():
+                # Collections (and so tf.Variable objects) without creating a new Saver.
+                meta_graph.import_scoped_meta_graph(self.meta_graph_def, clear_devices=False)
+        except Exception as exc:  # noqa: BLE001 - the contract: only ReplicateError escapes
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise InternalError(f"the rewritten graph cannot be imported ({type(exc).__name__}: "
+                                f"{first}); {REPORT}") from exc
         return graph
 
     @property
     def train_op(self):
         """The train op (same name as the original)."""
         return self.graph.get_operation_by_name(self.analysis.train_op)
+
+    @property
+    def train_ops(self) -> list:
+        """Every train op of the graph (all replicated), ``train_op`` first."""
+        return [self.graph.get_operation_by_name(n) for n in self.analysis.train_ops]
 
     @property
     def loss(self):
@@ -174,16 +190,19 @@ def _input_position(node, ref: str) -> int:
 
 
 def prepare(graph: Any, *, train_op: str | None = None, loss: str | None = None,
-            outputs: Sequence[str] = (), merge_forward: bool = True) -> tuple[IR, io.Loaded, Analyze]:
+            outputs: Sequence[str] = (), merge_forward: bool = True,
+            batch_inputs: Any = None, sync: bool = False) -> tuple[IR, io.Loaded, Analyze]:
     """Load ``graph`` into an IR with static shapes, and build the analyze pass for it."""
     loaded = io.load(graph)
     tf_graph = loaded.graph if loaded.graph is not None else registry.import_checked(
         loaded.graph_def, loaded.origin)
     ir = IR.from_graph_def(loaded.graph_def, loaded.meta)
     ir.load_static_shapes(tf_graph)
+    ir.tf_graph = tf_graph          # library functions' bodies are analysed in it
     external = frozenset(meta.referenced_names(loaded.meta))
     analyze = Analyze(train_op=train_op, loss=loss, outputs=tuple(outputs or ()),
-                      merge_forward=merge_forward, external=external)
+                      merge_forward=merge_forward, external=external, batch_inputs=batch_inputs,
+                      sync=sync)
     return ir, loaded, analyze
 
 
@@ -198,7 +217,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               train_op: str | None = None, loss: str | None = None,
               outputs: Sequence[str] | None = None, merge_forward: bool = True,
               param_devices: Sequence[str] | None = None, aggregation: str = "add_n",
-              batch_norm: str = "tower0",
+              batch_norm: str = "tower0", batch_inputs: Any = None,
               cluster: Any = None, verify_each: bool = False,
               dump_dir: str | None = None,
               progress: Callable[[str, int, int], None] | None = None) -> Result:
@@ -223,6 +242,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         batch_norm: ``"tower0"`` (each tower normalizes with its slice's statistics; moving
             averages are updated once, from tower 0) or ``"sync"`` (statistics over the global
             batch, forward and backward: batch norm trains exactly as on one device).
+        batch_inputs: the input tensors to split, as names (``"x:0"``, ``"x:0@1"`` for axis 1)
+            or a dict name -> axis, instead of the ones the analysis finds.
         cluster: a cluster description (ClusterSpec-style dict or JSON file, a
             ``tf.train.ClusterSpec``, or ``"TF_CONFIG"``): devices and the controller may then
             name its tasks, and are checked against it (see :mod:`replicate.cluster`).
@@ -239,8 +260,9 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
     with _gc_paused():
         return _transform(graph, devices, controller=controller, train_op=train_op, loss=loss,
                           outputs=outputs, merge_forward=merge_forward, param_devices=param_devices,
-                          aggregation=aggregation, batch_norm=batch_norm, cluster=cluster,
-                          verify_each=verify_each, dump_dir=dump_dir, progress=progress)
+                          aggregation=aggregation, batch_norm=batch_norm, batch_inputs=batch_inputs,
+                          cluster=cluster, verify_each=verify_each, dump_dir=dump_dir,
+                          progress=progress)
 
 
 @contextlib.contextmanager
@@ -258,8 +280,8 @@ def _gc_paused():
 
 
 def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op, loss, outputs,
-               merge_forward: bool, param_devices, aggregation: str, batch_norm: str, cluster,
-               verify_each: bool, dump_dir, progress) -> Result:
+               merge_forward: bool, param_devices, aggregation: str, batch_norm: str, batch_inputs,
+               cluster, verify_each: bool, dump_dir, progress) -> Result:
     start = time.perf_counter()
     mirrored = param_devices == MIRRORED or (
         not isinstance(param_devices, str) and list(param_devices or []) == [MIRRORED])
@@ -282,12 +304,12 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         raise ReplicateError(f"batch_norm='{batch_norm}' is not one of {', '.join(BATCH_NORM_MODES)}")
     try:
         ir, loaded, analyze = prepare(graph, train_op=train_op, loss=loss, outputs=outputs or (),
-                                      merge_forward=merge_forward)
+                                      merge_forward=merge_forward, batch_inputs=batch_inputs,
+                                      sync=batch_norm == "sync")
         validator = Validate()
-        passes = [analyze, Place(controller, params), Split(devices, controller), Clone()]
-        if batch_norm == "sync":
-            passes.append(Sync(controller))
-        passes += [Rebatch(), Aggregate(controller, aggregation), Rewire(controller)]
+        passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
+                  Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
+                  Aggregate(controller, aggregation), Rewire(controller)]
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
@@ -304,13 +326,60 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     except Exception as exc:  # noqa: BLE001 - the contract: only ReplicateError escapes
         origin = graph if isinstance(graph, str) else type(graph).__name__
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise InputError(f"{origin}: cannot be replicated ({type(exc).__name__}: {first})") from exc
+        raise InternalError(f"{origin}: internal error while replicating ({type(exc).__name__}: "
+                            f"{first}); {REPORT}") from exc
+    try:
+        _import_result(graph_def, meta_out)
+    except InternalError as exc:
+        if not analysis.reasons:
+            raise
+        first = str(exc).split(": ", 1)[1].split("; this is a bug")[0]
+        raise AnalysisError(f"cannot replicate this graph: the analysis could not establish its "
+                            f"batch semantics ({analysis.reasons[0]}), so the batch sizes baked "
+                            f"into it cannot all be rewritten per tower ({first}); give the batch "
+                            "inputs a dynamic batch dimension") from None
     towers: Towers = ir.facts["towers"]
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
                      warnings, batch_norm)
     return Result(graph_def, meta_out, report, analysis, towers, records,
                   ir.facts.get("aggregates", {}), seconds)
+
+
+#: Which pass makes the nodes under each name scope of the output (for error messages).
+_MAKERS = (("replicate/split/", "split"), ("replicate/aggregate/", "aggregate"),
+           ("replicate/weights/", "aggregate"), ("replicate/sync/", "sync"),
+           ("replicate/rebatch/", "rebatch"), ("replicate/mirror", "mirror"),
+           ("replicate/weigh/", "weigh"))
+
+
+def _import_result(graph_def, meta_out) -> None:
+    """Import the output with TensorFlow's shape inference (its C++ importer) and check that
+    every collection entry names a node, so that nothing fails after ``transform`` returns: a
+    failure names the first bad node and the pass that made it, as an internal error."""
+    import re
+
+    import tensorflow as tf
+
+    try:
+        registry.cpp_import(graph_def)
+    except (ValueError, TypeError, tf.errors.OpError) as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        found = re.search(r"node '?([^\s}'\]]+)", text)
+        node = found.group(1) if found else "?"
+        raise InternalError(f"the rewritten graph does not import: node '{node}' (made by the "
+                            f"{_maker(node)} pass): {text[:300]}; {REPORT}") from None
+    problems = meta.dangling(meta_out)
+    if problems:
+        raise InternalError(f"the rewritten metagraph is inconsistent: {problems[0]}; {REPORT}")
+
+
+def _maker(node: str) -> str:
+    """The pass that makes nodes named like ``node``."""
+    head, _, rest = node.partition("/")
+    inner = rest if head.startswith(("tower_", "replicate_tower_")) and rest else node
+    return next((p for prefix, p in _MAKERS if inner.startswith(prefix)),
+                "clone" if inner != node else "rewire")
 
 
 def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], controller: str,
@@ -324,7 +393,7 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
     return Report(
         devices=devices, controller=controller, train_op=analysis.train_op, loss=analysis.loss,
         loss_reductions={s.prefix: s.kind for s in analysis.scopes},
-        inputs=[{"tensor": b.tensor, "axis": b.axis, "static_size": b.static_size}
+        inputs=[{"tensor": b.tensor, "axis": b.axis, "static_size": b.static_size, "class": b.cls}
                 for b in analysis.batch_inputs],
         shared_inputs=list(analysis.shared_inputs), optimizers=list(analysis.optimizers),
         updates=len(analysis.apply_ops), variables=len(analysis.variables),
@@ -338,4 +407,5 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         rebatched=list(ir.facts.get("rebatched", [])), exact=not analysis.reasons,
         reasons=list(analysis.reasons), warnings=warnings,
         passes=[dataclasses.asdict(r) for r in records],
-        mirrored=list(ir.facts.get("mirrored", [])))
+        mirrored=list(ir.facts.get("mirrored", [])),
+        shared_why=dict(analysis.demoted), train_ops=list(analysis.train_ops))

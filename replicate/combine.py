@@ -26,24 +26,39 @@ def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
     """Tower ``k``'s weight as a scalar of ``dtype`` (the ops are created once per spec).
 
     Args:
-        spec: ``("count",)`` for the tower's share of the examples, ``("size", t)`` for its share
-            of the elements of its copy of tensor ``t``, ``("value", t)`` for its share of the
-            value of its copy of ``t``.
+        spec: ``("count",)`` for the tower's share of the first batch class's examples,
+            ``("count", c)`` for its share of class ``c``'s, ``("size", t)`` for its share of the
+            elements of its copy of tensor ``t``, ``("value", t)`` for its share of the value of
+            its copy of ``t``, ``("uniform",)`` for ``1/N``, ``("ones",)`` for 1.
     """
+    if spec[0] == "count" and len(spec) > 1 and towers.class_counts.get(spec[1]) in (None, towers.counts):
+        spec = ("count",)       # the first class is the default one
     key = (k, int(dtype), spec)
     if key in towers.weights:
         return towers.weights[key]
     tf_dtype = dtypes.as_dtype(dtype)
     scope = f"{WEIGHTS}/{tf_dtype.name}"
-    if spec[0] != "count":
+    n = len(towers.devices)
+    if spec in (("uniform",), ("ones",)):
+        name = f"{scope}/{spec[0]}"
+        if name not in ir.nodes:
+            ir.const(name, 1.0 / n if spec == ("uniform",) else 1.0, tf_dtype, device)
+        towers.weights[key] = name
+        return name
+    counts, batch = towers.counts, towers.batch_size
+    if spec[0] == "count" and len(spec) > 1 and spec[1] in towers.class_counts:
+        counts, batch = towers.class_counts[spec[1]], towers.class_batch[spec[1]]
+        if counts is not towers.counts:
+            scope += f"/class_{list(towers.class_counts).index(spec[1])}"
+    elif spec[0] != "count":
         scope += f"/{spec[0]}_" + spec[1].replace(":", "_")
-    numerators = [f"{scope}/part_{j}" for j in range(len(towers.devices))]
+    numerators = [f"{scope}/part_{j}" for j in range(n)]
     total = f"{scope}/total"
     if total not in ir.nodes:
         for j, name in enumerate(numerators):
-            _numerator(ir, towers, j, name, tf_dtype, spec, device)
+            _numerator(ir, towers, j, name, tf_dtype, spec, device, counts)
         if spec[0] == "count":
-            ir.add(total, "Cast", [towers.batch_size], device=device,
+            ir.add(total, "Cast", [batch], device=device,
                    attrs={"SrcT": dtypes.int32, "DstT": tf_dtype})
         elif len(numerators) == 1:
             ir.add(total, "Identity", numerators, device=device, attrs={"T": tf_dtype})
@@ -55,9 +70,10 @@ def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
     return node.name
 
 
-def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple, device: str) -> None:
+def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple, device: str,
+               counts: list[str]) -> None:
     if spec[0] == "count":
-        ir.add(name, "Cast", [towers.counts[k]], device=device,
+        ir.add(name, "Cast", [counts[k]], device=device,
                attrs={"SrcT": dtypes.int32, "DstT": tf_dtype})
         return
     node, idx = parse_tensor(spec[1])
@@ -73,7 +89,7 @@ def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple,
 
 def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtype: int,
             device: str, controller: str, weights: tuple = ("count",),
-            allreduce_key: int | None = None) -> str:
+            allreduce_key: int | None = None, axis: int = 0) -> str:
     """Add the ops combining ``parts`` (one tensor per tower) by ``kind``; return the result.
 
     Args:
@@ -90,6 +106,7 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
         allreduce_key: when set, sums (``dense``, ``mean``, ``ratio``, ``sum``) are all-reduced
             among the tower devices with TensorFlow's collective ops (NCCL on GPUs) under this
             instance key, and the result is read from tower 0.
+        axis: the axis ``concat`` joins along (the batch axis of the parts).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown combine kind '{kind}'")
@@ -113,9 +130,9 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
     if kind in ("concat", "sparse_values", "sparse_indices"):
         if len(refs) == 1:
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
-        axis = f"{name}_parts/axis"
-        ir.const(axis, 0, dtypes.int32, device)
-        return ir.add(name, "ConcatV2", refs + [axis], device=device,
+        axis_name = f"{name}_parts/axis"
+        ir.const(axis_name, axis if kind == "concat" else 0, dtypes.int32, device)
+        return ir.add(name, "ConcatV2", refs + [axis_name], device=device,
                       attrs={"T": tf_dtype, "N": len(refs), "Tidx": dtypes.int32}).name
     op = "Maximum" if kind == "max" else "Minimum"
     acc = refs[0]

@@ -87,9 +87,19 @@ class Trainer:
             self.session.run(ops, feed_dict=feed)
 
     def step(self, feed: dict[str, Any] | None = None, fetch: Sequence[str] = ()) -> list[Any]:
-        """Run the train op once (plus ``fetch`` tensor names); return the fetched values."""
-        fetches = [self.train_op] + [self.graph.get_tensor_by_name(n) for n in fetch]
-        return self.session.run(fetches, feed_dict=dict(feed or {}))[1:]
+        """Run the train op once; return the values of ``fetch`` (tensor names) for this step's
+        feed, evaluated in a run of their own just before it: a fetch in the train op's own run
+        may read a variable before or after its update when nothing orders the two (a loss
+        with a statically shaped gradient seed), in the single-device graph as much as in any
+        other. A graph that reads its own input (no feed) is fetched in the train op's run.
+        """
+        feed = dict(feed or {})
+        tensors = [self.graph.get_tensor_by_name(n) for n in fetch]
+        if not feed:        # the graph reads its own input: a second run would take another batch
+            return self.session.run([self.train_op] + tensors)[1:]
+        values = self.session.run(tensors, feed_dict=feed) if tensors else []
+        self.session.run(self.train_op, feed_dict=feed)
+        return values
 
     def close(self) -> None:
         """Close the session."""
@@ -98,7 +108,11 @@ class Trainer:
 
 @dataclasses.dataclass
 class Comparison:
-    """Largest differences between single-device and replicated training."""
+    """Largest differences between single-device and replicated training.
+
+    A variable of the single-device graph that the replicated graph lacks (lost or renamed) is
+    listed in ``missing`` and counts as an infinite difference.
+    """
 
     max_abs: float
     max_rel: float
@@ -107,6 +121,7 @@ class Comparison:
     fetched: list[tuple[list[Any], list[Any]]]
     unchanged: list[str]
     reference_rel: float | None = None
+    missing: list[str] = dataclasses.field(default_factory=list)
 
     def ok(self, rtol: float = 1e-5) -> bool:
         """True when every variable agrees within ``rtol`` (relative to its scale)."""
@@ -171,13 +186,16 @@ def compare(original: Any, replicated: Any, train_op: str, feeds: Sequence[dict[
     finally:
         for trainer in trainers:
             trainer.close()
+    missing = sorted(n for n in a if n not in b)
     per_var = {n: relative_difference(a[n], b[n]) for n in a if n in b}
+    per_var.update({n: float("inf") for n in missing})
     abs_diff = {n: float(np.max(np.abs(np.asarray(a[n], np.float64) - np.asarray(b[n], np.float64))))
                 if np.asarray(a[n]).size else 0.0 for n in a if n in b}
+    abs_diff.update({n: float("inf") for n in missing})
     worst = max(per_var, key=per_var.get) if per_var else ""
     unchanged = [n for n in a if n in start and np.array_equal(a[n], start[n])]
     ref_rel = None if ref is None else max(
         (relative_difference(a[n], ref[n]) for n in a if n in ref), default=0.0)
     return Comparison(max(abs_diff.values(), default=0.0), max(per_var.values(), default=0.0), worst,
-                      per_var, fetched, unchanged, ref_rel)
+                      per_var, fetched, unchanged, ref_rel, missing)
 

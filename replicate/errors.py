@@ -9,6 +9,7 @@ __all__ = [
     "DeviceError",
     "PassError",
     "OutputError",
+    "InternalError",
 ]
 
 
@@ -35,7 +36,18 @@ class OutputError(ReplicateError):
     """The output could not be written (exists without --force, unwritable, too large)."""
 
 
-class PassError(ReplicateError):
+#: What every internal error asks of the user.
+REPORT = "this is a bug in replicate, not in your graph: please report it with the graph"
+
+
+class InternalError(ReplicateError):
+    """replicate failed on a graph it accepted: a bug in replicate, not the input's fault.
+
+    The message says so, names where it happened, and asks for a report with the graph.
+    """
+
+
+class PassError(InternalError):
     """A pass failed; the message names the pass and the passes that ran before it."""
 
     def __init__(self, pass_name: str, done: list[str], cause: BaseException):
@@ -44,4 +56,5 @@ class PassError(ReplicateError):
         self.cause = cause
         after = ", ".join(done) if done else "nothing"
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-        super().__init__(f"pass '{pass_name}' failed (after {after}): {first}")
+        super().__init__(f"internal error in pass '{pass_name}' (after {after}): "
+                         f"{type(cause).__name__}: {first}; {REPORT}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 __all__ = ["BatchInput", "GradScope", "Frontier", "ApplyOp", "VarInfo", "Reason", "Analysis",
            "Towers"]
@@ -11,22 +12,35 @@ __all__ = ["BatchInput", "GradScope", "Frontier", "ApplyOp", "VarInfo", "Reason"
 
 @dataclasses.dataclass
 class BatchInput:
-    """A tensor that carries examples along ``axis``; split across towers."""
+    """A tensor that carries examples along ``axis``; split across towers.
+
+    ``cls`` is its batch class: inputs of one class hold the same examples (an image and its
+    label) and are split alike; a second class (the noise of a GAN) is split on its own.
+    """
 
     tensor: str
     axis: int
     static_size: int | None
     source_op: str
+    cls: int = 0
 
 
 @dataclasses.dataclass
 class GradScope:
-    """One ``tf.gradients`` call: its name scope, its loss and how that loss reduces the batch."""
+    """One ``tf.gradients`` call: its name scope, its loss and how that loss reduces the batch.
+
+    ``weights`` apply to every aggregated gradient of the scope; ``corrections`` are (tensor,
+    weights) pairs: the gradient entering ``tensor`` in tower ``k`` is scaled by its own weight
+    over the primary one (a loss adding a mean and a sum, or several losses in one call).
+    """
 
     prefix: str
     loss: str | None
     kind: str
     weights: tuple = ("count",)
+    seeds: list = dataclasses.field(default_factory=list)
+    losses: list = dataclasses.field(default_factory=list)
+    corrections: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -34,8 +48,11 @@ class Frontier:
     """A tensor computed in every tower and read by shared nodes.
 
     ``role`` is ``dense``, ``sparse_values`` or ``sparse_indices`` for gradients (aggregated), and
-    ``concat``, ``mean``, ``sum``, ``ratio``, ``max``, ``min`` or ``first`` for forward tensors
-    (merged). ``weights`` says how towers are weighted (see :class:`replicate.reductions.Reduction`).
+    ``concat``, ``mean``, ``sum``, ``ratio``, ``max``, ``min``, ``recompute`` or ``first`` for
+    forward tensors (merged). ``weights`` says how towers are weighted (see
+    :func:`replicate.combine.weight`); ``recompute`` lists, for a tensor no combination of the
+    towers' copies gives, the ops to run once on merged inputs instead (a loss adding a sum and a
+    shared regularizer, the top-k of a per-example vector).
     """
 
     tensor: str
@@ -43,6 +60,8 @@ class Frontier:
     gradient: bool
     variable: str | None = None
     weights: tuple = ("count",)
+    axis: int = 0
+    recompute: tuple = ()
 
 
 @dataclasses.dataclass
@@ -106,10 +125,15 @@ class Analysis:
     external_controls: dict[str, list[str]]
     static_batch: int | None
     couplings: list[str] = dataclasses.field(default_factory=list)
-    rebatch: dict[str, str] = dataclasses.field(default_factory=dict)
+    plan: Any = None
     dead: set[str] = dataclasses.field(default_factory=set)
     reasons: list[Reason] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    train_ops: list[str] = dataclasses.field(default_factory=list)
+    classes: dict[int, int | None] = dataclasses.field(default_factory=dict)
+    demoted: dict[str, str] = dataclasses.field(default_factory=dict)
+    auto_sync: list[str] = dataclasses.field(default_factory=list)
+    flow: Any = None
 
     @functools.cached_property
     def region_set(self) -> frozenset[str]:
@@ -119,7 +143,13 @@ class Analysis:
 
 @dataclasses.dataclass
 class Towers:
-    """What the split pass made: per-tower input tensors, example counts and weights."""
+    """What the split pass made: per-tower input tensors, example counts and weights.
+
+    ``counts``/``static_counts``/``batch_size`` are those of the first batch class; every class
+    has its own in ``class_counts`` (count tensors), ``class_static`` (static counts or None),
+    ``class_batch`` (the global size tensor) and ``class_offsets`` (where each tower's examples
+    start, as tensors).
+    """
 
     devices: list[str]
     prefixes: list[str]
@@ -128,3 +158,7 @@ class Towers:
     static_counts: list[int] | None
     weights: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
     batch_size: str = ""
+    class_counts: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    class_static: dict[int, list[int] | None] = dataclasses.field(default_factory=dict)
+    class_batch: dict[int, str] = dataclasses.field(default_factory=dict)
+    class_offsets: dict[int, list[str]] = dataclasses.field(default_factory=dict)

@@ -169,6 +169,7 @@ class IR:
         self.facts: dict[str, Any] = {}
         self._functions: dict[str, Any] = {}
         self._types: dict[str, tuple] = {}
+        self.tf_graph: Any = None
 
     # ------------------------------------------------------------------ build / write
     @classmethod

@@ -20,10 +20,8 @@ log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=None)
 def _kernels(op_type: str) -> tuple:
-    try:
-        return tuple(kernels.get_registered_kernels_for_op(op_type).kernel)
-    except Exception:  # noqa: BLE001 - unknown ops (library functions) have no registered kernels
-        return ()
+    """Registered kernels of ``op_type`` (none for library functions and unknown ops)."""
+    return tuple(kernels.get_registered_kernels_for_op(op_type).kernel)
 
 
 def has_kernel(op_type: str, device_type: str, attrs: dict) -> bool:

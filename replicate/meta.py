@@ -14,8 +14,10 @@ from collections.abc import Callable
 from tensorflow.core.framework import graph_pb2, variable_pb2
 from tensorflow.core.protobuf import (control_flow_pb2, meta_graph_pb2, queue_runner_pb2,
                                       saved_model_pb2, saver_pb2)
+from google.protobuf import message
 from tensorflow.python.framework import meta_graph as tf_meta_graph
 
+from replicate.errors import InputError
 from replicate.ir import node_of
 
 __all__ = ["referenced_names", "rewrite", "dangling", "collection_ops", "replace_meta_graph",
@@ -26,6 +28,11 @@ log = logging.getLogger(__name__)
 _VARIABLE_FIELDS = ("variable_name", "initializer_name", "snapshot_name", "initial_value_name")
 _QUEUE_FIELDS = ("queue_name", "close_op_name", "cancel_op_name")
 _CONTEXT_KEYS = ("cond_context", "while_context")
+
+#: Collections TensorFlow writes with serialized protos: an entry that does not parse is corrupt input.
+_STANDARD_KEYS = frozenset({"variables", "trainable_variables", "local_variables", "model_variables",
+                            "moving_average_variables", "metric_variables", "savers", "queue_runners",
+                            "cond_context", "while_context"})
 
 #: Collections that name a graph's train op (``tf.compat.v1.GraphKeys.TRAIN_OP``, SavedModel's).
 TRAIN_OP_KEYS = ("train_op", "saved_model_train_op")
@@ -54,7 +61,7 @@ def referenced_names(meta: meta_graph_pb2.MetaGraphDef | None) -> set[str]:
         elif col.HasField("bytes_list") and key not in _CONTEXT_KEYS:
             cls = _bytes_protos(key)
             for raw in col.bytes_list.value:
-                names.update(_proto_names(cls, raw))
+                names.update(_proto_names(cls, raw, key))
     if meta.HasField("saver_def"):
         names.update(node_of(getattr(meta.saver_def, f)) for f in
                      ("filename_tensor_name", "save_tensor_name", "restore_op_name") if getattr(meta.saver_def, f))
@@ -65,13 +72,23 @@ def referenced_names(meta: meta_graph_pb2.MetaGraphDef | None) -> set[str]:
     return names
 
 
-def _proto_names(cls, raw: bytes) -> list[str]:
+def _proto_names(cls, raw: bytes, key: str = "") -> list[str]:
+    """Node names in one serialized entry of collection ``key``.
+
+    Raises:
+        InputError: an entry of a collection TensorFlow itself writes is not the proto it must be.
+    """
     if cls is None:
         return []
     proto = cls()
     try:
         proto.ParseFromString(raw)
-    except Exception:  # noqa: BLE001 - an unparsable entry names nothing
+    except message.DecodeError:
+        if key in _STANDARD_KEYS:
+            raise InputError(f"MetaGraphDef: collection '{key}' holds an entry that is not a "
+                             f"{cls.__name__}") from None
+        log.warning("collection '%s': an entry is not a %s; the names it holds are not tracked",
+                    key, cls.__name__)
         return []
     if cls is variable_pb2.VariableDef:
         return [node_of(getattr(proto, f)) for f in _VARIABLE_FIELDS if getattr(proto, f)]
@@ -122,7 +139,7 @@ def rewrite(meta: meta_graph_pb2.MetaGraphDef | None, graph_def: graph_pb2.Graph
         elif col.HasField("bytes_list"):
             cls = _bytes_protos(key)
             for raw in col.bytes_list.value:
-                names = _proto_names(cls, raw)
+                names = _proto_names(cls, raw, key)
                 if key in _CONTEXT_KEYS:
                     warn(f"collection '{key}': dropped a control-flow context (only needed to "
                          "build new gradients of replicated loops)")
@@ -164,7 +181,7 @@ def dangling(meta: meta_graph_pb2.MetaGraphDef) -> list[str]:
             names = [node_of(v) for v in col.node_list.value]
         elif col.HasField("bytes_list") and key not in _CONTEXT_KEYS:
             cls = _bytes_protos(key)
-            names = [n for raw in col.bytes_list.value for n in _proto_names(cls, raw)]
+            names = [n for raw in col.bytes_list.value for n in _proto_names(cls, raw, key)]
         else:
             continue
         problems.extend(f"collection '{key}' names missing node '{n}'" for n in names

@@ -140,7 +140,9 @@ RANDOM_OPS = frozenset(
     {"RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
      "RandomShuffle", "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2",
      "ParameterizedTruncatedNormal", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
-     "StatelessTruncatedNormalV2", "RandomCrop"}
+     "StatelessTruncatedNormalV2", "RandomCrop", "LogUniformCandidateSampler",
+     "UniformCandidateSampler", "LearnedUnigramCandidateSampler", "FixedUnigramCandidateSampler",
+     "ThreadUnsafeUnigramCandidateSampler", "AllCandidateSampler"}
 )
 
 #: Reductions over the batch and how tower results combine into the global value:

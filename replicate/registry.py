@@ -26,7 +26,7 @@ from tensorflow.python.framework import op_def_registry
 
 from replicate.errors import InputError, OutputError
 
-__all__ = ["check_graph_def", "import_checked", "import_error", "check_message_size",
+__all__ = ["cpp_import", "check_graph_def", "import_checked", "import_error", "check_message_size",
            "called_functions", "PROTOBUF_LIMIT", "MAX_RANK"]
 
 log = logging.getLogger(__name__)
@@ -418,3 +418,21 @@ def import_checked(graph_def: graph_pb2.GraphDef, origin: str):
     except (ValueError, TypeError, KeyError, tf.errors.OpError) as exc:
         raise import_error(origin, exc) from None
     return graph
+
+
+def cpp_import(graph_def: graph_pb2.GraphDef) -> None:
+    """Import ``graph_def`` with TensorFlow's C++ importer (op signatures, input types, shape
+    inference) without building Python objects: as strict as a Python import and several
+    times faster. Raises TensorFlow's own error (ValueError or OpError) on failure."""
+    import tensorflow as tf
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    from tensorflow.python.framework import c_api_util
+
+    options = c_api_util.ScopedTFImportGraphDefOptions()
+    buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
+    try:
+        with tf.Graph()._c_graph.get() as c_graph:  # noqa: SLF001 - what TF's importer fills
+            results = c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options)
+        c_api_util.ScopedTFImportGraphDefResults(results)
+    finally:
+        c_api.TF_DeleteBuffer(buffer)

@@ -55,6 +55,8 @@ class Report:
     warnings: list[str]
     passes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     mirrored: list[str] = dataclasses.field(default_factory=list)
+    shared_why: dict[str, str] = dataclasses.field(default_factory=dict)
+    train_ops: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""
@@ -65,15 +67,20 @@ class Report:
     def __str__(self) -> str:
         lines = [f"replicate: {len(self.devices)} towers on {', '.join(self.devices)}; "
                  f"shared state on {self.controller}"]
-        lines.append(f"  train op      {self.train_op}")
+        lines.append(f"  train op      {self.train_op}" + (
+            f"  (and {', '.join(self.train_ops[1:])}: every train op is replicated)"
+            if len(self.train_ops) > 1 else ""))
         loss = self.loss or "(not found)"
         kinds = ", ".join(f"{k}: {v}" for k, v in self.loss_reductions.items())
         lines.append(f"  loss          {loss}  (reduction over the batch: {kinds or 'unknown'})")
+        classes = list(dict.fromkeys(inp.get("class", 0) for inp in self.inputs))
         for inp in self.inputs:
             size = inp["static_size"] if inp["static_size"] is not None else "dynamic"
-            lines.append(f"  batch input   {inp['tensor']}  axis {inp['axis']}, batch size {size}")
+            group = f", batch {classes.index(inp.get('class', 0)) + 1}" if len(classes) > 1 else ""
+            lines.append(f"  batch input   {inp['tensor']}  axis {inp['axis']}, batch size {size}{group}")
         for name in self.shared_inputs:
-            lines.append(f"  shared input  {name}  (not split)")
+            why = self.shared_why.get(name)
+            lines.append(f"  shared input  {name}  (not split{': ' + why if why else ''})")
         lines.append(f"  optimizers    {', '.join(self.optimizers) or 'none'}  ({self.updates} updates)")
         lines.append(f"  variables     {self.variables} ({self.trainable_variables} updated by the optimizer), "
                      f"{_human_bytes(self.variable_bytes)}")

@@ -15,8 +15,8 @@ from tensorflow.core.framework import types_pb2
 from replicate import ops
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["gradient_scopes", "scope_loss", "forward_op_of", "sparse_roles", "FLOAT_TYPES",
-           "variable_of"]
+__all__ = ["gradient_scopes", "scope_loss", "scope_seeds", "forward_op_of", "sparse_roles",
+           "FLOAT_TYPES", "variable_of"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,39 @@ def scope_loss(ir: IR, prefix: str) -> str | None:
     consumed = {node_of(r) for c in candidates for r in ir.nodes[c].inputs}
     downstream = [c for c in candidates if c not in consumed]
     return tensor_name(downstream[-1], 0) if downstream else None
+
+
+_SEED_INDEX = re.compile(r"^grad_ys_(\d+)$")
+
+
+def scope_seeds(ir: IR, prefix: str) -> list[tuple[str, str | None]]:
+    """(seed tensor, loss tensor) for every output ``tf.gradients`` differentiated in scope
+    ``prefix``: the seed is the ``grad_ys_<i>`` tensor of ones shaped like the loss; the loss is
+    the tensor that ``Shape`` reads, or else the output of the forward op whose gradient code
+    first consumes the seed (a loss behind an ``Identity`` is found as the identity's input).
+    The loss is None when it cannot be recovered."""
+    seeds = []
+    for name, node in ir.nodes.items():
+        if not name.startswith(prefix + "/"):
+            continue
+        match = _SEED_INDEX.match(name[len(prefix) + 1:])
+        if match:
+            seeds.append((int(match.group(1)), name))
+    out: list[tuple[str, str | None]] = []
+    for _, name in sorted(seeds):
+        node = ir.nodes[name]
+        loss = None
+        shape = ir.nodes.get(node_of(node.inputs[0])) if node.inputs else None
+        if shape is not None and shape.op == "Shape" and shape.inputs:
+            loss = tensor_name(*parse_tensor(shape.inputs[0]))
+        else:
+            for consumer in ir.consumers(name):
+                op = forward_op_of(ir, prefix, consumer.name)
+                if op is not None:
+                    loss = tensor_name(op, 0)
+                    break
+        out.append((tensor_name(name, 0), loss))
+    return out
 
 
 def variable_of(ir: IR, ref: str) -> str | None:

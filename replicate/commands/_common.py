@@ -48,6 +48,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spread the variables over these devices by size instead of the "
                              "controller; 'mirrored': a copy on every tower device, gradients "
                              "all-reduced, the update applied on each device")
+    parser.add_argument("--batch-inputs", metavar="NAME[@AXIS][,...]", default="",
+                        help="split exactly these inputs along their batch axis (default 0) "
+                             "instead of the ones the analysis finds, e.g. x:0,state:0@1")
 
 
 def strategy_options(args: argparse.Namespace) -> dict:
@@ -56,7 +59,16 @@ def strategy_options(args: argparse.Namespace) -> dict:
         params = "mirrored"
     else:
         params = parse_devices(args.param_devices, "--param-devices") if args.param_devices else None
-    return {"batch_norm": args.batch_norm, "aggregation": args.aggregation, "param_devices": params}
+    options = {"batch_norm": args.batch_norm, "aggregation": args.aggregation, "param_devices": params}
+    batch_inputs = getattr(args, "batch_inputs", "")
+    if batch_inputs:
+        names = name_list(batch_inputs)
+        for name in names:
+            axis = name.rsplit("@", 1)[1] if "@" in name else "0"
+            if not axis.isdigit():
+                raise InputError(f"--batch-inputs {name}: the axis after '@' must be a whole number")
+        options["batch_inputs"] = names
+    return options
 
 
 def targets(args: argparse.Namespace, default: str | None = None) -> dict:

@@ -15,7 +15,7 @@ from replicate import ops
 from replicate.errors import AnalysisError
 from replicate.facts import ApplyOp, Frontier, GradScope
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.reductions import merge_kind
+from replicate.batchflow.merge import merge_kind, recompute_plan
 from replicate.roles import FLOAT_TYPES, sparse_roles
 
 __all__ = ["classify"]
@@ -24,7 +24,7 @@ _MERGEABLE = frozenset({"concat", "mean", "sum", "ratio", "max", "min"})
 
 
 def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
-             scopes: list[GradScope], apply_ops: list[ApplyOp], static_batch: int | None,
+             scopes: list[GradScope], apply_ops: list[ApplyOp], flow,
              losses: list[str], outputs: tuple[str, ...], merge_forward: bool,
              dead: set[str] = frozenset()) -> tuple[list[Frontier], list[Frontier], list[str]]:
     """Return (gradient frontier, forward outputs to merge, tensors read by shared ops that
@@ -61,8 +61,18 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     def add(t: str, required: bool) -> None:
         if t in merged or node_of(t) not in dependent:
             return
-        red = merge_kind(ir, t, dependent, static_batch)
+        red = merge_kind(ir, flow, t)
         if red.kind not in _MERGEABLE:
+            fact = flow.fact(t)
+            if red.kind != "none" and (required or (fact is not None and fact.kind == "red")):
+                plan = recompute_plan(ir, flow, t, inside, in_grad, dependent,
+                                      lambda r: merge_kind(ir, flow, r).kind in _MERGEABLE)
+                if plan is not None:
+                    nodes, needs = plan
+                    for ref in needs:
+                        add(ref, True)
+                    merged[t] = Frontier(t, "recompute", False, recompute=tuple(nodes))
+                    return
             if not required:
                 return
             if red.kind == "none":
@@ -71,7 +81,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             unmergeable.append(t)
             merged[t] = Frontier(t, "first", False)
             return
-        merged[t] = Frontier(t, red.kind, False, weights=red.weights)
+        merged[t] = Frontier(t, red.kind, False, weights=red.weights, axis=red.axis)
 
     for t in crossing_sorted:
         if node_of(t) not in in_grad:

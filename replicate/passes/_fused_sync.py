@@ -40,7 +40,8 @@ class FusedSync:
 
     def __init__(self, ir: IR, controller: str, name: str, grad_nodes: list[str]):
         self.ir, self.controller, self.name = ir, controller, name
-        self.grad = next((g for g in grad_nodes if ir.nodes[g].op == "FusedBatchNormGradV3"), None)
+        #: one gradient op per gradient computation (a GAN's two train ops each have one)
+        self.grads = [g for g in grad_nodes if ir.nodes[g].op == "FusedBatchNormGradV3"]
 
     def run(self) -> None:
         ir, name = self.ir, self.name
@@ -79,8 +80,11 @@ class FusedSync:
         forward = []
         for k in range(n):
             forward.append(self._forward(copies[k][name], mean, var, unbiased, towers.devices[k]))
-        if self.grad is not None:
-            self._backward(copies, towers, analysis, shared, local, x, mean_b, var, total, forward, nchw, u)
+        ir.facts.setdefault("synced_outputs", {})[name] = {1: mean, 2: unbiased}
+        for i, grad in enumerate(self.grads):
+            sub = _Ops(ir, f"{scope}/grad_{i}", self.controller, u) if i else shared
+            self._backward(grad, copies, towers, analysis, sub, local, x, mean_b, var, total, forward,
+                           nchw, u, i)
         log.info("sync: %s uses global statistics in %d towers", name, n)
 
     def _input(self, copy: str, pos: int, t, u, ops: _Ops) -> str:
@@ -108,12 +112,12 @@ class FusedSync:
         ir.add_node(Node(copy, node.op, inputs, list(node.control), device, attrs))
         return copy
 
-    def _backward(self, copies, towers, analysis, shared, local, x, mean_b, var, total, forward,
-                  nchw, u) -> None:
+    def _backward(self, grad: str, copies, towers, analysis, shared, local, x, mean_b, var, total,
+                  forward, nchw, u, index: int) -> None:
         ir = self.ir
         n = len(towers.devices)
-        grads = [copies[k][self.grad] for k in range(n)]
-        node = ir.nodes[self.grad]
+        grads = [copies[k][grad] for k in range(n)]
+        node = ir.nodes[grad]
         eps = shared.const("epsilon", float(node.attr("epsilon", 1e-3)))
         rstd = shared("rstd", "Rsqrt", [shared("var_eps", "AddV2", [var, eps])])
         new = []
@@ -125,7 +129,7 @@ class FusedSync:
             inputs = g.inputs[:3] + [fwd.inputs[3], fwd.inputs[4], f"{forward[k]}:5"]
             new.append(ir.add_node(Node(f"{grads[k]}_inference", g.op, inputs, list(g.control),
                                         towers.devices[k], attrs)).name)
-        scope = next(s for s in analysis.scopes if self.grad.startswith(s.prefix + "/"))
+        scope = next(s for s in analysis.scopes if grad.startswith(s.prefix + "/"))
         s1 = combine(ir, towers, f"{shared.scope}/offset_grad", [f"{g}:2" for g in new], "dense",
                      u.as_datatype_enum, self.controller, self.controller, scope.weights)
         s2 = combine(ir, towers, f"{shared.scope}/scale_grad", [f"{g}:1" for g in new], "dense",
@@ -133,7 +137,7 @@ class FusedSync:
         gamma_r = shared("gamma_rstd", "Mul", [ir.nodes[grads[0]].inputs[2], rstd])
         s1_b, s2_b = self._broadcast(shared, s1, nchw, "s1_b"), self._broadcast(shared, s2, nchw, "s2_b")
         for k in range(n):
-            ops = local[k]
+            ops = local[k] if not index else _Ops(ir, f"{local[k].scope}/grad_{index}", local[k].device, u)
             c_k = weight(ir, towers, k, u.as_datatype_enum, self.controller, scope.weights)
             xhat = ops("xhat", "Mul", [ops("centered", "Sub", [x[k], mean_b]),
                                        self._broadcast(ops, rstd, nchw, "rstd_b")])

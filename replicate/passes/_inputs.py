@@ -2,31 +2,26 @@
 
 from __future__ import annotations
 
-import collections
 import logging
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from tensorflow.python.framework import dtypes
 
 from replicate import ops
-from replicate.facts import ApplyOp, BatchInput, VarInfo
+from replicate.errors import AnalysisError
+from replicate.facts import ApplyOp, VarInfo
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["find", "variables", "global_step", "independent_terms"]
+__all__ = ["candidates", "forced", "variables", "global_step", "independent_terms"]
 
 log = logging.getLogger(__name__)
 
 
-def find(ir: IR, region: list[str], sources: set[str]
-         ) -> tuple[list[BatchInput], list[str], int | None, list[str]]:
-    """Split the input tensors the region reads into batch inputs and shared inputs.
-
-    A placeholder or iterator output of rank >= 1 is a batch input (axis 0) unless its
-    static leading dimension disagrees with the other batch inputs'.
-
-    Returns:
-        (batch inputs, shared input tensors, static global batch size or None, warnings)
-    """
+def candidates(ir: IR, region: list[str], sources: set[str]) -> tuple[list[str], list[str], list[str]]:
+    """The input tensors the region reads, split into possible batch inputs (placeholders,
+    iterator and queue outputs of rank >= 1, in graph order) and shared ones (scalars, unknown
+    rank), with warnings. The batch dataflow decides which candidates are batch inputs."""
     used: dict[str, None] = {}
     for name in region:
         for ref in ir.nodes[name].inputs:
@@ -34,7 +29,7 @@ def find(ir: IR, region: list[str], sources: set[str]
                 used.setdefault(tensor_name(*parse_tensor(ref)), None)
     warnings: list[str] = []
     shared: list[str] = []
-    candidates: list[tuple[str, int | None]] = []
+    found: list[str] = []
     for ref in used:
         source = ir.nodes[node_of(ref)]
         if source.op not in ops.BATCH_SOURCE_OPS:
@@ -46,20 +41,27 @@ def find(ir: IR, region: list[str], sources: set[str]
         elif not shape:
             shared.append(ref)
         else:
-            candidates.append((ref, shape[0]))
-    statics = collections.Counter(d for _, d in candidates if d is not None)
-    static_batch = max(statics, key=lambda d: (statics[d], d)) if statics else None
-    batch = []
-    for ref, dim in candidates:
-        if dim is None or dim == static_batch:
-            batch.append(BatchInput(ref, 0, dim, ir.nodes[node_of(ref)].op))
-        else:
-            warnings.append(f"input '{ref}' has leading dimension {dim}, not the batch size "
-                            f"{static_batch}; it is shared, not split")
-            shared.append(ref)
-    if any(b.static_size is None for b in batch):
-        static_batch = None
-    return batch, shared, static_batch, warnings
+            found.append(ref)
+    return found, shared, warnings
+
+
+def forced(ir: IR, names: Mapping[str, int] | Sequence[str]) -> dict[str, int]:
+    """The user's ``batch_inputs``: tensor names (``x:0``, or ``x:0@1`` for axis 1), checked."""
+    items = names.items() if isinstance(names, Mapping) else [
+        (n.rsplit("@", 1)[0], int(n.rsplit("@", 1)[1])) if "@" in n else (n, 0) for n in names]
+    out: dict[str, int] = {}
+    for name, axis in items:
+        ref = tensor_name(*parse_tensor(name))
+        node = ir.nodes.get(node_of(ref))
+        if node is None:
+            raise AnalysisError(f"batch input '{name}' is not a tensor of the graph")
+        shape = ir.static_shape(ref)
+        if shape is not None and not 0 <= axis < max(len(shape), 1):
+            raise AnalysisError(f"batch input '{name}' has rank {len(shape)}; it has no axis {axis}")
+        out[ref] = axis
+    if not out:
+        raise AnalysisError("batch_inputs is empty; name at least one input to split")
+    return out
 
 
 def variables(ir: IR, region: list[str], apply_ops: list[ApplyOp]) -> dict[str, VarInfo]:

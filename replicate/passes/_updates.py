@@ -15,45 +15,48 @@ from replicate.facts import ApplyOp
 from replicate.ir import IR, node_of
 from replicate.roles import variable_of
 
-__all__ = ["find_train_op", "descendants"]
+__all__ = ["find_train_ops", "descendants"]
 
 
-def find_train_op(ir: IR, graph: nx.DiGraph, in_grad: set[str], train_op: str | None
-                  ) -> tuple[str, list[ApplyOp]]:
-    """The train op (given, or the sink that runs every optimizer update fed by a gradient)
-    and the optimizer updates it runs."""
+def find_train_ops(ir: IR, graph: nx.DiGraph, in_grad: set[str], train_op: str | None
+                   ) -> tuple[list[str], list[ApplyOp]]:
+    """Every train op (a sink that runs optimizer updates fed by a gradient, and runs no fewer
+    updates than another sink) and the updates they run. A GAN's ``d_optim`` and ``g_optim``
+    are both train ops: all are replicated in one transform and each keeps its name. The one
+    the user names (``train_op``), or else the one in the ``train_op`` collection, comes first.
+    """
     below = descendants(graph, in_grad, list(ir.nodes))
     fed = _gradient_fed(ir, graph, in_grad)
     updates = [n for n in ir.nodes if n in below and n not in in_grad
                and (ir.nodes[n].op in ops.APPLY_OPS or ir.nodes[n].op in ops.MUTATING_OPS)]
+    first: str | None = None
     if train_op is not None:
-        name = node_of(train_op)
-        if name not in ir.nodes:
+        first = node_of(train_op)
+        if first not in ir.nodes:
             raise AnalysisError(f"train op '{train_op}' is not a node of the graph")
-        ancestors = ir.ancestors([name], graph)
-        chosen = [u for u in updates if u in ancestors]
-        if not chosen:
-            raise AnalysisError(f"train op '{name}' updates no variable from a gradient")
-        return name, _apply_ops(ir, chosen, fed)
+        if not any(u in ir.ancestors([first], graph) for u in updates):
+            raise AnalysisError(f"train op '{first}' updates no variable from a gradient")
     reach: set[str] = set()
     for u in updates:
         if u not in reach:
             reach |= nx.descendants(graph, u) | {u}
     sinks = [n for n in ir.nodes if n in reach and graph.out_degree(n) == 0]
-    if not sinks:
+    if not sinks and first is None:
         raise AnalysisError("no train op found: no optimizer update consumes a gradient")
-    if len(sinks) > 1:
-        sinks = _widest(ir, graph, sinks, updates)
-    if len(sinks) > 1:
+    sinks = _widest(ir, graph, sinks, updates) if len(sinks) > 1 else sinks
+    if first is not None:
+        covered = ir.ancestors([first], graph)
+        sinks = [first] + [s for s in sinks if s != first
+                           and not set(ir.ancestors([s], graph) & set(updates)) <= covered]
+    else:
         collected = [s for s in _collection_names(ir, "train_op") if s in sinks]
-        if len(collected) == 1:
-            sinks = collected
-        else:
-            names = ", ".join(f"'{s}'" for s in sinks[:6])
-            raise AnalysisError(f"several candidate train ops ({names}); "
-                                "choose one with train_op=")
+        if collected:
+            sinks = collected[:1] + [s for s in sinks if s != collected[0]]
     ancestors = ir.ancestors(sinks, graph)
-    return sinks[0], _apply_ops(ir, [u for u in updates if u in ancestors], fed)
+    applies = _apply_ops(ir, [u for u in updates if u in ancestors], fed)
+    if not any(ops.APPLY_OPS.get(ir.nodes[a.name].op) or a.op in ops.MUTATING_OPS for a in applies):
+        raise AnalysisError(f"train op '{sinks[0]}' updates no variable from a gradient")
+    return sinks, applies
 
 
 

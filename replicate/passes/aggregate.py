@@ -8,7 +8,9 @@ Produces: for each frontier gradient ``g`` an op under ``replicate/aggregate/`` 
 device of the variable it updates, and ``ir.facts["aggregates"]``, tensor -> aggregate.
 Dense gradients of a mean loss are summed with weights ``n_k / B`` (each tower's share of
 the global batch), which equals the single-device gradient for even and uneven splits;
-gradients of a sum loss are summed. Sparse gradients stay sparse: values are weighted and
+gradients of a sum loss are summed. With reference variables (read in place, not
+snapshot), every aggregate waits for every tower's gradients, so that no update overtakes a
+tower's read. Sparse gradients stay sparse: values are weighted and
 concatenated, indices concatenated in tower order. ``MulNoNan`` makes a tower with no
 examples contribute zero. With the ``packed`` strategy, dense gradients that share a dtype,
 weighting and device travel through a few flat buffers instead.
@@ -82,8 +84,28 @@ class Aggregate:
             aggregates[f.tensor] = combine(ir, towers, f"{SCOPE}/{name}{suffix}", parts, kind,
                                            ir.output_dtype(f.tensor), device, self.controller,
                                            f.weights, next(keys) if keys is not None else None)
+        if any(v.kind == "ref" for v in analysis.variables.values()) and len(towers.devices) > 1:
+            self._gate(ir, analysis, copies, aggregates)
         ir.facts["aggregates"] = aggregates
         sparse = sum(1 for f in analysis.frontier if f.role.startswith("sparse"))
         log.info("aggregated %d gradient tensors (%d sparse parts)", len(aggregates), sparse)
         return PassResult(ir, bool(aggregates))
 
+    def _gate(self, ir: IR, analysis, copies, aggregates: dict[str, str]) -> None:
+        """Reference variables are read in place: an update that runs while a tower's gradient
+        code still reads the variable changes what that tower reads. Every aggregate waits for
+        every tower's gradients of its own gradient computation (not another train op's), so
+        updates start only when the towers are done."""
+        for scope in analysis.scopes:
+            mine = [f for f in analysis.frontier if f.tensor.startswith(scope.prefix + "/")]
+            waits = sorted({copies[k][parse_tensor(f.tensor)[0]] for f in mine
+                            for k in range(len(copies)) if parse_tensor(f.tensor)[0] in copies[k]})
+            if not waits:
+                continue
+            gate = ir.add(ir.unique_name(f"{SCOPE}/gate"), "NoOp", control=waits,
+                          device=self.controller).name
+            for f in mine:
+                aggregate = aggregates.get(f.tensor)
+                if aggregate is not None:
+                    node = ir.nodes[parse_tensor(aggregate)[0]]
+                    ir.set_control(node.name, node.control + [gate])

@@ -4,11 +4,13 @@ Requires: an IR of a single-device training graph with static shapes loaded; the
 optimizer's gradients computed by ``tf.gradients`` (``minimize`` or
 ``compute_gradients``), so they live under a ``gradients`` name scope.
 
-Produces: ``ir.facts["analysis"]``, an :class:`~replicate.facts.Analysis`: the train op,
-variables, batch inputs, loss and its reduction, optimizer updates, the tower region
-(ancestors of the gradient frontier and the loss, minus variables and input sources),
-the gradient and forward frontier with how each tensor combines across towers, and
-the reasons the result may not be exact. The graph itself is not changed.
+Produces: ``ir.facts["analysis"]``, an :class:`~replicate.facts.Analysis`: the train ops,
+variables, batch inputs (decided by the batch dataflow, :mod:`replicate.batchflow`), the
+losses and how each is weighted across towers, optimizer updates, the tower region
+(ancestors of the gradient frontier and the losses, minus variables and input sources),
+the gradient and forward frontier with how each tensor combines across towers, the rewrite
+plan for batch sizes baked into the graph, and the reasons the result may not be exact.
+The graph itself is not changed.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ import logging
 import networkx as nx
 
 from replicate import ops
+from replicate.batchflow.analysis import analyze as settle
+from replicate.batchflow.context import Demand
 from replicate.errors import AnalysisError
-from replicate.facts import Analysis, GradScope, Reason
+from replicate.facts import Analysis, BatchInput
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _inputs, _static
+from replicate.passes import _evict, _exactness, _inputs, _weights
 from replicate.passes._frontier import classify
-from replicate.passes._updates import descendants as _descendants
-from replicate.passes._updates import find_train_op
+from replicate.passes._updates import find_train_ops
 from replicate.pipeline import PassResult
-from replicate.reductions import FUSED_BATCH_NORM, couplings, reduction
-from replicate.roles import FLOAT_TYPES, gradient_scopes, scope_loss
+from replicate.roles import gradient_scopes
 
 __all__ = ["Analyze"]
 
@@ -41,58 +43,82 @@ class Analyze:
     """Configuration of the analysis.
 
     Args:
-        train_op: name of the train op; found automatically when None.
-        loss: name of the loss tensor; recovered from the gradient seed when None.
+        train_op: name of the train op that comes first; every train op is found and replicated.
+        loss: name of the loss the gradients differentiate, when it cannot be recovered.
         outputs: extra tensor or node names to keep fetchable under their names.
         merge_forward: also merge every per-example forward tensor under its name.
         external: node names referenced from outside the graph (collections, saver).
+        batch_inputs: the tensors to split (``x:0``, ``x:0@1`` for axis 1) instead of the ones
+            the dataflow finds.
+        sync: batch statistics will be synchronized (``batch_norm="sync"``), so values computed
+            from them are the same in every tower as on one device.
     """
 
     name = "analyze"
 
     def __init__(self, train_op: str | None = None, loss: str | None = None,
                  outputs: tuple[str, ...] = (), merge_forward: bool = True,
-                 external: frozenset[str] = frozenset()):
+                 external: frozenset[str] = frozenset(), batch_inputs=None, sync: bool = False):
         self.train_op = train_op
         self.loss = loss
         self.outputs = tuple(outputs)
         self.merge_forward = merge_forward
         self.external = external
+        self.batch_inputs = batch_inputs
+        self.sync = sync
 
     def run(self, ir: IR) -> PassResult:
-        scopes = gradient_scopes(ir)
-        if not scopes:
+        _refuse_replicated(ir)
+        prefixes = gradient_scopes(ir)
+        if not prefixes:
             raise AnalysisError("no train op found: the graph has no gradient computation "
                                 "(build it with optimizer.minimize or compute_gradients)")
-        in_grad = {n for n in ir.nodes if any(n.startswith(p + "/") for p in scopes)}
+        in_grad = {n for n in ir.nodes if any(n.startswith(p + "/") for p in prefixes)}
         graph = ir.to_networkx()
-        train_op, apply_ops = find_train_op(ir, graph, in_grad, self.train_op)
-        grad_scopes = self._scopes(ir, scopes, train_op, graph)
-        losses = [s.loss for s in grad_scopes if s.loss]
-        seeds = [tensor_name(n, parse_tensor(r)[1]) for n in in_grad for c in ir.consumers(n)
-                 if c.name not in in_grad for r in c.inputs if node_of(r) == n]
-        seeds = list(dict.fromkeys(sorted(seeds, key=_order(ir))))
-        region, sources = self._region(ir, graph, [node_of(t) for t in seeds + losses])
-        batch_inputs, shared_inputs, static_batch, warnings = _inputs.find(ir, region, sources)
+        train_ops, apply_ops = find_train_ops(ir, graph, in_grad, self.train_op)
+        grad_scopes = _weights.scopes(ir, prefixes, train_ops, graph, self.loss)
+        losses = _weights.losses(grad_scopes)
+        crossing = [tensor_name(n, parse_tensor(r)[1]) for n in in_grad for c in ir.consumers(n)
+                    if c.name not in in_grad for r in c.inputs if node_of(r) == n]
+        crossing = list(dict.fromkeys(sorted(crossing, key=_order(ir))))
+        region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses])
+        candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
+        forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
+        if forced:
+            shared_inputs = [t for t in candidates + shared_inputs if t not in forced]
+            candidates = []
+        flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced)
+        classes = flow.classes
+        batch_inputs = [BatchInput(t, axis, _static(ir, t, axis), ir.nodes[node_of(t)].op, cls)
+                        for t, (axis, cls) in flow.inputs.items()]
+        batch_inputs.sort(key=lambda b: _order(ir)(b.tensor))
         if not batch_inputs:
-            raise AnalysisError("no batch input found: no placeholder or iterator of rank >= 1 "
-                                "feeds the loss")
-        dependent = _descendants(graph, {node_of(b.tensor) for b in batch_inputs}, region)
+            raise AnalysisError("no batch input found: no placeholder or iterator output whose "
+                                "examples the loss reduces (name them with batch_inputs=)")
+        shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates) if t not in flow.inputs]
+        primary = batch_inputs[0].cls
+        reasons = _weights.assign(grad_scopes, flow, primary)
+        couplings = flow.couplings()
+        auto = [c for c in couplings if _exactness.size_like(ir, c)]
+        evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
+        if evicted:
+            region = [n for n in region if n not in evicted]
+            _split_outputs(ir, flow, evicted, set(region))
         inside = set(region)
-        rebatch, reasons = self._static_batch(ir, graph, region, dependent, grad_scopes, static_batch,
-                                              {node_of(b.tensor) for b in batch_inputs})
+        dependent = _reach(ir, flow.order, {n for n in region
+                                             if flow.dependent(n, len(ir.output_types(ir.nodes[n])))})
         updates = [n for n in region if ir.nodes[n].op in ops.MUTATING_OPS]
         outside = {n for n in region for c in ir.consumers(n) if c.name not in inside}
-        needed = self._needed(ir, graph, region, updates, [node_of(t) for t in seeds + losses]
+        needed = self._needed(ir, region, updates, [node_of(t) for t in crossing + losses]
                               + sorted(outside - set(updates), key=_order(ir)))
         keep_targets = {n for n in region if n not in dependent and (n in outside or n in self.external)}
+        keep_targets |= {node_of(t) for t in flow.plan.splits}
         keep = ir.ancestors(keep_targets, graph) & inside
-        reasons += _loss_kinds(ir, grad_scopes, dependent, inside)
         dead = _dead_gradient_code(ir, in_grad - inside)
         frontier, outputs, unmergeable = classify(ir, region, dependent, in_grad, grad_scopes,
-                                                  apply_ops, static_batch, losses, self.outputs,
+                                                  apply_ops, flow, losses, self.outputs,
                                                   self.merge_forward, dead)
-        reasons += _unmergeable(ir, graph, train_op, unmergeable, inside, warnings)
+        reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings)
         step = _inputs.global_step(ir, apply_ops)
         controls: dict[str, list[str]] = {}
         for consumer in {c.name for n in region for c in ir.consumers(n)} - inside:
@@ -102,12 +128,12 @@ class Analyze:
         order = _order(ir)
         controls = dict(sorted(controls.items(), key=lambda kv: order(kv[0])))
         analysis = Analysis(
-            train_op=train_op,
+            train_op=train_ops[0],
             variables=_inputs.variables(ir, region, apply_ops),
             batch_inputs=batch_inputs,
             shared_inputs=shared_inputs,
             scopes=grad_scopes,
-            loss=tensor_name(*parse_tensor(self.loss)) if self.loss else (losses[0] if losses else None),
+            loss=losses[0] if losses else None,
             apply_ops=apply_ops,
             optimizers=list(dict.fromkeys(a.optimizer for a in apply_ops)),
             global_step=step,
@@ -120,36 +146,23 @@ class Analyze:
             frontier=frontier,
             outputs=outputs,
             external_controls=controls,
-            static_batch=static_batch,
-            couplings=couplings(ir, region, dependent, in_grad, static_batch),
-            rebatch=rebatch,
+            static_batch=classes.static(primary),
+            couplings=[c for c in couplings if c not in auto],
+            plan=flow.plan,
             dead=dead,
-            reasons=reasons,
+            reasons=reasons + list(flow.plan.reasons),
             warnings=warnings,
+            train_ops=train_ops,
+            classes={classes.find(b.cls): classes.static(b.cls) for b in batch_inputs},
+            demoted=dict(flow.demoted),
+            auto_sync=auto,
+            flow=flow,
         )
-        _exactness(ir, analysis)
+        _exactness.collect(ir, analysis)
         ir.facts["analysis"] = analysis
         return PassResult(ir, False)
 
     # ------------------------------------------------------------------ pieces
-    def _scopes(self, ir: IR, scopes: list[str], train_op: str, graph: nx.DiGraph) -> list[GradScope]:
-        if self.loss is not None:
-            name, _ = parse_tensor(self.loss)
-            if name not in ir.nodes:
-                raise AnalysisError(f"loss '{self.loss}' is not a node of the graph")
-        ancestors = ir.ancestors([train_op], graph)
-        out = []
-        for prefix in scopes:
-            if not any(n.startswith(prefix + "/") for n in ancestors):
-                continue
-            loss = scope_loss(ir, prefix)
-            if loss is None and self.loss is not None:
-                loss = tensor_name(*parse_tensor(self.loss))
-            out.append(GradScope(prefix, loss, "mean"))
-        if not out:
-            raise AnalysisError(f"train op '{train_op}' does not depend on any gradient")
-        return out
-
     def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str]) -> tuple[list[str], set[str]]:
         stop: set[str] = set()
         for name, node in ir.nodes.items():
@@ -171,22 +184,7 @@ class Analyze:
         return region, {n for n in seen if n in stop}
 
     @staticmethod
-    def _static_batch(ir: IR, graph: nx.DiGraph, region: list[str], dependent: set[str],
-                      scopes: list[GradScope], batch: int | None, sources: set[str]
-                      ) -> tuple[dict[str, str], list[Reason]]:
-        """Constants baking a static batch size; they (and what they feed) depend on the batch."""
-        if batch is None:
-            return {}, []
-        prefixes = [s.prefix for s in scopes]
-        plan, unexplained = _static.plan(ir, region, dependent | sources, prefixes, batch)
-        dependent |= set(plan) | _descendants(graph, set(plan), region)
-        plan, unexplained = _static.plan(ir, region, dependent | sources, prefixes, batch)
-        return plan, [Reason(name, f"constant holds the static batch size {batch} where a tower "
-                             "sees fewer examples", "give the batch input a dynamic batch dimension "
-                             "(None)") for name in unexplained]
-
-    def _needed(self, ir: IR, graph: nx.DiGraph, region: list[str], updates: list[str],
-                targets: list[str]) -> set[str]:
+    def _needed(ir: IR, region: list[str], updates: list[str], targets: list[str]) -> set[str]:
         """Region nodes every tower needs; the rest only feed update ops (tower 0's job).
 
         Walks back from ``targets`` inside the region, not following control edges into update
@@ -204,6 +202,45 @@ class Analyze:
                     seen.add(name)
                     work.append(name)
         return seen
+
+
+def _reach(ir: IR, order: list[str], dependent: set[str]) -> set[str]:
+    """Region nodes that run after a batch-dependent one (by data or control edge): their values
+    may be shared, but an original kept outside the towers would recompute the towers' work."""
+    out = set(dependent)
+    for name in order:
+        if name in out:
+            continue
+        node = ir.nodes[name]
+        if any(node_of(r) in out for r in node.inputs) or any(c in out for c in node.control):
+            out.add(name)
+    return out
+
+
+def _split_outputs(ir: IR, flow, evicted: set[str], region: set[str]) -> None:
+    """Per-example outputs of ops evicted from the towers (computed once for the whole batch)
+    are split: each tower reads its own rows."""
+    for name in sorted(evicted):
+        for i in range(len(ir.output_types(ir.nodes[name]))):
+            tensor = f"{name}:{i}"
+            fact = flow.fact(tensor)
+            if fact is None or fact.kind != "part":
+                continue
+            if any(c.name in region for c, _ in ir.data_consumers(tensor)):
+                flow.plan.splits[tensor] = Demand(tensor, fact.axis, fact.cls, fact.block, fact.outer, name)
+
+
+def _refuse_replicated(ir: IR) -> None:
+    """A graph replicate already rewrote cannot be rewritten again (its towers would nest)."""
+    marks = [n for n in ir.nodes if n.startswith(("replicate/split/", "replicate/aggregate/"))]
+    if marks:
+        raise AnalysisError(f"the graph is already replicated ('{marks[0]}'); transform the "
+                            "single-device graph instead")
+
+
+def _static(ir: IR, tensor: str, axis: int) -> int | None:
+    shape = ir.static_shape(tensor)
+    return shape[axis] if shape and axis < len(shape) else None
 
 
 def _order(ir: IR):
@@ -231,70 +268,3 @@ def _large_const(ir: IR, node) -> bool:
     value = node.attrs.get("value")
     return value is not None and value.ByteSize() > LARGE_CONST_BYTES
 
-
-def _loss_kinds(ir: IR, scopes: list[GradScope], dependent: set[str], region: set[str]) -> list[Reason]:
-    """Set each scope's reduction and tower weights; say where that choice is inexact."""
-    reasons: list[Reason] = []
-    for scope in scopes:
-        if scope.loss is None:
-            continue
-        red = reduction(ir, scope.loss, dependent)
-        scope.kind = red.kind if red.kind in ("mean", "sum", "ratio") else "mean"
-        scope.weights = red.weights if red.kind in ("mean", "sum", "ratio") else ("count",)
-        if red.kind == "sum":
-            terms = _inputs.independent_terms(ir, scope.loss, dependent, region)
-            if terms:
-                reasons.append(Reason(terms[0], "a term that does not depend on the batch is added to "
-                                      "a sum-reduced loss, so its gradient would count once per tower",
-                                      "reduce the data loss with a mean, or scale the term by 1/N"))
-        elif red.kind not in ("mean", "ratio"):
-            reasons.append(Reason(node_of(scope.loss), "the loss is not a mean, sum or normalized sum "
-                                  f"over the batch ({red.note}); tower gradients are averaged by "
-                                  "example count", "make the loss a batch mean or pass loss="))
-        elif red.note:
-            reasons.append(Reason(node_of(scope.loss), red.note, "average every term over the batch"))
-    return reasons
-
-
-def _unmergeable(ir: IR, graph: nx.DiGraph, train_op: str, tensors: list[str], region: set[str],
-                 warnings: list[str]) -> list[Reason]:
-    """Tensors read by shared ops that towers cannot merge: a reason when training uses them,
-    otherwise one warning (only the fetched value is tower 0's)."""
-    if not tensors:
-        return []
-    training = ir.ancestors([train_op], graph)
-    reasons, fetch_only = [], []
-    for t in tensors:
-        readers = [c.name for c, _ in ir.data_consumers(t) if c.name not in region]
-        if any(r in training for r in readers):
-            reasons.append(Reason(node_of(t), f"'{t}' is read by '{readers[0]}' outside the towers "
-                                  "and cannot be merged across towers; tower 0's value is used",
-                                  "compute it from merged values or outside the model"))
-        else:
-            fetch_only.append(t)
-    if fetch_only:
-        more = f" and {len(fetch_only) - 3} more" if len(fetch_only) > 3 else ""
-        warnings.append("fetching " + ", ".join(f"'{t}'" for t in fetch_only[:3]) + more +
-                        " gives tower 0's value (not mergeable across towers)")
-    return reasons
-
-
-def _exactness(ir: IR, analysis: Analysis) -> None:
-    """Record why the replicated graph may differ from single-device training."""
-    reasons = analysis.reasons
-    for name in analysis.random_ops[:8]:
-        reasons.append(Reason(name, f"random op ({ir.nodes[name].op}) draws a separate stream in "
-                              "each tower", "results match single-device training in distribution only"))
-    for name in analysis.update_ops[:8]:
-        reasons.append(Reason(name, "state update in the replicated region runs on tower 0's slice "
-                              "of the batch only", "statistics come from 1/N of the batch"))
-    for name in analysis.couplings:
-        what = ("batch norm normalizes each tower by its own slice's statistics"
-                if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name
-                else f"batch reduction ({ir.nodes[name].op}) feeds per-example values; each tower "
-                     "sees its own slice's value")
-        reasons.append(Reason(name, what, "use batch_norm='sync' (--sync-batch-norm) to compute it "
-                              "over the global batch"))
-    for f in analysis.frontier:
-        if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
-            reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))

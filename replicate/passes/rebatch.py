@@ -1,16 +1,26 @@
-"""Rewrite constants that bake the global batch size into each tower's own batch size.
+"""Give every tower its own batch size where the graph baked in the global one.
 
-Requires: ``ir.facts["analysis"]`` with a static batch size and its ``rebatch`` plan (found by
-the analyze pass, see :mod:`replicate.passes._static`), ``ir.facts["towers"]`` with static
-per-tower counts, and ``ir.facts["copies"]`` from the clone pass.
+Requires: ``ir.facts["analysis"]`` with the dataflow's rewrite ``plan``
+(:class:`replicate.batchflow.plan.Plan`), ``ir.facts["towers"]`` (per-class counts) and
+``ir.facts["copies"]`` from the clone pass.
 
-Produces: in each tower whose count ``n_k`` differs from the global batch ``B``, the copies of
-the planned constants rewritten: shapes have their leading element scaled by ``n_k / B``
-(reshape targets, tile multiples, fill dims, folded shapes of per-example tensors), the
-element-count factor of a ``Mean`` gradient likewise, uniform tensors (a folded
-``zeros_like`` of a per-example tensor) are resized along axis 0, and shape attributes
-(``ops.SHAPE_ATTRS``) get leading dimension ``n_k``. With a dynamic batch size there is
-nothing to do.
+Produces, per tower ``k`` with ``n_k`` examples of the class concerned:
+
+- ``elements``: the tower's copy of an integer constant holding the batch size at a shape
+  position (a reshape target, a ``Fill``'s dims, a tile multiple) holds ``n_k`` times the
+  rows per example there — a private copy when other ops read the same constant;
+- ``factors``: the element count a static ``Mean`` gradient divides by, scaled to ``n_k``;
+- ``consts``: a constant with a batch-sized dimension inside gradient code or a loop keeps the
+  tower's own rows (resized when uniform, sliced otherwise);
+- ``splits``: a shared tensor computed outside the towers (a zero state) keeps its name and its
+  global value; each tower reads its own rows of it (``SplitV`` on its device);
+- ``slices``: any other shared tensor the towers compute at the global size is cut to the
+  tower's rows in the tower;
+- ``substitutes``: a fed scalar that holds the batch size where a shape needs the tower's
+  count reads the tower's count there;
+- ``attrs``: shape attributes whose batch dimension becomes ``n_k``.
+
+``ir.facts["rebatched"]`` lists what was rewritten.
 """
 
 from __future__ import annotations
@@ -19,57 +29,194 @@ import logging
 
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import dtypes
 
-from replicate.ir import IR
+from replicate.errors import AnalysisError
+from replicate.ir import IR, node_of, parse_tensor
 from replicate.pipeline import PassResult
 
 __all__ = ["Rebatch"]
 
 log = logging.getLogger(__name__)
 
+SCOPE = "replicate/rebatch"
+
 
 class Rebatch:
-    """Static batch-size rewrite (no options)."""
+    """Per-tower batch sizes (no options: everything comes from the analysis' plan)."""
 
     name = "rebatch"
 
     def run(self, ir: IR) -> PassResult:
         analysis = ir.facts["analysis"]
-        towers = ir.facts["towers"]
-        batch = analysis.static_batch
-        if batch is None or towers.static_counts is None:
+        plan = analysis.plan
+        if plan is None:
             return PassResult(ir, False)
-        plan = analysis.rebatch
-        rewrites = 0
-        for k, copies in enumerate(ir.facts["copies"]):
-            count = towers.static_counts[k]
-            if count == batch:
+        self.ir, self.towers, self.copies = ir, ir.facts["towers"], ir.facts["copies"]
+        self.classes = analysis.flow.classes
+        done: list[str] = []
+        for (name, elem), found in sorted(plan.elements.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+            p = found[0]
+            vias = sorted({q.via for q in found if q.via is not None})
+            self._per_tower_const(name, vias, lambda v, n, p=p, elem=elem: _set(v, elem, p.factor * n), p.cls)
+            done.append(name)
+        for name, (cls, per) in sorted(plan.factors.items()):
+            self._per_tower_const(name, None, lambda v, n, per=per: np.asarray(v) * 0 + per * n, cls)
+            done.append(name)
+        for tensor, d in sorted(plan.consts.items()):
+            name, _ = parse_tensor(tensor)
+            self._per_tower_const(name, None, lambda v, n, k=None, d=d: v, d.cls, demand=d)
+            done.append(name)
+        for tensor, d in sorted(plan.splits.items()):
+            self._split(tensor, d, per_tower=False)
+            done.append(node_of(tensor))
+        for tensor, d in sorted(plan.slices.items()):
+            self._split(tensor, d, per_tower=True)
+            done.append(node_of(tensor))
+        for tensor, p in sorted(plan.substitutes.items()):
+            self._substitute(tensor, p)
+            done.append(node_of(tensor))
+        for (name, attr), (dim, cls, factor) in sorted(plan.attrs.items()):
+            self._attr(name, attr, dim, cls, factor)
+            done.append(name)
+        ir.facts["rebatched"] = list(dict.fromkeys(done))
+        log.info("rebatch: %d constants, tensors and attributes made per-tower", len(done))
+        return PassResult(ir, bool(done))
+
+    # ------------------------------------------------------------------ helpers
+    def _static(self, cls: int) -> list[int]:
+        counts = self.towers.class_static.get(self.classes.find(cls))
+        if counts is None:
+            raise AnalysisError("a constant holds a batch size but the batch size of its inputs is "
+                                "dynamic; give every batch input the same static batch size")
+        return counts
+
+    def _per_tower_const(self, name: str, vias: list[str] | None, value_for, cls: int, demand=None) -> None:
+        """Each tower's copy of Const ``name`` gets ``value_for(global value, n_k)``; a private
+        copy read by the ``vias`` when other nodes of the tower read the constant too."""
+        ir = self.ir
+        counts = self._static(cls)
+        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        value = np.asarray(ir.const_value(name))
+        for k, copies in enumerate(self.copies):
+            copy = copies.get(name)
+            if copy is None:
                 continue
-            for name, how in plan.items():
-                if name not in copies:
-                    continue
-                copy = copies[name]
-                value = ir.const_value(name)
-                if how == "shape":
-                    value = np.array(value)
-                    value[0] = value[0] // batch * count
-                    ir.set_const(copy, value)
-                elif how == "fill":
-                    value = np.array(value)
-                    shape = (value.shape[0] // batch * count,) + value.shape[1:]
-                    ir.set_const(copy, np.full(shape, value.reshape(-1)[0], dtype=value.dtype))
-                elif how == "factor":
-                    ir.set_const(copy, np.array(value) * count / batch)
-                else:
-                    ir.set_attr(copy, how, _resize(ir.nodes[name].attrs[how], count))
-                rewrites += 1
-        ir.facts["rebatched"] = sorted(plan)
-        log.info("rebatch: %d constants and attributes rewritten for static batch %d", rewrites, batch)
-        return PassResult(ir, rewrites > 0)
+            new = _rows(value, demand, offsets[k], counts[k]) if demand is not None else value_for(value, counts[k])
+            mine = [copies[v] for v in vias or () if v in copies]
+            readers = [c.name for c in ir.consumers(copy)]
+            if mine and any(r not in mine for r in readers):
+                target = ir.unique_name(f"{copy}/tower_value")
+                ir.const(target, np.asarray(new, dtype=value.dtype), device=ir.nodes[copy].device)
+                ir.replace_uses(f"{copy}:0", f"{target}:0", only=mine)
+                continue
+            ir.set_const(copy, np.asarray(new, dtype=value.dtype))
+
+    def _sizes(self, cls: int, rows: int, device: str) -> str:
+        """The per-tower sizes of a batch-sized dimension with ``rows`` rows per example."""
+        root = self.classes.find(cls)
+        static = self.towers.class_static.get(root)
+        name = f"{SCOPE}/sizes_{list(self.towers.class_counts).index(root)}_{rows}"
+        if name in self.ir.nodes:
+            return name
+        if static is not None:
+            return self.ir.const(name, [c * rows for c in static], dtypes.int32, device)
+        counts = self.towers.class_counts[root]
+        packed = self.ir.add(f"{name}/counts", "Pack", counts, device=device,
+                             attrs={"T": dtypes.int32, "N": len(counts), "axis": 0}).name
+        scale = self.ir.const(f"{name}/rows", rows, dtypes.int32, device)
+        return self.ir.add(name, "Mul", [packed, scale], device=device, attrs={"T": dtypes.int32}).name
+
+    def _split(self, tensor: str, d, per_tower: bool) -> None:
+        """Towers read their own rows of ``tensor`` (the global original, or their own copy)."""
+        ir = self.ir
+        if d.rows is None or d.outer != 1:
+            raise AnalysisError(f"'{tensor}' must be cut to each tower's examples, but its rows "
+                                "per example are not known statically; give the batch input a "
+                                "dynamic batch dimension")
+        name, idx = parse_tensor(tensor)
+        controller = ir.nodes[name].device
+        sizes = self._sizes(d.cls, d.rows, controller)
+        dtype = dtypes.as_dtype(ir.output_dtype(tensor))
+        n = len(self.towers.devices)
+        shared = None
+        for k, copies in enumerate(self.copies):
+            own = copies.get(name)
+            source = f"{own}:{idx}" if per_tower and own is not None else f"{name}:{idx}"
+            device = ir.nodes[own].device if per_tower and own is not None else controller
+            if per_tower or shared is None:
+                base = f"{SCOPE}/{own if per_tower and own else name}_{idx}_{d.dim}"
+                axis = ir.const(ir.unique_name(f"{base}/axis"), d.dim, dtypes.int32, device)
+                node = ir.add(ir.unique_name(base), "SplitV", [_ref(source), sizes, axis], device=device,
+                              attrs={"T": dtype, "Tlen": dtypes.int32, "num_split": n}).name
+                shared = node if not per_tower else shared
+            part = f"{node if per_tower else shared}:{k}"
+            if own is not None:
+                readers = [c.name for c, _ in ir.data_consumers(f"{own}:{idx}")
+                           if c.name.split("/", 1)[0] == self.towers.prefixes[k] and not c.name.startswith(
+                               f"{SCOPE}/")]
+                ir.replace_uses(f"{own}:{idx}", part, only=readers)
+            else:
+                readers = [c.name for c, _ in ir.data_consumers(tensor)
+                           if c.name.split("/", 1)[0] == self.towers.prefixes[k]]
+                ir.replace_uses(tensor, part, only=readers)
+
+    def _substitute(self, tensor: str, p) -> None:
+        """The tower's reader of a fed batch-size scalar reads the tower's count instead."""
+        ir = self.ir
+        root = self.classes.find(p.cls)
+        dtype = dtypes.as_dtype(ir.output_dtype(tensor))
+        for k, copies in enumerate(self.copies):
+            reader = copies.get(p.via)
+            if reader is None:
+                continue
+            count = self.towers.class_counts[root][k]
+            name = ir.unique_name(f"{SCOPE}/{node_of(tensor)}_{k}")
+            value = ir.add(name, "Cast", [count], device=ir.nodes[reader].device,
+                           attrs={"SrcT": dtypes.int32, "DstT": dtype}).name
+            if p.factor != 1:
+                factor = ir.const(f"{name}/factor", p.factor, dtype, ir.nodes[reader].device)
+                value = ir.add(f"{name}/scaled", "Mul", [value, factor], device=ir.nodes[reader].device,
+                               attrs={"T": dtype}).name
+            ir.replace_uses(tensor, value, only=[reader])
+
+    def _attr(self, name: str, attr: str, dim: int, cls: int, factor: int) -> None:
+        counts = self._static(cls)
+        for k, copies in enumerate(self.copies):
+            copy = copies.get(name)
+            if copy is None or attr not in self.ir.nodes[copy].attrs:
+                continue
+            out = attr_value_pb2.AttrValue()
+            out.CopyFrom(self.ir.nodes[copy].attrs[attr])
+            out.shape.dim[dim].size = factor * counts[k]
+            self.ir.set_attr(copy, attr, out)
 
 
-def _resize(attr: attr_value_pb2.AttrValue, count: int) -> attr_value_pb2.AttrValue:
-    out = attr_value_pb2.AttrValue()
-    out.CopyFrom(attr)
-    out.shape.dim[0].size = count
+def _set(value: np.ndarray, elem: int | None, new: int) -> np.ndarray:
+    out = np.array(value)
+    if elem is None:
+        return np.asarray(new, dtype=out.dtype)
+    out.reshape(-1)[elem] = new
     return out
+
+
+def _rows(value: np.ndarray, d, offset: int, count: int) -> np.ndarray:
+    """The tower's rows of a constant with a batch-sized dimension: resized when uniform, else
+    the rows of its examples (``block`` rows each, repeated ``outer`` times)."""
+    value = np.asarray(value)
+    shape = list(value.shape)
+    inner, outer = d.block, d.outer
+    flat = value.reshape(-1)
+    if flat.size and np.all(flat == flat[0]):
+        shape[d.dim] = outer * count * inner
+        return np.full(shape, flat[0], dtype=value.dtype)
+    batch = shape[d.dim] // (outer * inner)
+    split = shape[:d.dim] + [outer, batch, inner] + shape[d.dim + 1:]
+    taken = value.reshape(split).take(range(offset, offset + count), axis=d.dim + 1)
+    shape[d.dim] = outer * count * inner
+    return taken.reshape(shape)
+
+
+def _ref(tensor: str) -> str:
+    node, idx = parse_tensor(tensor)
+    return node if idx == 0 else f"{node}:{idx}"

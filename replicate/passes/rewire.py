@@ -20,7 +20,7 @@ import logging
 from collections import defaultdict
 
 from replicate.combine import combine
-from replicate.ir import IR, node_of, parse_tensor
+from replicate.ir import IR, Node, node_of, parse_tensor
 from replicate.pipeline import PassResult
 
 __all__ = ["Rewire"]
@@ -53,8 +53,10 @@ class Rewire:
         for tensor, aggregate in aggregates.items():
             users = [c.name for c, _ in ir.data_consumers(tensor) if c.name not in region]
             ir.replace_uses(tensor, aggregate, only=users)
+        recomputed = {n: ir.nodes[n] for f in analysis.outputs for n in f.recompute}
         ir.remove_many(doomed + sorted(analysis.dead))
         merged = self._merge_outputs(ir, analysis, towers, copies, arity, out_types)
+        merged += self._recompute(ir, analysis, copies, recomputed)
         aliases = 0
         for tensor, aggregate in aggregates.items():
             name, idx = parse_tensor(tensor)
@@ -97,6 +99,27 @@ class Rewire:
                     new.append(ctl)
             ir.set_control(consumer, new)
 
+    def _recompute(self, ir: IR, analysis, copies, originals: dict) -> int:
+        """Outputs no combination of tower copies gives are computed once, under their original
+        names, from merged inputs, shared values (tower 0's copies, which run before the
+        update) and nodes outside the towers."""
+        done = 0
+        for out in analysis.outputs:
+            for name in out.recompute:
+                if name in ir.nodes:
+                    continue
+                node = originals[name]
+                inputs = []
+                for ref in node.inputs:
+                    producer, idx = parse_tensor(ref)
+                    if producer not in ir.nodes and producer in copies[0]:
+                        ref = copies[0][producer] if idx == 0 else f"{copies[0][producer]}:{idx}"
+                    inputs.append(ref)
+                attrs = {k: v for k, v in node.attrs.items() if k != "_class"}
+                ir.add_node(Node(name, node.op, inputs, [], self.controller, attrs))
+                done += 1
+        return done
+
     def _merge_outputs(self, ir: IR, analysis, towers, copies, arity, out_types) -> int:
         by_node: dict[str, dict[int, object]] = defaultdict(dict)
         for out in analysis.outputs:
@@ -104,12 +127,15 @@ class Rewire:
             by_node[name][idx] = out
         count = 0
         n = len(towers.devices)
+        synced = ir.facts.get("synced_outputs", {})
         for name, roles in by_node.items():
-            if name in ir.nodes or any(name not in copies[k] for k in range(n)):
+            if name in ir.nodes or any(name not in copies[k] for k in range(n)) or \
+                    any(r.role == "recompute" for r in roles.values()):
                 continue
             if arity.get(name, 1) == 1 and list(roles) == [0]:
                 combine(ir, towers, name, [copies[k][name] for k in range(n)], roles[0].role,
-                        out_types[f"{name}:0"], self.controller, self.controller, roles[0].weights)
+                        out_types[f"{name}:0"], self.controller, self.controller, roles[0].weights,
+                        axis=roles[0].axis)
                 count += 1
                 continue
             outputs, types = [], []
@@ -119,8 +145,10 @@ class Rewire:
                     outputs.append(combine(ir, towers, f"{name}_merged/output_{i}",
                                            [f"{copies[k][name]}:{i}" for k in range(n)], roles[i].role,
                                            out_types[tensor], self.controller, self.controller,
-                                           roles[i].weights))
+                                           roles[i].weights, axis=roles[i].axis))
                     count += 1
+                elif i in synced.get(name, {}):
+                    outputs.append(synced[name][i])     # a synchronized statistic (sync pass)
                 else:
                     outputs.append(f"{copies[0][name]}:{i}")
                 types.append(ir.output_dtype(outputs[-1]))

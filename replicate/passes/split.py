@@ -4,10 +4,11 @@ Requires: ``ir.facts["analysis"]`` (batch inputs, static batch size if any) and 
 tower devices.
 
 Produces: for each batch input a ``SplitV`` on the controller under ``replicate/split/``,
-per-tower example counts (balanced: the first ``B mod N`` towers get one more example),
+per-tower example counts of each batch class (balanced: the first ``B mod N`` towers get one
+more example; a second class, such as a GAN's noise, under ``replicate/split/class_<i>/``),
 and ``ir.facts["towers"]``, a :class:`~replicate.facts.Towers` holding the tower
-prefixes, each tower's input tensors and its count tensor. With a static batch size the
-counts are constants; otherwise they are computed from the first batch input's shape,
+prefixes, each tower's input tensors and the count tensors. With a static batch size the
+counts are constants; otherwise they are computed from the class's first input's shape,
 so uneven and tiny batches (even fewer examples than towers) split correctly.
 """
 
@@ -56,49 +57,67 @@ class Split:
         analysis = ir.facts["analysis"]
         n = len(self.devices)
         towers = Towers(self.devices, tower_prefixes(ir, n), [dict() for _ in range(n)], [], None)
-        dev = self.controller
-        if analysis.static_batch is not None:
-            batch = analysis.static_batch
-            if batch < n:
-                raise AnalysisError(f"the batch inputs have a static batch size of {batch}, fewer "
-                                    f"than the {n} towers; give them a dynamic batch dimension (None)")
-            counts = [(batch + n - 1 - k) // n for k in range(n)]
-            towers.static_counts = counts
-            towers.batch_size = ir.const(f"{SCOPE}/batch_size", batch, dtypes.int32, dev)
-            towers.counts = [ir.const(f"{SCOPE}/count_{k}", c, dtypes.int32, dev)
-                             for k, c in enumerate(counts)]
-            sizes = ir.const(f"{SCOPE}/sizes", counts, dtypes.int32, dev)
-        else:
-            first = analysis.batch_inputs[0]
-            shape = ir.add(f"{SCOPE}/shape", "Shape", [first.tensor], device=dev,
-                           attrs={"T": dtypes.as_dtype(ir.output_dtype(first.tensor)),
-                                  "out_type": dtypes.int32}).name
-            zero = ir.const(f"{SCOPE}/axis", first.axis, dtypes.int32, dev)
-            towers.batch_size = ir.add(f"{SCOPE}/batch_size", "GatherV2", [shape, zero, zero],
-                                       device=dev, attrs={"Tparams": dtypes.int32,
-                                                          "Tindices": dtypes.int32,
-                                                          "Taxis": dtypes.int32}).name
-            towers_const = ir.const(f"{SCOPE}/towers", n, dtypes.int32, dev)
-            for k in range(n):
-                extra = ir.const(f"{SCOPE}/round_{k}", n - 1 - k, dtypes.int32, dev)
-                total = ir.add(f"{SCOPE}/padded_{k}", "AddV2", [towers.batch_size, extra], device=dev,
-                               attrs={"T": dtypes.int32}).name
-                towers.counts.append(ir.add(f"{SCOPE}/count_{k}", "FloorDiv", [total, towers_const],
-                                            device=dev, attrs={"T": dtypes.int32}).name)
-            sizes = ir.add(f"{SCOPE}/sizes", "Pack", towers.counts, device=dev,
-                           attrs={"T": dtypes.int32, "N": n, "axis": 0}).name
-        for batch_input in analysis.batch_inputs:
-            name, idx = parse_tensor(batch_input.tensor)
-            axis = ir.const(f"{SCOPE}/{name}_{idx}/axis", batch_input.axis, dtypes.int32, dev)
-            node = ir.add(f"{SCOPE}/{name}_{idx}", "SplitV", [_ref(batch_input.tensor), sizes, axis],
-                          device=dev, attrs={"T": dtypes.as_dtype(ir.output_dtype(batch_input.tensor)),
-                                             "Tlen": dtypes.int32, "num_split": n})
-            for k in range(n):
-                towers.inputs[k][batch_input.tensor] = tensor_name(node.name, k)
+        order = list(dict.fromkeys(b.cls for b in analysis.batch_inputs))
+        for i, cls in enumerate(order):
+            members = [b for b in analysis.batch_inputs if b.cls == cls]
+            scope = SCOPE if i == 0 else f"{SCOPE}/class_{i}"
+            sizes = self._counts(ir, towers, cls, members, scope, analysis.classes.get(cls))
+            for batch_input in members:
+                self._split(ir, towers, batch_input, sizes)
+        first = order[0]
+        towers.counts = towers.class_counts[first]
+        towers.static_counts = towers.class_static[first]
+        towers.batch_size = towers.class_batch[first]
         ir.facts["towers"] = towers
-        log.info("split %d batch inputs over %d towers%s", len(analysis.batch_inputs), n,
-                 f" (static counts {towers.static_counts})" if towers.static_counts else "")
+        log.info("split %d batch inputs (%d classes) over %d towers%s", len(analysis.batch_inputs),
+                 len(order), n, f" (static counts {towers.static_counts})" if towers.static_counts else "")
         return PassResult(ir, True)
+
+    def _counts(self, ir: IR, towers: Towers, cls: int, members, scope: str, static: int | None) -> str:
+        """Per-tower example counts of one batch class (balanced: the first ``B mod N`` towers get
+        one more); returns the sizes vector for ``SplitV``."""
+        n, dev = len(self.devices), self.controller
+        if static is not None:
+            if static < n:
+                raise AnalysisError(f"the batch inputs have a static batch size of {static}, fewer "
+                                    f"than the {n} towers; give them a dynamic batch dimension (None)")
+            counts = [(static + n - 1 - k) // n for k in range(n)]
+            towers.class_static[cls] = counts
+            towers.class_batch[cls] = ir.const(f"{scope}/batch_size", static, dtypes.int32, dev)
+            towers.class_counts[cls] = [ir.const(f"{scope}/count_{k}", c, dtypes.int32, dev)
+                                        for k, c in enumerate(counts)]
+            return ir.const(f"{scope}/sizes", counts, dtypes.int32, dev)
+        first = members[0]
+        shape = ir.add(f"{scope}/shape", "Shape", [first.tensor], device=dev,
+                       attrs={"T": dtypes.as_dtype(ir.output_dtype(first.tensor)),
+                              "out_type": dtypes.int32}).name
+        axis = ir.const(f"{scope}/axis", first.axis, dtypes.int32, dev)
+        batch = ir.add(f"{scope}/batch_size", "GatherV2", [shape, axis, axis],
+                       device=dev, attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32,
+                                          "Taxis": dtypes.int32}).name
+        towers_const = ir.const(f"{scope}/towers", n, dtypes.int32, dev)
+        counts = []
+        for k in range(n):
+            extra = ir.const(f"{scope}/round_{k}", n - 1 - k, dtypes.int32, dev)
+            total = ir.add(f"{scope}/padded_{k}", "AddV2", [batch, extra], device=dev,
+                           attrs={"T": dtypes.int32}).name
+            counts.append(ir.add(f"{scope}/count_{k}", "FloorDiv", [total, towers_const],
+                                 device=dev, attrs={"T": dtypes.int32}).name)
+        towers.class_static[cls] = None
+        towers.class_batch[cls] = batch
+        towers.class_counts[cls] = counts
+        return ir.add(f"{scope}/sizes", "Pack", counts, device=dev,
+                      attrs={"T": dtypes.int32, "N": n, "axis": 0}).name
+
+    def _split(self, ir: IR, towers: Towers, batch_input, sizes: str) -> None:
+        n, dev = len(self.devices), self.controller
+        name, idx = parse_tensor(batch_input.tensor)
+        axis = ir.const(f"{SCOPE}/{name}_{idx}/axis", batch_input.axis, dtypes.int32, dev)
+        node = ir.add(f"{SCOPE}/{name}_{idx}", "SplitV", [_ref(batch_input.tensor), sizes, axis],
+                      device=dev, attrs={"T": dtypes.as_dtype(ir.output_dtype(batch_input.tensor)),
+                                         "Tlen": dtypes.int32, "num_split": n})
+        for k in range(n):
+            towers.inputs[k][batch_input.tensor] = tensor_name(node.name, k)
 
 
 def _ref(tensor: str) -> str:

@@ -2,8 +2,8 @@
 
 Requires: the clone pass's tower copies (originals still present), ``ir.facts["analysis"]``
 with its ``couplings`` (forward batch reductions whose result flows back into per-example
-values), and ``ir.facts["towers"]``. Runs only when the transform asks for
-``batch_norm="sync"``.
+values) and ``auto_sync`` (the integer ones), and ``ir.facts["towers"]``. Synchronizes every
+coupling when the transform asks for ``batch_norm="sync"``, else only the integer ones.
 
 Produces, for each coupling:
 
@@ -19,6 +19,10 @@ Produces, for each coupling:
   with ``S1``, ``S2`` the aggregated offset and scale gradients, ``c_k`` the tower's loss
   weight and ``M`` the global element count per channel.
 
+- an integer batch reduction that feeds per-example computations (the longest sequence of the
+  batch bounding a loop, a count sizing a tensor): every tower reads the global value; this
+  runs in every mode, since it is cheap and makes the towers' shapes agree with one device's.
+
 ``ir.facts["synced"]`` lists the couplings handled; others stay reasons in the report.
 """
 
@@ -32,7 +36,7 @@ from replicate.combine import combine, weight
 from replicate.facts import Reason
 from replicate.ir import IR, node_of, parse_tensor
 from replicate.pipeline import PassResult
-from replicate.reductions import FUSED_BATCH_NORM, reduction
+from replicate.reductions import FUSED_BATCH_NORM
 from replicate.roles import forward_op_of
 
 __all__ = ["Sync"]
@@ -47,18 +51,25 @@ class Sync:
 
     Args:
         controller: device of the combined statistics.
+        full: synchronize every coupling (``batch_norm="sync"``); otherwise only the integer
+            ones (the longest sequence of a batch, a count), which are cheap and always exact.
     """
 
     name = "sync"
 
-    def __init__(self, controller: str):
+    def __init__(self, controller: str, full: bool = True):
         self.controller = controller
+        self.full = full
 
     def run(self, ir: IR) -> PassResult:
         analysis = ir.facts["analysis"]
-        grad_ops, in_grad = _gradient_ops(ir, analysis.couplings, [s.prefix for s in analysis.scopes])
+        names = list(analysis.auto_sync) + (list(analysis.couplings) if self.full else [])
+        if not names:
+            ir.facts["synced"] = []
+            return PassResult(ir, False)
+        grad_ops, in_grad = _gradient_ops(ir, names, [s.prefix for s in analysis.scopes])
         synced, left = [], []
-        for name in analysis.couplings:
+        for name in names:
             node = ir.nodes[name]
             if node.op == "FusedBatchNormV3":
                 _FusedSync(ir, self.controller, name, grad_ops.get(name, [])).run()
@@ -82,38 +93,57 @@ class Sync:
     def _reduction(self, ir: IR, name: str, grad_nodes: list[str], in_grad: set[str]) -> bool:
         analysis, towers = ir.facts["analysis"], ir.facts["towers"]
         copies = ir.facts["copies"]
-        red = reduction(ir, f"{name}:0", analysis.batch_dependent)
-        if red.kind not in ("mean", "sum"):
+        fact = analysis.flow.fact(f"{name}:0")
+        if fact is None or fact.merge not in ("mean", "sum", "max", "min"):
             return False
+        if fact.merge in ("max", "min") and grad_nodes:
+            return False              # the gradient of an extreme goes to one tower's example
+        spec = fact.spec
+        if spec and spec[0] == "count":
+            spec = ("count", analysis.flow.classes.find(spec[1]))
         n = len(towers.devices)
         dtype = ir.output_dtype(f"{name}:0")
         parts = [copies[k][name] for k in range(n)]
-        total = combine(ir, towers, f"{SCOPE}/{name}", parts, red.kind, dtype, self.controller,
-                        self.controller, red.weights if red.kind == "mean" else ("ones",))
+        total = combine(ir, towers, f"{SCOPE}/{name}", parts, fact.merge, dtype, self.controller,
+                        self.controller, spec if fact.merge == "mean" else ("ones",))
         helpers = {node_of(r) for r in ir.nodes[total].inputs} | {total}
         for k in range(n):
             for consumer, _ in ir.data_consumers(parts[k]):
                 if consumer.name not in helpers and not consumer.name.startswith(f"{SCOPE}/"):
                     ir.replace_uses(parts[k], total, only=[consumer.name])
-        upstream = _upstream(ir, grad_nodes, in_grad)
-        if upstream is None:
-            return True
-        scope = next(s for s in analysis.scopes if upstream.startswith(s.prefix + "/"))
+        forward_w = spec if fact.merge == "mean" else ("ones",)
+        for scope in analysis.scopes:       # each gradient computation has its own upstream
+            mine = [g for g in grad_nodes if g.startswith(scope.prefix + "/")]
+            if not mine:
+                continue
+            upstream = _upstream(ir, mine, in_grad)
+            if upstream is None:
+                analysis.reasons.append(Reason(name, "the gradient flowing into this synchronized "
+                                               "batch statistic cannot be found", "report this graph"))
+                continue
+            self._global_upstream(ir, towers, name, scope, upstream, mine, forward_w)
+        return True
+
+    def _global_upstream(self, ir: IR, towers, name: str, scope, upstream: str, grad_nodes: list[str],
+                         forward_w: tuple) -> None:
+        """Each tower's gradient code of a synchronized statistic reads the upstream gradient
+        of the whole batch (the towers' upstreams combined with the scope's weights), scaled by
+        the tower's forward weight over its loss weight."""
+        n = len(towers.devices)
+        tag = f"{name}_grad" if scope.prefix == "gradients" else f"{name}_grad/{scope.prefix}"
         grads = [f"{towers.prefixes[k]}/{upstream}" for k in range(n)]
-        global_grad = combine(ir, towers, f"{SCOPE}/{name}_grad", grads, "dense",
+        global_grad = combine(ir, towers, f"{SCOPE}/{tag}", grads, "dense",
                               ir.output_dtype(upstream), self.controller, self.controller, scope.weights)
-        forward_w = red.weights if red.kind == "mean" else ("ones",)
         for k in range(n):
             readers = [f"{towers.prefixes[k]}/{g}" for g in grad_nodes]
             source = global_grad
             if forward_w != scope.weights:
                 ratio = _ratio(ir, towers, k, ir.output_dtype(upstream), forward_w, scope.weights,
-                               self.controller, f"{SCOPE}/{name}_grad/ratio_{k}")
-                source = ir.add(f"{SCOPE}/{name}_grad/tower_{k}", "Mul", [global_grad, ratio],
+                               self.controller, f"{SCOPE}/{tag}/ratio_{k}")
+                source = ir.add(f"{SCOPE}/{tag}/tower_{k}", "Mul", [global_grad, ratio],
                                 device=towers.devices[k],
                                 attrs={"T": dtypes.as_dtype(ir.output_dtype(upstream))}).name
             ir.replace_uses(grads[k], source, only=[r for r in readers if r in ir.nodes])
-        return True
 
 
 def _ratio(ir: IR, towers, k: int, dtype: int, top: tuple, bottom: tuple, device: str, name: str) -> str:

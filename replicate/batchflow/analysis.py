@@ -1,0 +1,205 @@
+"""Run the batch dataflow to a consistent answer: which inputs are the batch, what every
+tensor is, and what the rewrite must change.
+
+Batch inputs are not guessed from names or sizes. Every placeholder or iterator output of
+rank >= 1 that the region reads starts as a hypothetical batch input with a class of its own;
+the dataflow then looks for evidence:
+
+- a *conflict*: the hypothesis puts two batch axes into one tensor (``x[B, 3] * w[3]`` with
+  ``w`` a class-weights placeholder), broadcasts one input's "batch" against another's, or
+  unites classes of different static sizes. The input on the later axis (or of the smaller
+  class) is not a batch input;
+- the *loss*: a batch input's examples must be reduced by some loss; a hypothetical class no
+  loss reduces is shared.
+
+Each demotion restarts the analysis. Then rounds repeat while the plan resizes shared tensors
+(a resized zero state makes the loop state per-example, which may demand more) or promotes a
+demanded placeholder to a batch input (a fed initial state).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import PART, SHARED, Classes, Fact
+from replicate.batchflow.loss import Term, decompose
+from replicate.batchflow.plan import Plan, frame_depths, resolve
+from replicate.batchflow.solver import order, solve
+from replicate.facts import Reason
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+
+__all__ = ["Flow", "analyze", "MAX_ROUNDS"]
+
+log = logging.getLogger(__name__)
+
+#: Rounds of resizing and promotion before the analysis gives up.
+MAX_ROUNDS = 12
+
+
+@dataclasses.dataclass
+class Flow:
+    """The settled dataflow.
+
+    Attributes:
+        ctx: the final context (facts, classes, recorded obligations).
+        inputs: batch inputs: tensor -> (axis, class representative).
+        demoted: inputs that looked like batch inputs but are shared, with why.
+        plan: what the rewrite must do per tower.
+        losses: loss tensor -> (terms, reason it is not decomposable or None).
+        order: region nodes in topological order.
+        depths: loop-frame depth of each region node.
+    """
+
+    ctx: Context
+    inputs: dict[str, tuple[int, int]]
+    demoted: dict[str, str]
+    plan: Plan
+    losses: dict[str, tuple[list[Term], Reason | None]]
+    order: list[str]
+    depths: dict[str, int]
+
+    @property
+    def classes(self) -> Classes:
+        return self.ctx.classes
+
+    def fact(self, ref: str) -> Fact | None:
+        """The fact of tensor ``ref``."""
+        return self.ctx.fact(ref)
+
+    def dependent(self, name: str, outputs: int) -> bool:
+        """True when some output of node ``name`` differs between towers."""
+        for i in range(max(1, outputs)):
+            fact = self.ctx.facts.get(f"{name}:{i}")
+            if fact is not None and fact.kind != SHARED:
+                return True
+        return False
+
+    def classes_of_inputs(self) -> dict[int, list[str]]:
+        """Batch class representative -> its batch inputs, in order."""
+        out: dict[int, list[str]] = collections.defaultdict(list)
+        for tensor, (_, cls) in self.inputs.items():
+            out[self.classes.find(cls)].append(tensor)
+        return dict(out)
+
+    def couplings(self) -> list[str]:
+        """Forward batch reductions whose per-tower value reaches a loss (batch-norm moments, a
+        cond on a batch sum, the longest sequence of the batch)."""
+        found: dict[str, None] = {}
+        for terms, _ in self.losses.values():
+            for term in terms:
+                fact = self.fact(term.root)
+                for src in sorted(fact.taint if fact is not None else ()):
+                    found.setdefault(src, None)
+        for loss in self.losses:
+            fact = self.fact(loss)
+            for src in sorted(fact.taint if fact is not None else ()):
+                found.setdefault(src, None)
+        return list(found)
+
+
+def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str], scopes: list[str],
+            losses: list[str], forced: dict[str, int] | None = None) -> Flow:
+    """Settle the batch dataflow of ``region``.
+
+    Args:
+        ir: the graph with static shapes.
+        region: the tower region in graph order.
+        candidates: input tensors that might carry the batch (on axis 0).
+        gradient: nodes of gradient scopes.
+        scopes: gradient scope prefixes.
+        losses: the tensors the gradient computations differentiate.
+        forced: the user's batch inputs (tensor -> axis); no evidence is weighed then.
+    """
+    visit = order(ir, region)
+    depths = frame_depths(ir, visit)
+    pool = dict(forced) if forced else {t: 0 for t in candidates}
+    demoted: dict[str, str] = {}
+    for _ in range(len(pool) + 1):
+        flow, victim = _settle(ir, region, pool, gradient, scopes, losses, visit, depths, forced is not None)
+        if victim is None:
+            flow.demoted = demoted
+            return flow
+        for tensor, why in victim.items():
+            demoted[tensor] = why
+            pool.pop(tensor, None)
+    flow.demoted = demoted
+    return flow
+
+
+def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str], scopes: list[str],
+            losses: list[str], visit: list[str], depths: dict[str, int], forced: bool
+            ) -> tuple[Flow, dict[str, str] | None]:
+    classes = Classes()
+    inputs = {}
+    for tensor, axis in pool.items():
+        shape = ir.static_shape(tensor)
+        inputs[tensor] = (axis, classes.new(shape[axis] if shape and axis < len(shape) else None))
+    resized: dict[str, tuple] = {}
+    plan = Plan()
+    for _ in range(MAX_ROUNDS):
+        ctx = solve(ir, region, inputs, gradient, classes, resized, visit)
+        if not forced:
+            victim = _conflict_victim(classes, inputs)
+            if victim:
+                return Flow(ctx, inputs, {}, Plan(), {}, visit, depths), victim
+        earlier, plan = plan, resolve(ctx, depths, scopes)
+        plan.absorb(earlier)
+        changed = False
+        for tensor, d in plan.promote.items():
+            if tensor not in inputs:
+                shape = ir.static_shape(tensor)
+                inputs[tensor] = (d.dim, d.cls)
+                if shape and shape[d.dim] is not None:
+                    classes.union(d.cls, classes.new(shape[d.dim]), node_of(tensor))
+                changed = True
+        for tensor, entry in plan.resized.items():
+            if resized.get(tensor) != entry:
+                resized[tensor] = entry
+                changed = True
+        if not changed:
+            break
+    decomposed = {loss: decompose(ctx, loss) for loss in losses}
+    flow = Flow(ctx, {t: (a, classes.find(c)) for t, (a, c) in inputs.items()}, {}, plan, decomposed,
+                visit, depths)
+    if forced:
+        return flow, None
+    reduced = {classes.find(t.cls) for terms, _ in decomposed.values() for t in terms if t.cls is not None}
+    if any(reason is not None for _, reason in decomposed.values()):
+        return flow, None           # the loss is inexact anyway: keep every hypothesis
+    unused = {t: "the loss does not reduce over its leading dimension"
+              for t, (_, cls) in inputs.items() if t in pool and classes.find(cls) not in reduced}
+    return flow, (unused or None)
+
+
+def _conflict_victim(classes: Classes, inputs: dict[str, tuple[int, int]]) -> dict[str, str] | None:
+    """The hypothetical batch inputs to drop for the first conflict found, with why."""
+    if not classes.conflicts:
+        return None
+    members: dict[int, list[str]] = collections.defaultdict(list)
+    for tensor, (_, cls) in inputs.items():
+        members[classes.find(cls)].append(tensor)
+    for keep, drop, where, why in classes.conflicts:
+        keep, drop = classes.find(keep), classes.find(drop)
+        if keep == drop:
+            continue
+        if len(members.get(drop, [])) > len(members.get(keep, [])):
+            keep, drop = drop, keep
+        victims = members.get(drop)
+        if not victims:
+            continue
+        other = members.get(keep, ["?"])[0]
+        what = {"two batch axes": f"its leading dimension meets a non-batch dimension of the "
+                                  f"computation of '{other}' at '{where}'",
+                "broadcast": f"it is broadcast against '{other}' at '{where}'",
+                "matrix product": f"it is multiplied with '{other}' at '{where}' along another axis"
+                }.get(why, f"{why} at '{where}' disagree with '{other}'")
+        return {t: what for t in victims}
+    return None
+
+
+def tensor(ref: str) -> str:
+    """The canonical ``name:k`` spelling of ``ref``."""
+    return tensor_name(*parse_tensor(ref))

@@ -1,0 +1,215 @@
+"""Decompose a loss into batch reductions, and choose how towers' gradients are weighted.
+
+The towers' gradients add up to the single-device gradient exactly when the loss is a linear
+combination of batch reductions with batch-independent coefficients,
+
+    L = sum_j c_j * R_j + S,
+
+each ``R_j`` a sum, a mean (weighted by the elements each tower reduces) or a ratio of sums
+(weighted by each tower's share of the denominator) over the examples, and ``S`` a term that
+does not depend on the batch (a regularizer). Then weighting tower ``k``'s gradient of ``R_j``
+by ``w_jk`` and of ``S`` by ``s_k`` with ``sum_k s_k = 1`` gives the exact gradient. When all
+terms share one weighting, it is applied to the aggregated gradients (the *primary* weights);
+a term weighted differently gets a per-tower *correction* of the gradient entering it. Anything
+else — a product or square root of a batch reduction, an op that mixes examples — is a reason
+with the op that breaks linearity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from replicate import ops
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
+from replicate.facts import Reason
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+
+__all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM"]
+
+ONES = ("ones",)
+#: Each tower weighs 1/N: a batch-independent term added to a sum-reduced loss.
+UNIFORM = ("uniform",)
+
+_PASS = frozenset({"Identity", "Snapshot", "Cast", "Reshape", "ExpandDims", "Squeeze",
+                   "CheckNumerics", "EnsureShape", "Neg", "IdentityN"})
+_ADDS = frozenset({"Add", "AddV2", "AddN", "Sub", "BiasAdd", "AccumulateNV2"})
+_DIVS = frozenset({"RealDiv", "Div", "DivNoNan", "TruncateDiv"})
+_LINEAR_REDUCTIONS = frozenset({"Sum", "Mean"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One batch reduction (or batch-independent part) of a loss.
+
+    Attributes:
+        root: the tensor the term's gradient enters through.
+        kind: ``sum``, ``mean``, ``ratio`` or ``shared``.
+        spec: tower weights of the term (see :func:`replicate.combine.weight`).
+        cls: the batch class it reduces (None for ``shared``).
+    """
+
+    root: str
+    kind: str
+    spec: tuple
+    cls: int | None
+
+
+#: Ops through which no gradient flows back: a coefficient computed through them is a constant
+#: to the optimizer.
+_NO_GRADIENT = frozenset({"StopGradient", "PreventGradient", "Shape", "ShapeN", "Size", "Rank",
+                          "ZerosLike", "OnesLike"})
+
+
+def _trainable_cone(ir: IR, ref: str, limit: int = 2000) -> str | None:
+    """A variable that ``ref``'s value is differentiably computed from, if any (a coefficient
+    with a gradient). Integer tensors and shape ops carry no gradient."""
+    from replicate.roles import FLOAT_TYPES
+
+    work, seen = [ref], set()
+    while work and len(seen) < limit:
+        cur = work.pop()
+        name = node_of(cur)
+        if cur in seen or name not in ir.nodes:
+            continue
+        seen.add(cur)
+        node = ir.nodes[name]
+        if node.op in ops.VARIABLE_OPS:
+            return name
+        if node.op in _NO_GRADIENT or ir.output_dtype(cur) not in FLOAT_TYPES \
+                and node.op not in ("ReadVariableOp", "Identity"):
+            continue
+        work.extend(node.inputs)
+    return None
+
+
+def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
+    """The terms of ``loss``, or the first reason it is not a linear combination of batch
+    reductions."""
+    terms: list[Term] = []
+    failure: list[Reason] = []
+    ir = ctx.ir
+
+    def fail(node: str, what: str, fix: str) -> None:
+        if not failure:
+            failure.append(Reason(node, what, fix))
+
+    def walk(ref: str, depth: int) -> None:
+        if failure:
+            return
+        ref = tensor_name(*parse_tensor(ref))
+        fact = ctx.fact(ref)
+        name = node_of(ref)
+        node = ir.nodes[name]
+        if fact is None:
+            fail(name, "the batch analysis did not reach the loss", "report this graph")
+            return
+        if fact.kind == SHARED:
+            terms.append(Term(ref, "shared", (), None))
+            return
+        if fact.kind == MIXED:
+            fail(fact.src or name, f"the loss depends on '{fact.src}': {fact.why}; towers see "
+                 "only their own examples", "compute the loss per example and reduce it with a mean "
+                 "or sum over the batch, or train this graph on one device")
+            return
+        if fact.kind == PART:
+            terms.append(Term(ref, "sum", ONES, ctx.classes.find(fact.cls)))   # tf.gradients sums
+            return
+        if depth > 200:
+            fail(name, "the loss expression is too deep to analyse", "report this graph")
+            return
+        if fact.src == name and node.op in _LINEAR_REDUCTIONS | {"L2Loss"} and fact.merge in ("sum", "mean"):
+            terms.append(Term(ref, fact.merge, ONES if fact.merge == "sum" else _canonical(ctx, fact.spec),
+                              ctx.classes.find(fact.cls)))
+            return
+        if fact.src == name and fact.merge == "sum":
+            terms.append(Term(ref, "sum", ONES, ctx.classes.find(fact.cls)))
+            return
+        if fact.merge == "ratio" and node.op in _DIVS:
+            den = node.inputs[1]
+            var = _trainable_cone(ir, den)
+            if var is not None:
+                fail(name, f"the loss divides by '{den}', a batch sum that depends on variable "
+                     f"'{var}'", "normalize by a quantity that has no gradient (weights, masks, counts)")
+                return
+            terms.append(Term(ref, "ratio", fact.spec, ctx.classes.find(fact.cls)))
+            return
+        if node.op in _PASS or node.op == "StopGradient":
+            if node.op != "StopGradient":
+                walk(node.inputs[0], depth + 1)
+            return
+        if node.op in _ADDS:
+            for r in node.inputs:
+                walk(r, depth + 1)
+            return
+        if node.op in ("Mul", "MulNoNan") or node.op in _DIVS:
+            facts = [ctx.fact(r) for r in node.inputs[:2]]
+            dependent = [i for i, f in enumerate(facts) if f is not None and f.dependent]
+            if node.op in _DIVS and dependent != [0]:
+                fail(name, f"the loss divides by a value that depends on the batch ('{node.inputs[1]}')",
+                     "divide by a constant, a fed batch size, or a batch sum of weights")
+                return
+            if len(dependent) != 1:
+                fail(name, f"the loss multiplies two values that depend on the batch ('{name}')",
+                     "make the loss a sum of batch means or sums")
+                return
+            coefficient = node.inputs[1 - dependent[0]]
+            var = _trainable_cone(ir, coefficient)
+            if var is not None:
+                fail(name, f"the loss scales a batch reduction by '{coefficient}', which depends on "
+                     f"variable '{var}'", "scale by a constant or a fed value")
+                return
+            walk(node.inputs[dependent[0]], depth + 1)
+            return
+        if node.op in _LINEAR_REDUCTIONS and fact.merge in ("sum", "mean", "ratio"):
+            walk(node.inputs[0], depth + 1)     # a reduction over non-batch axes of a reduced value
+            return
+        what = fact.why or f"{node.op} of a value reduced over the batch"
+        fail(fact.src or name, f"the loss is not a sum, mean or ratio over the batch: {what}",
+             "make the loss a linear combination of batch means or sums, or pass batch_norm='sync' "
+             "if it is a batch statistic")
+
+    walk(loss, 0)
+    return terms, (failure[0] if failure else None)
+
+
+def _canonical(ctx: Context, spec: tuple) -> tuple:
+    """A weights spec with its batch class replaced by the class representative."""
+    if spec and spec[0] == "count":
+        return ("count", ctx.classes.find(spec[1]))
+    return spec
+
+
+@dataclasses.dataclass
+class Weighting:
+    """How the towers' gradients of one gradient computation are weighted.
+
+    Attributes:
+        primary: weights applied to every aggregated gradient of the scope.
+        corrections: (term root, weights) pairs: the gradient entering ``root`` in tower ``k``
+            is scaled by ``w_k / primary_k``.
+        kind: a label for the report (``mean``, ``sum``, ``ratio``, ``mixed``).
+        classes: the batch classes the loss reduces.
+    """
+
+    primary: tuple
+    corrections: list[tuple[str, tuple]]
+    kind: str
+    classes: set[int]
+
+
+def weigh(terms: list[Term]) -> Weighting:
+    """Primary weights and per-term corrections for ``terms`` (see the module docstring)."""
+    batch = [t for t in terms if t.kind != "shared"]
+    shared_terms = [t for t in terms if t.kind == "shared"]
+    classes = {t.cls for t in batch if t.cls is not None}
+    if not batch:
+        return Weighting(UNIFORM, [], "shared", set())
+    specs = list(dict.fromkeys(t.spec for t in batch))
+    kinds = list(dict.fromkeys(t.kind for t in batch))
+    primary = specs[0] if len(classes) <= 1 else ONES
+    corrections = [(t.root, t.spec) for t in batch if t.spec != primary]
+    if primary == ONES:
+        corrections += [(t.root, UNIFORM) for t in shared_terms]
+    kind = kinds[0] if len(kinds) == 1 and len(specs) == 1 else "mixed"
+    return Weighting(primary, corrections, kind, classes)

@@ -1,0 +1,100 @@
+"""How the towers' copies of a forward tensor combine into the single-device value.
+
+Read from the tensor's fact: a partitioned tensor whose towers hold its rows in order is
+concatenated along its batch axis; a batch reduction combines by its merge (a weighted mean,
+a sum, an extreme); anything else cannot be merged (a shape, a mixed value, rows out of
+order), and fetching it gives tower 0's value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorflow.core.framework import types_pb2
+
+from replicate.batchflow.lattice import MIXED, PART, RED
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+
+__all__ = ["Merge", "merge_kind", "recompute_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Merge:
+    """``kind`` is ``concat``, ``mean``, ``ratio``, ``sum``, ``max``, ``min``, ``other`` (not
+    mergeable) or ``none`` (a handle); ``weights`` as in :func:`replicate.combine.weight`."""
+
+    kind: str
+    weights: tuple = ("count",)
+    axis: int = 0
+    note: str = ""
+
+
+def merge_kind(ir: IR, flow, ref: str) -> Merge:
+    """How tower copies of forward tensor ``ref`` merge under its original name."""
+    if ir.is_handle(ref):
+        return Merge("none")
+    if ir.output_dtype(ref) == types_pb2.DT_VARIANT:
+        return Merge("other", note="a TensorList or other variant")
+    fact = flow.fact(ref)
+    if fact is None or fact.kind == MIXED:
+        return Merge("other", note=fact.why if fact is not None else "not analysed")
+    if fact.kind == PART:
+        if fact.ordered and fact.outer == 1:
+            return Merge("concat", axis=fact.axis)
+        return Merge("other", note="the towers hold its rows in another order")
+    if fact.kind == RED:
+        spec = fact.spec
+        if spec and spec[0] == "count":
+            spec = ("count", flow.classes.find(spec[1]))
+        if fact.merge in ("sum", "count"):
+            return Merge("sum", ("ones",))
+        if fact.merge in ("mean", "ratio"):
+            from replicate.roles import FLOAT_TYPES
+
+            if ir.output_dtype(ref) not in FLOAT_TYPES:
+                return Merge("other", note="a mean of a non-float value")
+            return Merge(fact.merge, spec)
+        if fact.merge in ("max", "min"):
+            return Merge(fact.merge)
+        return Merge("other", note=fact.why or f"a batch-dependent {fact.merge} value")
+    return Merge("other", note="shared")
+
+
+#: The most ops a recomputed output may need (it runs once, on the controller).
+MAX_RECOMPUTE = 64
+
+
+def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str], dependent: set[str],
+                   mergeable) -> tuple[list[str], list[str]] | None:
+    """The ops that compute ``ref`` from values available once for the whole batch: merged
+    tensors (``mergeable(t)``), shared values (tower 0's copies) and nodes outside the towers.
+    Running them once on those inputs is the single-device computation itself, so the result is
+    exact. None when an op on the way is stateful, random, control flow or gradient code."""
+    from replicate import ops
+
+    nodes: list[str] = []
+    needs: dict[str, None] = {}
+    state: dict[str, bool] = {}
+
+    def visit(name: str) -> bool:
+        if name in state:
+            return state[name]
+        state[name] = False
+        node = ir.nodes[name]
+        op_def = ir.op_def(node.op)
+        if name in gradient or node.op in ops.CONTROL_FLOW_OPS or op_def is None or op_def.is_stateful:
+            return False
+        for inp in node.inputs:
+            producer = node_of(inp)
+            if producer not in region or producer not in dependent:
+                continue
+            if mergeable(inp):
+                needs.setdefault(tensor_name(*parse_tensor(inp)), None)
+                continue
+            if not visit(producer):
+                return False
+        nodes.append(name)
+        state[name] = len(nodes) <= MAX_RECOMPUTE
+        return state[name]
+
+    return (nodes, list(needs)) if visit(node_of(ref)) else None

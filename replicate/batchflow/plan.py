@@ -1,0 +1,387 @@
+"""Turn the dataflow's obligations into a rewrite plan, or into reasons it cannot be exact.
+
+A *demand* (a shared tensor that must be tower-sized) is met, in order of preference:
+
+- at the tensor itself when it is computed once outside the towers' loops from shared values
+  (a zero state, a ``ones([batch, steps])`` weight, a constant): the original keeps its name
+  and its value and each tower reads its own rows of it (``split``) — so a driver that feeds
+  the zero state by name still controls every tower;
+- at its producer: a ``Fill``/random op/``Tile``/``Reshape``/``BroadcastTo`` gets the tower's
+  count in its shape operand (a *position*), a ``Range`` over the batch size numbers the
+  tower's rows, a constant inside gradient code is resized (``const``), and identities,
+  elementwise ops and loop plumbing pass the demand on to their inputs;
+- otherwise each tower computes the single-device value and keeps its rows (``slice``).
+
+A demanded placeholder or iterator output is a batch input (``promote``); a demanded variable
+cannot be resized and is a reason. A *position* is met by rewriting the integer constant that
+holds the batch size there (``element``), or a fed scalar (``substitute``); anything else is a
+reason. ``Mean`` gradients with a static element count get their divisor scaled (``factor``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from replicate import ops
+from replicate.batchflow import table
+from replicate.batchflow.context import Context, Demand, Position
+from replicate.batchflow.lattice import PART, RED, Sym
+from replicate.batchflow.rules.layout import map_reshape
+from replicate.facts import Reason
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.roles import forward_op_of
+
+__all__ = ["Plan", "resolve", "frame_depths"]
+
+log = logging.getLogger(__name__)
+
+_PASS = frozenset({"Identity", "Snapshot", "StopGradient", "Cast", "Neg", "ZerosLike", "OnesLike",
+                   "Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
+                   "Switch", "RefSwitch", "CheckNumerics", "EnsureShape"}) | table.UNARY
+_VALUE_PASS = frozenset({"Identity", "Snapshot", "Cast", "StopGradient"})
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the rewrite must do per tower so that every tower computes its own examples."""
+
+    splits: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    consts: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    slices: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    elements: dict[tuple[str, int | None], list[Position]] = dataclasses.field(default_factory=dict)
+    substitutes: dict[str, Position] = dataclasses.field(default_factory=dict)
+    attrs: dict[tuple[str, str], tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    factors: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    promote: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    resized: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    reasons: list[Reason] = dataclasses.field(default_factory=list)
+
+    def absorb(self, other: Plan) -> None:
+        """Add what an earlier round planned (later rounds see those tensors resized and do
+        not plan them again)."""
+        for field in ("splits", "consts", "slices", "elements", "substitutes", "attrs", "factors",
+                      "promote", "resized"):
+            mine = getattr(self, field)
+            for key, value in getattr(other, field).items():
+                if field == "elements" and key in mine:
+                    mine[key].extend(p for p in value if all(q.via != p.via for q in mine[key]))
+                else:
+                    mine.setdefault(key, value)
+        for reason in other.reasons:
+            if reason not in self.reasons:
+                self.reasons.append(reason)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.splits or self.consts or self.slices or self.elements or self.substitutes
+                    or self.attrs or self.factors)
+
+
+def frame_depths(ir: IR, order: list[str]) -> dict[str, int]:
+    """How many TF1 loop frames each region node is inside (0 outside every loop)."""
+    depth: dict[str, int] = {}
+    for name in order:
+        node = ir.nodes[name]
+        deps = [node_of(r) for r in node.inputs] + list(node.control)
+        base = max((depth.get(d, 0) for d in deps if ir.nodes.get(d) is None
+                    or ir.nodes[d].op not in ("NextIteration", "RefNextIteration")), default=0)
+        if node.op in ("Enter", "RefEnter"):
+            base += 1
+        elif node.op in ("Exit", "RefExit"):
+            base = max(0, base - 1)
+        depth[name] = base
+    return depth
+
+
+class _Resolver:
+    def __init__(self, ctx: Context, plan: Plan, depths: dict[str, int], scopes: list[str]):
+        self.ctx, self.ir, self.plan, self.depths, self.scopes = ctx, ctx.ir, plan, depths, scopes
+        self.seen: set[tuple] = set()
+
+    def reason(self, node: str, what: str, fix: str) -> None:
+        if not any(r.node == node and r.what == what for r in self.plan.reasons):
+            self.plan.reasons.append(Reason(node, what, fix))
+
+    def resized(self, ref: str, d: Demand, index: bool = False) -> None:
+        self.plan.resized.setdefault(ref, (d.dim, d.cls, d.block, d.outer, index))
+
+    # ---------------------------------------------------------------- demands
+    def demand(self, d: Demand) -> None:
+        key = (d.tensor, d.dim)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        ctx, ir = self.ctx, self.ir
+        fact = ctx.fact(d.tensor)
+        if fact is not None and fact.kind == PART:
+            return
+        name, idx = parse_tensor(d.tensor)
+        node = ir.nodes[name]
+        if name not in ctx.region_names:
+            if node.op in ops.BATCH_SOURCE_OPS:
+                self.plan.promote.setdefault(d.tensor, d)
+            elif node.op in ops.VARIABLE_OPS:
+                self.reason(name, f"variable '{name}' has the batch size in its shape (dimension "
+                            f"{d.dim}) and is used per example", "keep per-example state in a "
+                            "tensor fed each step, or give the variable one row per tower")
+            else:
+                self.plan.slices[d.tensor] = d
+            return
+        if node.op in ("ReadVariableOp",) or (node.op in ("Identity",) and node.inputs
+                                              and ir.nodes[node_of(node.inputs[0])].op in ops.VARIABLE_OPS):
+            self.reason(name, f"variable read '{name}' has the batch size in its shape and is "
+                        "used per example", "keep per-example state in a tensor fed each step")
+            return
+        forward = not ctx.in_gradient(node) and self.depths.get(name, 0) == 0
+        if forward and (fact is None or fact.kind != RED) and not self._positional(name):
+            self.plan.splits[d.tensor] = d
+            self.resized(d.tensor, d)
+            return
+        self._producer(d, node, idx)
+
+    def _positional(self, name: str) -> bool:
+        """True when a shared value's cone holds a ``Range``: its values are row numbers,
+        which a split would not renumber."""
+        work, seen = [name], set()
+        while work:
+            cur = work.pop()
+            if cur in seen or cur not in self.ctx.region_names:
+                continue
+            seen.add(cur)
+            if self.ir.nodes[cur].op == "Range":
+                return True
+            work.extend(node_of(r) for r in self.ir.nodes[cur].inputs)
+        return False
+
+    def _producer(self, d: Demand, node, idx: int) -> None:
+        ctx, ir, op = self.ctx, self.ir, node.op
+        sub = lambda ref, dim: self.demand(dataclasses.replace(d, tensor=tensor_name(*parse_tensor(ref)), dim=dim))  # noqa: E731
+        rows = d.rows
+        if op == "Const":
+            self.plan.consts[d.tensor] = d
+        elif op in table.SHAPE_SOURCES:
+            self.position(Position(node.inputs[table.SHAPE_SOURCES[op]], d.dim, d.cls, rows or 0, node.name, node.name))
+        elif op == "Range":
+            self.position(Position(node.inputs[1], None, d.cls, rows or 0, node.name, node.name))
+            self.resized(d.tensor, d, index=True)
+            return
+        elif op == "Tile":
+            shape = ctx.shape(node.inputs[0])
+            if shape is not None and d.dim < len(shape) and shape[d.dim] == 1:
+                self.position(Position(node.inputs[1], d.dim, d.cls, rows or 0, node.name, node.name))
+            else:
+                sub(node.inputs[0], d.dim)
+        elif op == "BroadcastTo":
+            self.position(Position(node.inputs[1], d.dim, d.cls, rows or 0, node.name, node.name))
+            self._broadcast_inputs(d, node, node.inputs[:1], sub)
+        elif op == "Reshape":
+            self.position(Position(node.inputs[1], d.dim, d.cls, rows or 0, node.name, node.name))
+            src = ctx.shape(node.inputs[0])
+            out = ctx.shape(d.tensor)
+            found = map_reshape(out, d.dim, d.outer, d.block, ctx.static_batch(d.cls), src) \
+                if src is not None and out is not None else None
+            if found is None:
+                self.reason(node.name, "a shared value reshaped to the batch size cannot be "
+                            "resized per tower", "give the batch input a dynamic batch dimension")
+            else:
+                j, outer, inner = found
+                self.demand(Demand(tensor_name(*parse_tensor(node.inputs[0])), j, d.cls, inner, outer, node.name))
+        elif op in ("ExpandDims", "Squeeze", "Transpose"):
+            mapped = self._unshift(node, d.dim)
+            if mapped is None:
+                self.plan.slices[d.tensor] = d
+            else:
+                sub(node.inputs[0], mapped)
+        elif op in _PASS or op in table.PASS_THROUGH:
+            sub(node.inputs[idx if op in ("IdentityN",) else 0], d.dim)
+        elif op in ("Merge", "RefMerge"):
+            for ref in node.inputs:
+                sub(ref, d.dim)
+        elif op in table.BROADCAST or op in table.SAME_SHAPE or op in ("Select", "SelectV2"):
+            self._broadcast_inputs(d, node, node.inputs, sub)
+        elif op in ("ConcatV2", "Pack"):
+            n = int(node.attr("N", len(node.inputs)))
+            axis = int(node.attr("axis", 0)) if op == "Pack" else None
+            for ref in node.inputs[:n]:
+                dim = d.dim - (1 if axis is not None and 0 <= axis <= d.dim else 0)
+                sub(ref, dim)
+        elif op == "Slice" and self._slice(d, node, sub):
+            pass
+        elif self.depths.get(node.name, 0) > 0:
+            self.reason(node.name, f"'{d.tensor}' inside a TF1 while loop has the global batch size "
+                        "where each tower needs its own", "give the batch input a dynamic batch "
+                        "dimension")
+            return
+        else:
+            self.plan.slices[d.tensor] = d
+        self.resized(d.tensor, d)
+
+    def _slice(self, d: Demand, node, sub) -> bool:
+        """``Slice(x, begin, size)`` keeping every row along the demanded dimension: the size
+        there is a position and ``x``'s dimension is demanded too."""
+        begin = self.ctx.int_value(node.inputs[1])
+        if begin is None or d.dim >= len(begin) or begin[d.dim] != 0:
+            return False
+        self.position(Position(node.inputs[2], d.dim, d.cls, d.rows or 0, node.name, node.name))
+        sub(node.inputs[0], d.dim)
+        return True
+
+    def _broadcast_inputs(self, d: Demand, node, refs, sub) -> None:
+        out_rank = self.ctx.rank(d.tensor)
+        for ref in refs:
+            rank = self.ctx.rank(ref)
+            if rank is None or out_rank is None:
+                continue
+            dim = d.dim - (out_rank - rank)
+            shape = self.ctx.shape(ref)
+            if 0 <= dim < rank and shape[dim] != 1:
+                fact = self.ctx.fact(ref)
+                if fact is None or fact.kind != PART:
+                    sub(ref, dim)
+
+    def _unshift(self, node, dim: int) -> int | None:
+        if node.op == "Transpose":
+            perm = self.ctx.int_value(node.inputs[1])
+            return perm[dim] if perm is not None and dim < len(perm) else None
+        rank = self.ctx.rank(node.inputs[0])
+        if rank is None:
+            return None
+        if node.op == "ExpandDims":
+            axes = self.ctx.axes(node.inputs[1], rank + 1)
+            return None if axes is None or axes[0] == dim else dim - (axes[0] < dim)
+        shape = self.ctx.shape(node.inputs[0])
+        dims = node.attr("squeeze_dims", []) or [i for i, s in enumerate(shape) if s == 1]
+        gone = sorted({x + rank if x < 0 else x for x in dims})
+        kept = [i for i in range(rank) if i not in gone]
+        return kept[dim] if dim < len(kept) else None
+
+    # ---------------------------------------------------------------- positions
+    def position(self, p: Position) -> None:
+        key = (p.tensor, p.element, p.via, "position")
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        ctx, ir = self.ctx, self.ir
+        value = ctx.int_value(p.tensor)
+        elem = 0 if p.element is None else p.element
+        if value is not None and elem < len(value) and (isinstance(value[elem], Sym) or value[elem] == -1):
+            return
+        name, _ = parse_tensor(p.tensor)
+        node = ir.nodes[name]
+        batch = ctx.static_batch(p.cls)
+        if node.op == "Const":
+            const = node.attr("value")
+            flat = np.atleast_1d(const).reshape(-1)
+            if elem >= flat.size or batch is None or not p.factor or int(flat[elem]) != p.factor * batch:
+                self.reason(name, f"constant '{name}' should hold the batch size at element {elem} "
+                            f"but holds {int(flat[elem]) if elem < flat.size else '?'}",
+                            "give the batch input a dynamic batch dimension")
+                return
+            found = self.plan.elements.setdefault((name, p.element if const.ndim else None), [])
+            if all(q.via != p.via for q in found):
+                found.append(p)
+            return
+        down = lambda ref, **kw: dataclasses.replace(  # noqa: E731
+            p, tensor=tensor_name(*parse_tensor(ref)), via=name, **kw)
+        if node.op in _VALUE_PASS:
+            self.position(down(node.inputs[0]))
+        elif node.op in ("ExpandDims", "Reshape") and ctx.rank(node.inputs[0]) == 0 and elem == 0:
+            self.position(down(node.inputs[0], element=None))
+        elif node.op == "Pack":
+            self.position(down(node.inputs[elem], element=None))
+        elif node.op in ("ConcatV2",):
+            n = int(node.attr("N", len(node.inputs) - 1))
+            offset = 0
+            for ref in node.inputs[:n]:
+                length = (ctx.shape(ref) or [None])[0] if ctx.rank(ref) == 1 else 1
+                if length is None:
+                    break
+                if offset <= elem < offset + length:
+                    self.position(down(ref, element=elem - offset if ctx.rank(ref) == 1 else None))
+                    return
+                offset += length
+            self.reason(name, f"'{name}' holds the batch size in a shape built at run time",
+                        "give the batch input a dynamic batch dimension")
+        elif node.op in ("Slice", "StridedSlice", "GatherV2", "Gather") and ctx.rank(node.inputs[0]) == 1:
+            start = ctx.int_value(node.inputs[1])
+            if start is None or not isinstance(start[0], int):
+                self.reason(name, f"'{name}' holds the batch size", "give the batch input a dynamic batch dimension")
+                return
+            at = start[elem] if node.op.startswith("Gather") else start[0] + elem
+            self.position(down(node.inputs[0], element=at))
+        elif node.op == "Shape":
+            self.demand(Demand(tensor_name(*parse_tensor(node.inputs[0])), elem, p.cls, p.factor or None, 1, name))
+        elif node.op in ("Placeholder", "PlaceholderWithDefault") and ctx.rank(p.tensor) == 0:
+            self.plan.substitutes[p.tensor] = p
+        elif node.op == "Mul" and ctx.rank(p.tensor) == 0:
+            consts = [ctx.int_value(r) for r in node.inputs]
+            for ref, other in zip(node.inputs, reversed(consts)):
+                if other is not None and isinstance(other[0], int) and other[0] > 0 \
+                        and p.factor % other[0] == 0:
+                    self.position(down(ref, factor=p.factor // other[0]))
+                    return
+            self.reason(name, f"'{name}' computes the batch size from values replicate cannot "
+                        "rewrite per tower", "give the batch input a dynamic batch dimension")
+        else:
+            self.reason(name, f"'{name}' ({node.op}) holds the batch size where each tower needs its "
+                        "own count", "give the batch input a dynamic batch dimension")
+
+    # ---------------------------------------------------------------- mean gradients
+    def mean_factors(self) -> None:
+        """Static ``Mean`` gradients divide by the folded element count: scale it per tower."""
+        ctx, ir = self.ctx, self.ir
+        for prefix in self.scopes:
+            for name, node in ir.nodes.items():
+                if not name.startswith(prefix + "/") or node.op not in ("RealDiv", "Div", "TrueDiv") \
+                        or "_grad/" not in name:
+                    continue
+                forward = forward_op_of(ir, prefix, name)
+                if forward is None or ir.nodes[forward].op != "Mean":
+                    continue
+                fact, data = ctx.facts.get(f"{forward}:0"), ctx.fact(ir.nodes[forward].inputs[0])
+                if fact is None or fact.kind != RED or fact.src != forward or data is None or data.kind != PART:
+                    continue
+                divisor = self._const_through_cast(node.inputs[1])
+                if divisor is None:
+                    continue
+                shape_in, shape_out = ctx.shape(ir.nodes[forward].inputs[0]), ctx.shape(f"{forward}:0")
+                batch = ctx.static_batch(data.cls)
+                if shape_in is None or shape_out is None or None in shape_in or None in shape_out or not batch:
+                    continue
+                count = int(np.prod(shape_in)) // max(1, int(np.prod(shape_out)))
+                value = float(np.asarray(ir.nodes[divisor].attr("value")).reshape(-1)[0])
+                if value == float(count) and count % batch == 0:
+                    self.plan.factors[divisor] = (data.cls, count / batch)
+
+    def _const_through_cast(self, ref: str) -> str | None:
+        for _ in range(3):
+            node = self.ir.nodes.get(node_of(ref))
+            if node is None:
+                return None
+            if node.op == "Const":
+                return node.name
+            if node.op not in ("Cast", "Identity") or not node.inputs:
+                return None
+            ref = node.inputs[0]
+        return None
+
+
+def resolve(ctx: Context, depths: dict[str, int], scopes: list[str]) -> Plan:
+    """The rewrite plan for everything ``ctx`` recorded."""
+    plan = Plan()
+    resolver = _Resolver(ctx, plan, depths, scopes)
+    for d in list(ctx.demands.values()):
+        resolver.demand(d)
+    for p in list(ctx.positions.values()):
+        resolver.position(p)
+    for (node, attr), (dim, cls, factor) in ctx.attr_positions.items():
+        plan.attrs[(node, attr)] = (dim, cls, factor)
+    for node, what in ctx.notes:
+        resolver.reason(node, f"{what}, which every tower shares", "give the batch input a dynamic "
+                        "batch dimension, or build the loop with TF1 control flow "
+                        "(tf.compat.v1.disable_control_flow_v2())")
+    resolver.mean_factors()
+    return plan

@@ -1,0 +1,124 @@
+"""The rule registry: op type -> transfer function from input facts to output facts.
+
+Each family lives in its own module; :data:`RULES` maps every op type the dataflow knows to
+its rule, built from the tables in :mod:`replicate.batchflow.table` and the lists below.
+:func:`apply` runs the rule of a node, or the default (shared if every input is shared,
+else mixed: "no batch rule").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from replicate.batchflow import table
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import Fact, shared
+from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape
+from replicate.batchflow.rules.common import passthrough, taint_of
+from replicate.ir import Node
+
+__all__ = ["RULES", "apply", "WAITS_FOR_ALL"]
+
+Rule = Callable[[Context, Node, list], list]
+
+
+def _const(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return [shared(ctx.int_value(f"{node.name}:0"))]
+
+
+def _source(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return [shared(taint=taint_of(ins))] * ctx.n_outputs(node)
+
+
+def _identity(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return passthrough(ins, ctx.n_outputs(node))
+
+
+def _assign(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return [shared(taint=taint_of(ins))] * ctx.n_outputs(node)
+
+
+RULES: dict[str, Rule] = {}
+RULES.update({op: elementwise.unary for op in table.UNARY})
+RULES.update({op: elementwise.broadcast for op in table.BROADCAST | table.SAME_SHAPE})
+RULES.update({op: reduce.reduction for op in table.REDUCTIONS})
+RULES.update({op: reduce.arg_reduction for op in table.ARG_REDUCTIONS})
+RULES.update({op: reduce.scan for op in table.SCANS})
+RULES.update({op: reduce.last_axis for op in table.LAST_AXIS})
+RULES.update({op: reduce.rowwise for op in table.ROWWISE})
+RULES.update({op: reduce.contraction for op in table.BATCH_CONTRACTIONS})
+RULES.update({op: shape.shape_source for op in table.SHAPE_SOURCES})
+RULES.update({op: _identity for op in table.PASS_THROUGH})
+RULES.update({op: _source for op in table.SOURCES})
+RULES.update({op: _assign for op in table.STATEFUL_PASS})
+RULES.update({
+    "Const": _const, "HostConst": _const,
+    "ClipByValue": elementwise.broadcast, "Select": elementwise.select,
+    "MatMul": elementwise.matmul, "BatchMatMul": elementwise.batch_matmul,
+    "BatchMatMulV2": elementwise.batch_matmul, "BatchMatMulV3": elementwise.batch_matmul,
+    "L2Loss": reduce.l2loss, "Shape": reduce.shape, "ShapeN": reduce.shape_n, "Size": reduce.size,
+    "Reshape": shape.reshape, "ExpandDims": shape.expand_dims, "Squeeze": shape.squeeze,
+    "Transpose": shape.transpose, "ConjugateTranspose": shape.transpose,
+    "ConcatV2": shape.concat, "Concat": shape.concat, "Pack": shape.pack, "Unpack": shape.unpack,
+    "Split": shape.split, "SplitV": shape.split, "Slice": shape.slice_,
+    "StridedSlice": shape.strided_slice, "StridedSliceGrad": shape.strided_slice_grad,
+    "Tile": shape.tile, "BroadcastTo": shape.broadcast_to, "Pad": shape.pad, "PadV2": shape.pad,
+    "MirrorPad": shape.pad, "ReverseV2": shape.reverse, "OneHot": shape.one_hot,
+    "Range": shape.range_,
+    "Gather": index.gather, "GatherV2": index.gather, "ResourceGather": index.gather,
+    "GatherNd": index.gather_nd, "ResourceGatherNd": index.gather_nd, "Where": index.where,
+    "Unique": index.unique, "UniqueV2": index.unique, "UniqueWithCounts": index.unique,
+    "DynamicPartition": index.dynamic_partition,
+    "UnsortedSegmentSum": index.segment, "UnsortedSegmentMax": index.segment,
+    "UnsortedSegmentMin": index.segment, "UnsortedSegmentProd": index.segment,
+    "SegmentSum": index.segment, "SegmentMax": index.segment, "SegmentMin": index.segment,
+    "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
+    "BroadcastGradientArgs": index.broadcast_gradient_args, "BroadcastArgs": index.broadcast_args,
+    "ReverseSequence": index.reverse_sequence, "ComputeAccidentalHits": index.accidental_hits,
+    **{op: index.candidate_sampler for op in (
+        "LogUniformCandidateSampler", "UniformCandidateSampler", "LearnedUnigramCandidateSampler",
+        "FixedUnigramCandidateSampler", "ThreadUnsafeUnigramCandidateSampler", "AllCandidateSampler")},
+    "ConcatOffset": index.concat_offset, "DynamicStitch": index.dynamic_stitch,
+    "ParallelDynamicStitch": index.dynamic_stitch, "InvertPermutation": index.invert_permutation,
+    "Enter": _identity, "RefEnter": _identity, "Exit": _identity, "RefExit": _identity,
+    "NextIteration": _identity, "RefNextIteration": _identity, "LoopCond": _identity,
+    "Merge": control.merge, "RefMerge": control.merge,
+    "Switch": control.switch, "RefSwitch": control.switch,
+    "TensorArrayV3": control.array_new, "TensorArrayWriteV3": control.array_write,
+    "TensorArrayReadV3": control.array_read, "TensorArrayGatherV3": control.array_gather,
+    "TensorArrayConcatV3": control.array_concat, "TensorArrayScatterV3": control.array_scatter,
+    "TensorArraySplitV3": control.array_split, "TensorArrayGradV3": control.array_grad,
+    "TensorArrayGradWithShape": control.array_grad, "TensorArraySizeV3": control.array_size,
+    "StackV2": control.stack_new, "Stack": control.stack_new,
+    "StackPushV2": control.stack_push, "StackPush": control.stack_push,
+    "StackPopV2": control.stack_pop, "StackPop": control.stack_pop,
+    "While": functional.while_, "StatelessWhile": functional.while_,
+    "If": functional.if_, "StatelessIf": functional.if_,
+    "PartitionedCall": functional.partitioned_call,
+    "StatefulPartitionedCall": functional.partitioned_call,
+    "EmptyTensorList": lists.empty, "TensorListReserve": lists.empty,
+    "TensorListPushBack": lists.push, "TensorListSetItem": lists.push,
+    "TensorListPopBack": lists.pop, "TensorListGetItem": lists.get,
+    "TensorListStack": lists.stack, "TensorListGather": lists.stack,
+    "TensorListFromTensor": lists.from_tensor, "TensorListSplit": lists.from_tensor,
+    "TensorListScatter": lists.from_tensor, "TensorListScatterV2": lists.from_tensor,
+    "TensorListLength": lists.length, "TensorListElementShape": lists.length,
+    "TensorListConcatV2": lists.concat, "TensorListConcat": lists.concat,
+})
+
+#: Ops whose rule runs while some inputs are still unknown (the loop back edge of a Merge).
+WAITS_FOR_ALL = frozenset({"Merge", "RefMerge"})
+
+
+def apply(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]:
+    """The output facts of ``node`` given its input facts (None: not known yet)."""
+    n = ctx.n_outputs(node)
+    if node.op not in WAITS_FOR_ALL and any(f is None for f in ins):
+        return [None] * n
+    rule = RULES.get(node.op)
+    if rule is None:
+        return [ctx.no_rule(node, ins)] * n
+    out = list(rule(ctx, node, ins))
+    if len(out) < n:
+        out += [out[-1] if out else shared()] * (n - len(out))
+    return out[:n]

@@ -1,0 +1,106 @@
+"""Helpers shared by the rule families."""
+
+from __future__ import annotations
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym, mixed, part, red, shared
+from replicate.ir import Node
+
+__all__ = ["taint_of", "first_mixed", "parts", "reds", "couple", "data_refs", "shift", "combine_parts",
+           "passthrough", "value_or_none"]
+
+
+def taint_of(facts: list[Fact]) -> frozenset:
+    """The couplings carried by any of ``facts``."""
+    out: frozenset = frozenset()
+    for f in facts:
+        out |= f.taint
+    return out
+
+
+def first_mixed(facts: list[Fact]) -> Fact | None:
+    """The first mixed fact, without any special marking (``handle``)."""
+    found = next((f for f in facts if f.kind == MIXED), None)
+    return None if found is None else found.with_(taint=taint_of(facts), handle=None)
+
+
+def parts(facts: list[Fact]) -> list[Fact]:
+    return [f for f in facts if f.kind == PART]
+
+
+def reds(facts: list[Fact]) -> list[Fact]:
+    return [f for f in facts if f.kind == RED]
+
+
+def couple(ctx: Context, node: Node, facts: list[Fact]) -> frozenset:
+    """Taint for a per-example result computed from the RED facts among ``facts``: each
+    forward batch reduction (not a size, not gradient code) becomes a coupling."""
+    taint = taint_of(facts)
+    if ctx.in_gradient(node):
+        return taint
+    for f in reds(facts):
+        if f.merge not in ("size",) and f.src:
+            taint |= {f.src}
+    return taint
+
+
+def data_refs(node: Node) -> list[str]:
+    return list(node.inputs)
+
+
+def shift(fact: Fact, axis: int, **changes) -> Fact:
+    """``fact`` with its partitioned axis moved to ``axis``."""
+    return fact.with_(axis=axis, value=None, **changes)
+
+
+def combine_parts(ctx: Context, node: Node, facts: list[Fact], axis: int) -> Fact:
+    """One partitioned fact on ``axis`` from several partitioned inputs: their classes unite."""
+    first = facts[0]
+    for other in facts[1:]:
+        ctx.classes.union(first.cls, other.cls, node.name)
+    blocks = {f.block for f in facts}
+    outers = {f.outer for f in facts}
+    return part(axis, first.cls, blocks.pop() if len(blocks) == 1 else None,
+                ordered=all(f.ordered for f in facts), filtered=any(f.filtered for f in facts),
+                outer=outers.pop() if len(outers) == 1 else None)
+
+
+def passthrough(facts: list[Fact], n: int) -> list[Fact]:
+    """Output i carries input i's fact (identities)."""
+    out = list(facts[:n])
+    while len(out) < n:
+        out.append(shared())
+    return out
+
+
+def value_or_none(values: list) -> tuple | None:
+    return tuple(values) if values else None
+
+
+def is_sym(v) -> bool:
+    return isinstance(v, Sym)
+
+
+def size_fact(value: tuple, taint: frozenset = frozenset()) -> Fact:
+    """The fact of an integer tensor with symbolic elements: shared when none depends on the
+    batch, else a batch *size* (a RED whose merge is ``size``)."""
+    syms = [v for v in value if isinstance(v, Sym)]
+    if not syms:
+        return shared(value, taint)
+    return red(syms[0].cls, "size", None, taint=taint, value=value)
+
+
+def rows(fact: Fact) -> int | None:
+    """Rows per example along a partitioned fact's axis (None when not a known integer)."""
+    if not isinstance(fact.block, int) or not isinstance(fact.outer, int):
+        return None
+    return fact.block * fact.outer
+
+
+def reduced(ctx: Context, node: Node, merge: str, cls: int | None, spec: tuple, taint: frozenset,
+            why: str = "") -> Fact:
+    """A RED fact created by ``node``."""
+    return red(cls, merge, node.name, spec, taint).with_(why=why)
+
+
+__all__ += ["is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red"]

@@ -1,0 +1,159 @@
+"""Rules for TF1 control flow, TensorArrays and stacks.
+
+A loop's ``Merge`` joins the value entering the loop with the value of the previous
+iteration, so the solver runs loops to a fixpoint. A shared value entering a loop that
+carries per-example values (a zero state) must be tower-sized: a demand. A branch or loop
+condition computed from a batch reduction (the longest sequence of the batch) couples every
+value the branch or loop produces. TensorArrays and stacks remember the fact of what was
+written into them, keyed by the op that created them; their gradients get their own keys.
+"""
+
+from __future__ import annotations
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, join, mixed, shared
+from replicate.batchflow.rules.common import taint_of
+from replicate.ir import Node
+
+__all__ = ["merge", "switch", "array_new", "array_write", "array_read", "array_gather",
+           "array_concat", "array_scatter", "array_split", "array_grad", "array_size",
+           "stack_new", "stack_push", "stack_pop"]
+
+
+def merge(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]:
+    out = join(ins, ctx.classes)
+    if out is not None and out.kind == PART:
+        for ref, f in zip(node.inputs, ins):
+            if f is not None and f.kind == SHARED:
+                ctx.demand(ref, out.axis, out, node)
+    return [out, shared()]
+
+
+def switch(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    data, pred = ins[0], ins[1]
+    if pred.kind == PART:
+        return [mixed(node.name, "a branch or loop condition decided per example", taint_of(ins))] * 2
+    if pred.kind == MIXED:
+        return [pred.with_(handle=None)] * 2
+    taint = data.taint | pred.taint
+    if pred.kind == RED and pred.src and not ctx.in_gradient(node):
+        taint |= {pred.src}
+    return [data.with_(taint=taint)] * 2
+
+
+def _key(fact: Fact) -> str | None:
+    return fact.handle
+
+
+def array_new(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    size = ins[0] if ins else shared()
+    if size.kind == PART or size.kind == MIXED:
+        return [mixed(node.name, "a TensorArray sized per example", size.taint)] * 2
+    handle = shared(handle=node.name, taint=size.taint)
+    return [handle, shared(taint=size.taint)]
+
+
+def _write(ctx: Context, node: Node, key: str, value: Fact, ref: str) -> None:
+    old = ctx.arrays.get(key)
+    new = join([old, value], ctx.classes)
+    if new is not None and new.kind == PART and value.kind == SHARED:
+        ctx.demand(ref, new.axis, new, node)
+    if new != old:
+        ctx.arrays[key] = new
+        ctx.changed = True
+
+
+def _element(value: Fact, drop_leading: bool, node: Node, what: str) -> Fact:
+    """The fact of one element of a tensor split along its leading axis."""
+    if not drop_leading or value.kind != PART:
+        return value.with_(value=None, index=None)
+    if value.axis == 0:
+        return mixed(node.name, f"{what} along the batch axis", value.taint)
+    return value.with_(axis=value.axis - 1, value=None, index=None)
+
+
+def array_write(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    key = _key(ins[0])
+    if key is None:
+        return [mixed(node.name, "a TensorArray of unknown origin", taint_of(ins))]
+    _write(ctx, node, key, ins[2], node.inputs[2])
+    return [shared(taint=taint_of(ins))]
+
+
+def array_scatter(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    key = _key(ins[0])
+    if key is None:
+        return [mixed(node.name, "a TensorArray of unknown origin", taint_of(ins))]
+    _write(ctx, node, key, _element(ins[2], True, node, node.op), node.inputs[2])
+    return [shared(taint=taint_of(ins))]
+
+
+def array_split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    key = _key(ins[0])
+    if key is None:
+        return [mixed(node.name, "a TensorArray of unknown origin", taint_of(ins))]
+    value = ins[1]
+    element = mixed(node.name, "TensorArraySplit along the batch axis", value.taint) \
+        if value.kind == PART and value.axis == 0 else value.with_(value=None)
+    _write(ctx, node, key, element, node.inputs[1])
+    return [shared(taint=taint_of(ins))]
+
+
+def _read(ctx: Context, node: Node, ins: list[Fact]) -> Fact | None:
+    key = _key(ins[0])
+    if key is None:
+        return mixed(node.name, "a TensorArray of unknown origin", taint_of(ins))
+    element = ctx.arrays.get(key)
+    if element is None:
+        return None
+    extra = taint_of(ins[1:])
+    return element.with_(taint=element.taint | extra)
+
+
+def array_read(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
+    return [_read(ctx, node, ins)]
+
+
+def array_gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
+    element = _read(ctx, node, ins)
+    if element is None or element.kind != PART:
+        return [element]
+    return [element.with_(axis=element.axis + 1)]
+
+
+def array_concat(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
+    element = _read(ctx, node, ins)
+    if element is not None and element.kind == PART and element.axis == 0:
+        element = element.with_(outer=None, ordered=False)
+    return [element, shared()]
+
+
+def array_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    key = _key(ins[0])
+    if key is None:
+        return [mixed(node.name, "a TensorArray of unknown origin", taint_of(ins))] * 2
+    return [shared(handle=f"{key}#grad:{node.attr('source', '')}"), shared(taint=taint_of(ins))]
+
+
+def array_size(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return [shared(taint=taint_of(ins))]
+
+
+def stack_new(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return [shared(handle=node.name, taint=taint_of(ins))]
+
+
+def stack_push(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    key = _key(ins[0])
+    if key is None:
+        return [mixed(node.name, "a stack of unknown origin", taint_of(ins))]
+    _write(ctx, node, key, ins[1], node.inputs[1])
+    return [ins[1]]
+
+
+def stack_pop(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
+    key = _key(ins[0])
+    if key is None:
+        return [mixed(node.name, "a stack of unknown origin", taint_of(ins))]
+    return [ctx.arrays.get(key)]
+

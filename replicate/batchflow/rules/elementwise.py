@@ -1,0 +1,353 @@
+"""Rules for elementwise ops (unary and broadcasting) and matrix products.
+
+Broadcasting aligns operands by their trailing dimensions. A partitioned operand makes the
+output partitioned on the aligned axis; a shared operand whose aligned dimension is not 1
+must then be tower-sized (a *demand*); a batch-reduced operand couples the result (each tower
+would use its own slice's statistic). Among batch-reduced values only linear combinations
+keep a known merge (a mean plus a constant is still a mean; a sum plus a constant is not).
+"""
+
+from __future__ import annotations
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import PART, RED, SHARED, Fact, Sym
+from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, parts, red,
+                                              reds, shared, size_fact, taint_of)
+from replicate.ir import Node
+
+__all__ = ["unary", "broadcast", "select", "matmul", "batch_matmul", "arith"]
+
+from replicate.batchflow import table as _table  # noqa: E402
+
+UNARY_OR_BROADCAST = _table.UNARY | _table.BROADCAST | _table.SAME_SHAPE | {"Select", "SelectV2"}
+
+_LINEAR_UNARY = {"Identity", "Cast", "Neg", "Snapshot", "StopGradient"}
+_VALUE_UNARY = {"Cast", "Identity", "Snapshot", "StopGradient"}
+_SUMS = {"Add", "AddV2", "AddN", "AccumulateNV2", "BiasAdd", "BiasAddV1"}
+_DIVS = {"RealDiv", "Div", "DivNoNan", "TruncateDiv"}
+
+
+def unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if node.op in ("ZerosLike", "OnesLike"):
+        if f.kind == PART:
+            return [f.with_(taint=frozenset(), value=None, index=None, ordered=True)]
+        return [shared()] if f.kind != "mixed" else [f]
+    if f.kind == "mixed":
+        return [f if node.op in _VALUE_UNARY or f.handle == "unique" else f.with_(handle=None)]
+    if f.kind == PART:
+        keep = node.op in _VALUE_UNARY
+        return [f.with_(value=f.value if keep else None, index=f.index if keep else None)]
+    if f.kind == RED:
+        if node.op in _LINEAR_UNARY:
+            merge = {"max": "min", "min": "max"}.get(f.merge, f.merge) if node.op == "Neg" else f.merge
+            return [f.with_(merge=merge)]
+        return [f.with_(merge="other", why=f"'{node.name}': {node.op} of a batch-reduced value")]
+    return [shared(f.value if node.op in _VALUE_UNARY else None, f.taint)]
+
+
+def _bias_rank_offset(ctx: Context, node: Node, out_rank: int, pos: int, rank: int) -> int:
+    """Where operand ``pos`` of rank ``rank`` starts in the output's dimensions."""
+    if node.op in ("BiasAdd", "BiasAddV1") and pos == 1 and node.attr("data_format", "NHWC").startswith("NC"):
+        return 1
+    return out_rank - rank
+
+
+def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    refs = node.inputs[:len(ins)]
+    bad = first_mixed(ins)
+    if bad is not None:
+        keep = bad.handle == "unique" and all(f.kind in (SHARED, "mixed") for f in ins)
+        return [bad.with_(handle="unique") if keep else bad]
+    ps = parts(ins)
+    if not ps:
+        if reds(ins):
+            return [_reduced_algebra(ctx, node, refs, ins)]
+        values = [f.value for f in ins]
+        value = arith(node.op, values) if all(v is not None for v in values) else None
+        return [size_fact(value, taint_of(ins)) if value is not None else shared(None, taint_of(ins))]
+    out_rank = ctx.rank(f"{node.name}:0")
+    if out_rank is None:
+        out_rank = _bounded_rank(ctx, node, refs)
+        if out_rank is None:
+            return [mixed(node.name, ctx.unknown_rank(node), taint_of(ins))]
+        ctx.refine(f"{node.name}:0", [None] * out_rank)
+    placed: list[tuple[int, Fact]] = []
+    out_shape = ctx.shape(f"{node.name}:0") or [None] * out_rank
+    for pos, (ref, f) in enumerate(zip(refs, ins)):
+        if f.kind == PART:
+            rank = ctx.rank(ref)
+            if rank is None:
+                return [mixed(node.name, ctx.unknown_rank(node), taint_of(ins))]
+            axis = f.axis + _bias_rank_offset(ctx, node, out_rank, pos, rank)
+            if len(out_shape) != out_rank:
+                out_shape = [None] * out_rank
+            if ctx.shape(ref)[f.axis] == 1 and out_shape[axis] != 1:
+                others = [g for g in ps if g is not f]
+                if others:
+                    ctx.classes.conflicts.append((others[0].cls, f.cls, node.name, "broadcast"))
+                return [mixed(node.name, "broadcasts one example against many", taint_of(ins))]
+            placed.append((axis, f))
+    axes = {a for a, _ in placed}
+    if len(axes) > 1:
+        placed.sort(key=lambda item: item[0])
+        ctx.classes.conflicts.append((placed[0][1].cls, placed[-1][1].cls, node.name, "two batch axes"))
+        return [mixed(node.name, "combines examples of two batch axes", taint_of(ins))]
+    axis = axes.pop()
+    out = combine_parts(ctx, node, ps, axis)
+    for pos, (ref, f) in enumerate(zip(refs, ins)):
+        if f.kind == PART:
+            continue
+        rank = ctx.rank(ref)
+        if rank is None:
+            continue
+        dim = axis - _bias_rank_offset(ctx, node, out_rank, pos, rank)
+        if 0 <= dim < rank and ctx.shape(ref)[dim] != 1:
+            ctx.demand(ref, dim, out, node)     # shared, or a batch reduction tiled back
+    return [out.with_(taint=couple(ctx, node, ins))]
+
+
+#: Ops whose data inputs must have exactly this rank (a bound for an elementwise producer).
+_RANK_OF_INPUTS = {"MatMul": 2, "Conv2D": 4, "MaxPool": 4, "AvgPool": 4, "Conv3D": 5,
+                   "SoftmaxCrossEntropyWithLogits": 2, "DepthwiseConv2dNative": 4}
+
+
+def _upper_rank(ctx: Context, ref: str, depth: int = 0) -> int | None:
+    """An upper bound of the rank of ``ref`` from what reads it: an elementwise consumer's
+    output has at least its inputs' rank; a matrix product wants rank 2."""
+    if depth > 6:
+        return None
+    best = None
+    name = ref.split(":")[0]
+    for consumer in ctx.ir.consumers(name):
+        bound = _RANK_OF_INPUTS.get(consumer.op)
+        if bound is None and (consumer.op in UNARY_OR_BROADCAST):
+            out = f"{consumer.name}:0"
+            bound = ctx.rank(out)
+            if bound is None:
+                bound = _upper_rank(ctx, out, depth + 1)
+        if bound is not None:
+            best = bound if best is None else min(best, bound)
+    return best
+
+
+def _bounded_rank(ctx: Context, node: Node, refs: list[str]) -> int | None:
+    """The output rank of a broadcast whose static rank is unknown (an operand fed without a
+    shape, such as a ``keep_prob`` placeholder): at least every known operand's rank, at most
+    what its readers accept; known when the two meet."""
+    known = [ctx.rank(r) for r in refs if ctx.rank(r) is not None]
+    if not known:
+        return None
+    lower = max(known)
+    upper = _upper_rank(ctx, f"{node.name}:0")
+    return lower if upper == lower else None
+
+
+def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact]) -> Fact:
+    """The fact of an elementwise op whose dependent inputs are all batch-reduced."""
+    rs = reds(ins)
+    others = [f for f in ins if f.kind == SHARED]
+    taint = taint_of(ins)
+    first = rs[0]
+    linear = {"sum", "mean", "ratio", "count", "size"}
+
+    def other(why: str) -> Fact:
+        return red(first.cls, "other", first.src, taint=taint).with_(why=f"'{node.name}': {why}")
+
+    if node.op in _SUMS or node.op == "Sub":
+        merges = {f.merge for f in rs}
+        specs = {f.spec for f in rs}
+        if len(merges) == 1:
+            merge = merges.pop()
+            if merge in ("mean", "ratio") and len(specs) == 1:
+                return first.with_(taint=taint, value=None)
+            if merge in ("sum", "count") and not others:
+                return first.with_(merge="sum", taint=taint, value=None)
+            if merge in ("max", "min") and len(rs) == 1 and node.op != "Sub":
+                return first.with_(taint=taint)
+        if all(f.merge == "size" for f in rs):
+            values = [f.value for f in ins]
+            value = arith(node.op, values) if all(v is not None for v in values) else None
+            return size_fact(value, taint) if value is not None else first.with_(merge="other", value=None)
+        return other(f"{node.op} of values reduced differently over the batch "
+                     f"({', '.join(sorted(f.merge for f in rs))}{', and a constant' if others else ''})")
+    if node.op in ("Mul", "MulNoNan") or (node.op in _DIVS and ins[0].kind == RED and ins[1].kind != RED):
+        if len(rs) == 1 and first.merge in linear:
+            if first.merge == "size":
+                values = [f.value for f in ins]
+                value = arith(node.op, values) if all(v is not None for v in values) else None
+                if value is not None:
+                    return size_fact(value, taint)
+            return first.with_(merge="sum" if first.merge in ("count", "size") else first.merge,
+                               taint=taint, value=None)
+        if len(rs) == 1 and first.merge in ("max", "min"):
+            scale = ctx.const(refs[1 - ins.index(first)])
+            if scale is not None and scale.size == 1 and float(scale.reshape(-1)[0]) > 0:
+                return first.with_(taint=taint)
+        return other(f"{node.op} of batch-reduced values")
+    if node.op in _DIVS and all(f.kind == RED for f in ins[:2]):
+        num, den = ins[0], ins[1]
+        if num.merge in ("sum", "count", "size") and den.merge in ("sum", "count", "size"):
+            return red(den.cls, "ratio", num.src, ("value", _ref(refs[1])), taint)
+        return other("a ratio of values that are not batch sums")
+    if node.op in ("Maximum", "Minimum"):
+        want = "max" if node.op == "Maximum" else "min"
+        if all(f.merge == want for f in rs):
+            return first.with_(taint=taint)
+        if all(f.merge == "size" for f in rs):
+            return first.with_(taint=taint)
+    return other(f"{node.op} of a batch-reduced value")
+
+
+def _ref(ref: str) -> str:
+    from replicate.ir import parse_tensor, tensor_name
+
+    return tensor_name(*parse_tensor(ref))
+
+
+def select(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``Select``: a rank-1 condition picks whole rows of higher-rank operands (axis 0)."""
+    cond_rank, val_rank = ctx.rank(node.inputs[0]), ctx.rank(node.inputs[1])
+    if cond_rank == 1 and val_rank is not None and val_rank > 1:
+        cond = ins[0]
+        values = ins[1:]
+        bad = first_mixed(ins)
+        if bad is not None:
+            return [bad]
+        ps = parts(values)
+        if cond.kind == PART and cond.axis != 0:
+            return [mixed(node.name, "a condition on a non-batch axis", taint_of(ins))]
+        if cond.kind == PART:
+            ps = ps + [cond.with_(axis=0)]
+        if not ps:
+            return [shared(taint=taint_of(ins)) if not reds(ins) else
+                    red(None, "other", node.name, taint=taint_of(ins)).with_(why="Select of reduced values")]
+        if any(f.axis != ps[0].axis for f in ps):
+            return [mixed(node.name, "combines examples of two batch axes", taint_of(ins))]
+        out = combine_parts(ctx, node, ps, ps[0].axis)
+        for ref, f in zip(node.inputs, ins):
+            if f.kind == SHARED and out.axis == 0 and (ctx.shape(ref) or [1])[0] != 1:
+                ctx.demand(ref, 0, out, node)
+        return [out.with_(taint=couple(ctx, node, ins))]
+    return broadcast(ctx, node, ins)
+
+
+def _mm_dims(transpose: bool) -> tuple[int, int]:
+    """(free axis, contracted axis) of the left operand; (contracted, free) of the right one."""
+    return (1, 0) if transpose else (0, 1)
+
+
+def matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    a, b = ins[0], ins[1]
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    ta = bool(node.attr("transpose_a", False) or node.attr("adj_x", False))
+    tb = bool(node.attr("transpose_b", False) or node.attr("adj_y", False))
+    a_free, a_k = _mm_dims(ta)
+    b_k, b_free = _mm_dims(tb)   # b is [k, n]: the same pair read the other way
+    taint = couple(ctx, node, ins)
+    if a.kind != PART and b.kind != PART:
+        if RED in (a.kind, b.kind):
+            lin = [f for f in ins if f.kind == RED]
+            if len(lin) == 1 and lin[0].merge in ("sum", "mean", "ratio"):
+                return [lin[0].with_(taint=taint)]
+            return [red(lin[0].cls, "other", lin[0].src, taint=taint).with_(
+                why=f"'{node.name}': MatMul of reduced values")]
+        return [shared(taint=taint)]
+    if a.kind == PART and b.kind == PART:
+        if a.axis == a_k and b.axis == b_k:
+            ctx.classes.union(a.cls, b.cls, node.name)
+            return [red(a.cls, "sum", node.name, taint=taint)]
+        if not ctx.classes.same(a.cls, b.cls):
+            ctx.classes.conflicts.append((a.cls, b.cls, node.name, "matrix product"))
+        return [mixed(node.name, "a matrix product that mixes examples of its two operands", taint)]
+    p, other_ref, other = (a, node.inputs[1], b) if a.kind == PART else (b, node.inputs[0], a)
+    free, k = (a_free, a_k) if a.kind == PART else (b_free, b_k)
+    other_k = b_k if a.kind == PART else a_k
+    if p.axis == free:
+        return [p.with_(axis=0 if a.kind == PART else 1, value=None, index=None, taint=taint)]
+    if p.axis == k:
+        if other.kind == SHARED:
+            ctx.demand(other_ref, other_k, p, node)
+            return [red(p.cls, "sum", node.name, taint=taint)]
+        return [mixed(node.name, "contracts the batch against a batch-reduced value", taint)]
+    return [mixed(node.name, "MatMul of a tensor with the batch on an unexpected axis", taint)]
+
+
+def batch_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``BatchMatMul``: leading dimensions broadcast elementwise, the last two multiply."""
+    ranks = [ctx.rank(r) for r in node.inputs[:2]]
+    out_rank = ctx.rank(f"{node.name}:0")
+    if None in ranks or out_rank is None:
+        return [mixed(node.name, ctx.unknown_rank(node), taint_of(ins))] if any(
+            f.dependent for f in ins) else [shared()]
+    leading = [f for f, r in zip(ins, ranks) if f.kind == PART and f.axis < r - 2]
+    if not leading:
+        trailing = [f.with_(axis=f.axis - (r - 2)) if f.kind == PART else f for f, r in zip(ins, ranks)]
+        out = matmul(ctx, node, trailing)[0]
+        if out.kind == PART:
+            return [out.with_(axis=out.axis + out_rank - 2)]
+        return [out]
+    fake = [f if f.kind != PART or f.axis < r - 2 else f.with_(kind=SHARED) for f, r in zip(ins, ranks)]
+    if any(f.kind == PART and f.axis >= r - 2 for f, r in zip(ins, ranks)):
+        return [mixed(node.name, "BatchMatMul with the batch on a matrix axis of one operand", taint_of(ins))]
+    return broadcast(ctx, node, fake)
+
+
+def arith(op: str, values: list[tuple]) -> tuple | None:
+    """Elementwise integer arithmetic on symbolic values (None where unknown)."""
+    if not values or any(v is None for v in values):
+        return None
+    width = max(len(v) for v in values)
+    if any(len(v) not in (1, width) for v in values):
+        return None
+    out = []
+    for i in range(width):
+        items = [v[0] if len(v) == 1 else v[i] for v in values]
+        out.append(_scalar(op, items))
+    return tuple(out)
+
+
+def _scalar(op: str, items: list):
+    items = [None if isinstance(x, str) else x for x in items]      # named unknown dimensions
+    if op == "Mul" and len(items) == 2 and sum(isinstance(x, Sym) for x in items) == 1 and \
+            any(x is None for x in items):
+        return next(x for x in items if isinstance(x, Sym)).scaled(None)
+    if any(x is None for x in items):
+        return None
+    if all(isinstance(x, int) for x in items):
+        try:
+            if op in ("Add", "AddV2", "AddN"):
+                return sum(items)
+            if op == "Sub":
+                return items[0] - items[1]
+            if op == "Mul":
+                return items[0] * items[1]
+            if op in ("FloorDiv", "Div", "TruncateDiv"):
+                return items[0] // items[1]
+            if op == "Maximum":
+                return max(items)
+            if op == "Minimum":
+                return min(items)
+            if op in ("FloorMod", "Mod", "TruncateMod"):
+                return items[0] % items[1]
+        except ZeroDivisionError:
+            return None
+        return None
+    if op == "Mul" and len(items) == 2:
+        syms = [x for x in items if isinstance(x, Sym)]
+        ints = [x for x in items if isinstance(x, int)]
+        if len(syms) == 1 and len(ints) == 1 and ints[0] >= 0:
+            return syms[0].scaled(ints[0])
+    if op in ("FloorDiv", "Div") and isinstance(items[0], Sym) and isinstance(items[1], int) \
+            and items[1] > 0 and items[0].coef is not None and items[0].coef % items[1] == 0:
+        return Sym(items[0].coef // items[1], items[0].cls)
+    if op in ("Add", "AddV2", "Sub") and all(isinstance(x, Sym) for x in items) \
+            and items[0].cls == items[1].cls and None not in (items[0].coef, items[1].coef):
+        coef = items[0].coef + (items[1].coef if op != "Sub" else -items[1].coef)
+        return Sym(coef, items[0].cls) if coef else 0
+    if op == "Maximum" and any(x == 1 for x in items):
+        syms = [x for x in items if isinstance(x, Sym)]
+        return syms[0] if len(syms) == 1 else None
+    return None

@@ -1,0 +1,169 @@
+"""Rules for TF2 functional control flow and calls: ``While``, ``If``, ``PartitionedCall``.
+
+The body of the called function is analysed as a graph of its own (built with TensorFlow's
+shape inference from the call's input shapes) with the call's input facts as the facts of its
+arguments. A ``While`` repeats this until its loop variables settle; a loop variable that
+enters shared and comes back per-example must be tower-sized where it enters (a zero state).
+A condition computed from a batch reduction couples what the branch or loop produces; one
+decided per example mixes examples. Obligations that arise inside a body (a batch size baked
+into a constant of the function) cannot be met per tower, since every tower calls the same
+function: they become reasons.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, RED, SHARED, Fact, join, mixed
+from replicate.batchflow.rules.common import taint_of
+from replicate.ir import IR, Node, parse_tensor, tensor_name
+
+__all__ = ["while_", "if_", "call"]
+
+log = logging.getLogger(__name__)
+
+#: Passes over a While body before its loop variables must have settled.
+MAX_ITERATIONS = 12
+
+
+def _tf_shape(shape):
+    import tensorflow as tf
+
+    return tf.TensorShape(shape)
+
+
+def _body(ctx: Context, name: str, shapes: list) -> tuple[IR, list[str], list[str]] | None:
+    """The IR of library function ``name`` with static shapes, its argument and result tensors."""
+    key = ("ir", name, tuple(tuple(s) if s is not None else None for s in shapes))
+    if key in ctx.functions:
+        return ctx.functions[key]
+    fdef = ctx.ir.function(name)
+    if fdef is None:
+        ctx.functions[key] = None
+        return None
+    import tensorflow as tf
+    from tensorflow.python.framework import function_def_to_graph
+
+    host = getattr(ctx.ir, "tf_graph", None)
+    if host is None:
+        host = tf.Graph()
+        with host.as_default():
+            tf.graph_util.import_graph_def(_library_only(ctx.ir), name="")
+        ctx.ir.tf_graph = host
+    with host.as_default():
+        graph = function_def_to_graph.function_def_to_graph(fdef, input_shapes=[_tf_shape(s) for s in shapes])
+    body = IR.from_graph_def(graph.as_graph_def())
+    body.load_static_shapes(graph)
+    body.tf_graph = host
+    body.library = ctx.ir.library
+    body._functions = ctx.ir._functions
+    found = (body, [t.name for t in graph.inputs], [t.name for t in graph.outputs])
+    ctx.functions[key] = found
+    return found
+
+
+def _library_only(ir: IR):
+    from tensorflow.core.framework import graph_pb2
+
+    gd = graph_pb2.GraphDef()
+    if ir.library is not None:
+        gd.library.CopyFrom(ir.library)
+    if ir.versions is not None:
+        gd.versions.CopyFrom(ir.versions)
+    return gd
+
+
+def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]) -> list[Fact | None] | None:
+    """The facts of function ``name``'s results when called with ``facts`` (None: not analysable)."""
+    from replicate.batchflow.solver import solve
+
+    shapes = [ctx.shape(r) for r in refs]
+    key = ("call", name, tuple(facts), ctx.in_gradient(node))
+    if key in ctx.functions:
+        return ctx.functions[key]
+    found = _body(ctx, name, shapes)
+    if found is None:
+        return None
+    body, args, outs = found
+    seeds = {tensor_name(*parse_tensor(a)): f for a, f in zip(args, facts)}
+    arg_nodes = {parse_tensor(a)[0] for a in args}
+    region = [n for n in body.nodes if n not in arg_nodes]
+    inner = solve(body, region, {}, set(), ctx.classes, seeds=seeds,
+                  all_gradient=ctx.in_gradient(node), functions=ctx.functions)
+    index = {tensor_name(*parse_tensor(a)): i for i, a in enumerate(args)}
+    for d in inner.demands.values():
+        fact = inner.fact(d.tensor)
+        if fact is not None and fact.kind == PART:
+            continue
+        if d.tensor in index:
+            ctx.demand(refs[index[d.tensor]], d.dim, Fact(PART, axis=d.dim, cls=d.cls, block=d.block,
+                                                          outer=d.outer), node)
+        else:
+            ctx.note(node.name, f"function '{name}' holds a tensor of the batch size ('{d.tensor}')")
+    for p in inner.positions.values():
+        ctx.note(node.name, f"function '{name}' holds the static batch size in '{p.tensor}'")
+    for where, what in inner.notes:
+        ctx.note(node.name, what)
+    result = [inner.fact(o) for o in outs]
+    ctx.functions[key] = result
+    return result
+
+
+def _condition(ctx: Context, node: Node, pred: Fact | None, outs: list[Fact | None]) -> list[Fact | None]:
+    if pred is None:
+        return outs
+    if pred.kind in (PART, MIXED):
+        why = "a branch or loop condition decided per example" if pred.kind == PART else pred.why
+        return [mixed(node.name, why, pred.taint)] * len(outs)
+    taint = pred.taint
+    if pred.kind == RED and pred.src and not ctx.in_gradient(node):
+        taint = taint | {pred.src}
+    return [o.with_(taint=o.taint | taint) if o is not None else None for o in outs]
+
+
+def _unanalysable(ctx: Context, node: Node, ins: list[Fact], what: str) -> list[Fact]:
+    n = ctx.n_outputs(node)
+    if all(not f.dependent for f in ins):
+        return [Fact(SHARED, taint=taint_of(ins))] * n
+    return [mixed(node.name, what, taint_of(ins))] * n
+
+
+def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
+    body, cond = node.attr("body"), node.attr("cond")
+    refs = node.inputs[:len(ins)]
+    facts: list[Fact | None] = list(ins)
+    for _ in range(MAX_ITERATIONS):
+        outs = call(ctx, node, body, refs, facts)
+        if outs is None:
+            return _unanalysable(ctx, node, ins, f"the body of While '{node.name}' cannot be analysed")
+        new = []
+        for i, (f, o) in enumerate(zip(facts, outs)):
+            j = join([f, o], ctx.classes)
+            if j is not None and j.kind == PART and ins[i].kind == SHARED and ins[i].handle != EMPTY_LIST:
+                ctx.demand(refs[i], j.axis, j, node)
+            new.append(j)
+        if new == facts:
+            break
+        facts = new
+    else:
+        return _unanalysable(ctx, node, ins, f"the loop variables of '{node.name}' did not settle")
+    pred = call(ctx, node, cond, refs, facts)
+    return _condition(ctx, node, pred[0] if pred else None, facts)
+
+
+def if_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
+    refs, args = node.inputs[1:len(ins)], ins[1:]
+    branches = [node.attr("then_branch"), node.attr("else_branch")]
+    results = [call(ctx, node, b, refs, args) for b in branches]
+    if any(r is None for r in results):
+        return _unanalysable(ctx, node, ins, f"a branch of '{node.name}' cannot be analysed")
+    outs = [join(list(column), ctx.classes) for column in zip(*results)]
+    return _condition(ctx, node, ins[0], outs)
+
+
+def partitioned_call(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
+    outs = call(ctx, node, node.attr("f"), node.inputs[:len(ins)], ins)
+    if outs is None:
+        return _unanalysable(ctx, node, ins, f"the function called by '{node.name}' cannot be analysed")
+    return outs

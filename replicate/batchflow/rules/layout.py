@@ -1,0 +1,141 @@
+"""Where the examples go when a tensor is reshaped or strided-sliced.
+
+Both questions are answered in the flattened element order. A partitioned tensor with static
+dimensions ``S`` and the batch on axis ``a`` stores example ``i``'s rows at flat positions
+``((p * outer + o) * B + i) * inner * post + ...``: ``P = prod(S[:a]) * outer`` elements of
+index space come before the example index and ``Q = inner * prod(S[a+1:])`` after it. The
+output axis ``j`` holds the examples when ``prod(O[j+1:])`` divides ``Q`` and ``prod(O[:j])``
+divides ``P``; the quotients are the output's own ``inner`` and ``outer``. Dimensions unknown
+statically are kept as symbols, so a ``[batch, time, hidden] -> [-1, hidden]`` reshape with a
+dynamic time axis still maps (with an unknown number of rows per example).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable
+
+__all__ = ["Prod", "map_reshape", "strided_entries"]
+
+
+class Prod:
+    """A product of known integers and symbols: named unknown dimensions (a token such as
+    ``"rnn/concat:0#1"`` is the same dimension wherever it appears) or anonymous ones."""
+
+    def __init__(self, value: int = 1, symbols: Iterable[str] = ()):
+        self.value = value
+        self.symbols = collections.Counter(symbols)
+
+    @classmethod
+    def of(cls, dims: Iterable, tag: str) -> Prod:
+        out = cls()
+        for i, d in enumerate(dims):
+            if d is None:
+                out.symbols[f"?{tag}{i}"] += 1
+            elif isinstance(d, str):
+                out.symbols[d] += 1
+            else:
+                out.value *= int(d)
+        return out
+
+    def times(self, factor) -> Prod:
+        out = Prod(self.value, self.symbols.elements())
+        if isinstance(factor, str):
+            out.symbols[factor] += 1
+        else:
+            out.value *= int(factor)
+        return out
+
+    def divides(self, other: Prod) -> Prod | None:
+        """``other / self`` when it is a product of the same kind, else None."""
+        if self.value == 0 or other.value % self.value:
+            return None
+        rest = other.symbols.copy()
+        rest.subtract(self.symbols)
+        if any(v < 0 for v in rest.values()):
+            return None
+        out = Prod(other.value // self.value)
+        out.symbols = +rest
+        return out
+
+    @property
+    def known(self) -> int | str | None:
+        """An int, a single named dimension, or None (anything else)."""
+        if not self.symbols:
+            return self.value
+        names = list(self.symbols.elements())
+        if self.value == 1 and len(names) == 1 and not names[0].startswith("?"):
+            return names[0]
+        return None
+
+
+def map_reshape(in_dims: list, axis: int, outer, inner, batch: int | None,
+                out_dims: list) -> tuple[int, int | str | None, int | str | None] | None:
+    """The output axis that holds the examples after a reshape, with its (outer, inner).
+
+    Args:
+        in_dims: input shape: ints, named unknown dimensions (str) or None;
+            ``in_dims[axis]`` is ignored (it is ``outer*batch*inner``).
+        axis: the partitioned input axis.
+        outer, inner: the input's interleave and rows per example along ``axis`` (an int, a
+            named dimension, or None: unknown).
+        batch: the static number of examples, or None.
+        out_dims: output shape, as ``in_dims``.
+
+    Returns:
+        ``(j, outer_out, inner_out)`` or None when the examples do not stay on one axis.
+    """
+    if outer is None or inner is None:
+        return None
+    pre = Prod.of(in_dims[:axis], "in").times(outer)
+    post = Prod.of(in_dims[axis + 1:], "post").times(inner)
+    suffix = Prod()
+    for j in range(len(out_dims) - 1, -1, -1):
+        inner_out = suffix.divides(post)
+        prefix = Prod.of(out_dims[:j], "out")
+        outer_out = prefix.divides(pre) if inner_out is not None else None
+        if inner_out is not None and outer_out is not None:
+            d = out_dims[j]
+            io, oo = inner_out.known, outer_out.known
+            if io is not None and oo is not None and (d is None or (
+                    batch is not None and isinstance(io, int) and isinstance(oo, int)
+                    and d == oo * batch * io)):
+                return j, oo, io
+        if out_dims[j] is None:
+            return None
+        suffix = suffix.times(out_dims[j])
+    return None
+
+
+def strided_entries(rank: int, n: int, ellipsis: int, new_axis: int, shrink: int
+                    ) -> list[tuple[int | None, int | None, int | None]]:
+    """TensorFlow's sparse-to-dense expansion of a strided slice spec.
+
+    Returns one ``(input dim, output dim, spec index)`` per dimension touched: ``input dim``
+    None for a new axis, ``output dim`` None for a shrunk axis, ``spec index`` None for
+    dimensions covered by an ellipsis or left implicit at the end.
+    """
+    consumed = sum(1 for i in range(n) if not (ellipsis >> i) & 1 and not (new_axis >> i) & 1)
+    entries: list[tuple[int | None, int | None, int | None]] = []
+    din = dout = 0
+    for i in range(n):
+        if (ellipsis >> i) & 1:
+            for _ in range(max(0, rank - consumed)):
+                entries.append((din, dout, None))
+                din += 1
+                dout += 1
+        elif (new_axis >> i) & 1:
+            entries.append((None, dout, i))
+            dout += 1
+        elif (shrink >> i) & 1:
+            entries.append((din, None, i))
+            din += 1
+        else:
+            entries.append((din, dout, i))
+            din += 1
+            dout += 1
+    while din < rank:
+        entries.append((din, dout, None))
+        din += 1
+        dout += 1
+    return entries

@@ -1,0 +1,249 @@
+"""Rules for reductions, per-example layers and the ops that read shapes.
+
+A reduction over a partitioned axis gives a batch-reduced (RED) value whose merge follows
+the reduction (``Sum`` adds, ``Mean`` weighs each tower by its share of the reduced
+elements, ``Max``/``Min`` take extremes); over other axes the partition survives on a
+shifted axis. Per-example layers (convolutions, pooling, cross-entropies) keep the batch on
+axis 0; filter and bias gradients sum over it. ``Shape`` and ``Size`` of a partitioned
+tensor are symbolic multiples of the tower's example count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replicate.batchflow import table
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
+from replicate.batchflow.rules.common import (couple, first_mixed, mixed, red, rows as _rows,
+                                              shared, size_fact, taint_of)
+from replicate.ir import Node, parse_tensor, tensor_name
+
+__all__ = ["reduction", "l2loss", "arg_reduction", "scan", "last_axis", "rowwise", "contraction",
+           "shape", "shape_n", "size"]
+
+
+def _spec_size(ref: str) -> tuple:
+    return ("size", tensor_name(*parse_tensor(ref)))
+
+
+def _mean_spec(ref: str, f: Fact) -> tuple:
+    """Weights of a mean over the batch: each tower's share of the examples when every example
+    contributes the same number of elements, else its share of the elements reduced."""
+    if f.filtered or f.block is None or f.outer is None:
+        return _spec_size(ref)
+    return ("count", f.cls)
+
+
+def reduction(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    merge = table.REDUCTIONS[node.op]
+    keep = bool(node.attr("keep_dims", False))
+    if f.kind == MIXED:
+        return [f.with_(handle=None)]
+    if f.kind == SHARED:
+        folded = _fold(node.op, f.value) if f.value is not None and ctx.rank(node.inputs[0]) == 1 else None
+        return [shared((folded,) if folded is not None else None, f.taint)]
+    rank = ctx.rank(node.inputs[0])
+    axes = ctx.axes(node.inputs[1], rank)
+    if axes is None:
+        return [mixed(node.name, f"{node.op} over axes known only at run time", f.taint)]
+    dims = ctx.shape(node.inputs[0])
+    if dims is not None:
+        ctx.refine(f"{node.name}:0", [1 if i in axes else d for i, d in enumerate(dims)] if keep
+                   else [d for i, d in enumerate(dims) if i not in axes])
+    if f.kind == RED and f.merge == "size" and f.value is not None:
+        value = _fold(node.op, f.value)
+        if value is not None:
+            return [size_fact((value,), f.taint)]
+    if f.kind == RED:
+        linear = merge in ("sum", "mean") and f.merge in ("sum", "mean", "ratio", "count", "size")
+        if linear or (merge in ("max", "min") and f.merge == merge):
+            return [f.with_(merge=f.merge if f.merge != "size" else "sum", value=None)]
+        return [red(f.cls, "other", f.src, taint=f.taint).with_(
+            why=f"'{node.name}': {node.op} of a value already reduced over the batch ({f.merge})")]
+    if f.axis in axes:
+        spec = _mean_spec(node.inputs[0], f) if merge == "mean" else ()
+        if merge in ("min", "max") and node.op in ("All", "Any"):
+            merge = "min" if node.op == "All" else "max"
+        return [red(f.cls, merge, node.name, spec, f.taint).with_(
+            why="" if merge != "other" else f"{node.op} over the batch")]
+    axis = f.axis if keep else f.axis - sum(1 for a in axes if a < f.axis)
+    return [f.with_(axis=axis, value=None, index=None)]
+
+
+def _fold(op: str, values: tuple):
+    """Reduce a symbolic shape vector to one value (``Prod`` of a shape is its size)."""
+    values = tuple(None if isinstance(v, str) else v for v in values)   # named unknown dimensions
+    syms = [v for v in values if isinstance(v, Sym)]
+    ints = [v for v in values if isinstance(v, int)]
+    if op == "Prod" and len(syms) == 1 and all(i >= 0 for i in ints):
+        unknown = any(v is None for v in values)        # a dynamic dimension merged with the batch
+        return syms[0].scaled(None if unknown else int(np.prod(ints)) if ints else 1)
+    if any(v is None for v in values):
+        return None
+    if op == "Prod" and not syms and all(i >= 0 for i in ints):
+        return int(np.prod(ints)) if ints else 1
+    if op == "Sum" and not syms:
+        return sum(ints)
+    return None
+
+
+def l2loss(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind == PART:
+        return [red(f.cls, "sum", node.name, taint=f.taint)]
+    if f.kind == RED:
+        return [red(f.cls, "other", f.src, taint=f.taint).with_(why=f"'{node.name}': L2Loss of a reduced value")]
+    return [f.with_(handle=None)]
+
+
+def arg_reduction(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return [f if f.kind != RED else red(f.cls, "other", f.src, taint=f.taint)]
+    rank = ctx.rank(node.inputs[0])
+    axes = ctx.axes(node.inputs[1], rank)
+    if axes is None:
+        return [mixed(node.name, f"{node.op} over an axis known only at run time", f.taint)]
+    if axes[0] == f.axis:
+        return [mixed(node.name, f"{node.op} over the batch picks an example's position", f.taint)]
+    return [f.with_(axis=f.axis - (axes[0] < f.axis), value=None, index=None)]
+
+
+def scan(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return [f if f.kind != RED else red(f.cls, "other", f.src, taint=f.taint)]
+    axes = ctx.axes(node.inputs[1], ctx.rank(node.inputs[0]))
+    if axes is None or axes[0] == f.axis:
+        return [mixed(node.name, f"{node.op} accumulates across the examples of the batch", f.taint)]
+    return [f]
+
+
+def last_axis(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    kind = table.LAST_AXIS[node.op]
+    f = ins[0]
+    n = ctx.n_outputs(node)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad] * n
+    if kind == "drop":       # InTopK(predictions [B, C], targets [B])
+        parts_ = [x for x in ins if x.kind == PART]
+        if any(x.axis != 0 for x in parts_):
+            return [mixed(node.name, f"{node.op} with the batch on a class axis", taint_of(ins))]
+        return [parts_[0].with_(value=None, index=None)] if parts_ else [shared(taint=taint_of(ins))]
+    if f.kind != PART:
+        return [f.with_(handle=None) if f.kind == SHARED else
+                red(f.cls, "other", f.src, taint=f.taint).with_(why=f"'{node.name}': {node.op} of a reduced value")] * n
+    rank = ctx.rank(node.inputs[0])
+    if rank is None or f.axis == rank - 1:
+        what = "selects examples across the batch" if kind == "topk" else "normalizes across the batch"
+        return [mixed(node.name, f"{node.op} {what}", f.taint)] * n
+    return [f.with_(value=None, index=None)] * n
+
+
+def rowwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    spec = table.ROWWISE[node.op]
+    n = ctx.n_outputs(node)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad] * n
+    data = [ins[i] for i in spec.data if i < len(ins)]
+    parts_ = [f for f in data if f.kind == PART]
+    taint = couple(ctx, node, ins)
+    for i in spec.params:
+        if i < len(ins) and ins[i].kind == PART:
+            return [mixed(node.name, f"input {i} of {node.op} depends on the examples", taint)] * n
+    if not parts_:
+        if any(f.kind == RED for f in ins):
+            return [red(None, "other", node.name, taint=taint).with_(why=f"{node.op} of reduced values")] * n
+        return [shared(taint=taint)] * n
+    if any(f.axis != 0 for f in parts_):
+        return [mixed(node.name, f"{node.op} expects the examples on axis 0", taint)] * n
+    first = parts_[0]
+    for other in parts_[1:]:
+        ctx.classes.union(first.cls, other.cls, node.name)
+    for i in spec.data:
+        if i < len(ins) and ins[i].kind == SHARED and (ctx.rank(node.inputs[i]) or 0) > 0:
+            ctx.demand(node.inputs[i], 0, first, node)
+    for i in spec.sizes:
+        ctx.position(node.inputs[i], 0, first.cls, _rows(first), node)
+    out_part = first.with_(value=None, index=None, taint=taint)
+    training = node.op.startswith("FusedBatchNorm") and "Grad" not in node.op and \
+        bool(node.attr("is_training", True))
+    if training:
+        out_part = out_part.with_(taint=taint | ({node.name} if not ctx.in_gradient(node) else set()))
+    outs: list[Fact] = []
+    stats = dict(spec.stats)
+    for i in range(n):
+        if i in spec.reduced:
+            outs.append(red(first.cls, "sum", node.name, taint=taint))
+        elif i in stats:
+            if training:
+                merge = stats[i]
+                outs.append(red(first.cls, merge, node.name,
+                                _spec_size(node.inputs[0]) if merge == "mean" else (), taint))
+            else:
+                outs.append(ins[i + 2] if i + 2 < len(ins) and i in (1, 2) else shared())
+        else:
+            outs.append(out_part)
+    return outs
+
+
+def contraction(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    spec = table.BATCH_CONTRACTIONS[node.op]
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    parts_ = [ins[i] for i in spec.data if i < len(ins) and ins[i].kind == PART]
+    taint = couple(ctx, node, ins)
+    if not parts_:
+        return [shared(taint=taint) if not any(f.kind == RED for f in ins)
+                else red(None, "other", node.name, taint=taint)]
+    if any(f.axis != 0 for f in parts_):
+        return [mixed(node.name, f"{node.op} expects the examples on axis 0", taint)]
+    return [red(parts_[0].cls, "sum", node.name, taint=taint)]
+
+
+def _shape_value(ctx: Context, ref: str, f: Fact) -> tuple | None:
+    """The symbolic value of ``Shape(ref)``: the batch size as a ``Sym``, known sizes as ints,
+    unknown ones as named dimensions (strings)."""
+    dims = ctx.named_shape(ref, skip=f.axis if f.kind == PART else None)
+    if dims is None:
+        return None
+    out: list = list(dims)
+    if f.kind == PART:
+        out[f.axis] = Sym(_rows(f), f.cls)
+    return tuple(out)
+
+
+def shape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind == MIXED:
+        return [f.with_(handle=None)]
+    value = _shape_value(ctx, node.inputs[0], f)
+    if f.kind != PART:
+        return [shared(value, f.taint)]
+    if value is None:
+        return [red(f.cls, "size", None, taint=f.taint)]
+    return [size_fact(value, f.taint)]
+
+
+def shape_n(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return [shape(ctx, node.__class__(node.name, "Shape", [ref], [], "", {}), [f])[0]
+            for ref, f in zip(node.inputs, ins)]
+
+
+def size(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind == MIXED:
+        return [f.with_(handle=None)]
+    dims = ctx.shape(node.inputs[0])
+    if f.kind != PART:
+        total = int(np.prod(dims)) if dims is not None and None not in dims else None
+        return [shared((total,) if total is not None else None, f.taint)]
+    rest = [d for i, d in enumerate(dims or []) if i != f.axis] if dims is not None else None
+    if rest is None or None in rest or _rows(f) is None:
+        return [red(f.cls, "size", None, taint=f.taint)]
+    return [size_fact((Sym(int(np.prod(rest)) * _rows(f), f.cls),), f.taint)]

@@ -1,0 +1,408 @@
+"""Rules for ops that move, join, cut or create dimensions.
+
+Moving the batch axis (transpose, expand, squeeze, reshape) keeps a tensor partitioned on the
+new axis; cutting *across* it (a slice that keeps only some examples, a split or unstack along
+it, tiling it) mixes examples. Integer shape operands are read as symbolic values: an element
+that is a multiple of the tower's example count adapts by itself; one that holds the static
+batch size is recorded as a *position* the rewrite must change per tower.
+"""
+
+from __future__ import annotations
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
+from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, part, rows,
+                                              shared, size_fact, taint_of)
+from replicate.batchflow.rules.layout import map_reshape, strided_entries
+from replicate.ir import Node
+
+__all__ = ["reshape", "expand_dims", "squeeze", "transpose", "concat", "pack", "unpack", "split",
+           "slice_", "strided_slice", "strided_slice_grad", "tile", "broadcast_to", "shape_source",
+           "pad", "reverse", "one_hot", "range_"]
+
+
+def _other(ctx: Context, node: Node, ins: list[Fact], n: int = 1) -> list[Fact] | None:
+    """Outputs for inputs that are not partitioned on the data operand (None if it is)."""
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad] * n
+    if ins[0].kind == PART:
+        return None
+    if ins[0].kind == RED:
+        return [ins[0].with_(value=None)] * n
+    return [shared(taint=taint_of(ins))] * n
+
+
+def _sized_by(ctx: Context, ref: str, ins: list[Fact]) -> Fact | None:
+    """A shared value broadcast, tiled or reshaped to a shape that holds the tower's example
+    count (``Sym``) becomes partitioned there, one uniform slice per example."""
+    if ins[0].kind != SHARED or any(f.kind == MIXED for f in ins):
+        return None
+    value = ctx.int_value(ref)
+    syms = [(j, v) for j, v in enumerate(value or ()) if isinstance(v, Sym)]
+    if not syms:
+        return None
+    j, v = syms[0]
+    return part(j, v.cls, v.coef, taint=taint_of(ins))
+
+
+def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        sized = _sized_by(ctx, node.inputs[1], ins)
+        if sized is not None:
+            return [sized]
+        out = _other(ctx, node, ins)
+        if f.kind == SHARED and f.value is not None and ins[1].kind == SHARED:
+            return [shared(f.value, taint_of(ins))]
+        return out
+    target = ctx.int_value(node.inputs[1]) or ()
+    out_dims = ctx.shape(f"{node.name}:0")
+    syms = [j for j, v in enumerate(target) if isinstance(v, Sym) and ctx.classes.same(v.cls, f.cls)]
+    if syms:
+        j = syms[0]
+        return [part(j, f.cls, target[j].coef, taint=f.taint | ins[1].taint, ordered=f.ordered,
+                     filtered=f.filtered)]
+    in_dims = ctx.named_shape(node.inputs[0], skip=f.axis)
+    if out_dims is None and target:
+        out_dims = [None] * len(target)
+    if in_dims is None or out_dims is None:
+        return [mixed(node.name, "Reshape of unknown rank", f.taint)]
+    if len(target) == len(out_dims):      # the target's known sizes where inference gave none
+        out_dims = [o if o is not None else (t if (isinstance(t, int) and t >= 0) or isinstance(t, str)
+                                             else None) for o, t in zip(out_dims, target)]
+    found = map_reshape(in_dims, f.axis, f.outer, f.block, ctx.static_batch(f.cls), out_dims)
+    if found is None:
+        return [mixed(node.name, "Reshape that splits or scatters the examples", f.taint)]
+    j, outer, inner = found
+    if j < len(target) and isinstance(target[j], int) and target[j] != -1 and outer and inner:
+        ctx.position(node.inputs[1], j, f.cls, outer * inner, node)
+    return [part(j, f.cls, inner, ordered=f.ordered and outer == 1, filtered=f.filtered,
+                 taint=f.taint | ins[1].taint, outer=outer)]
+
+
+def expand_dims(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        if f.kind == SHARED and f.value is not None:
+            return [shared(f.value, f.taint)] if len(f.value) == 1 else [shared(taint=f.taint)]
+        if f.kind == RED and f.merge == "size":
+            return [f]
+        return _other(ctx, node, ins)
+    dim = ctx.axes(node.inputs[1], (ctx.rank(node.inputs[0]) or 0) + 1)
+    if dim is None:
+        return [mixed(node.name, "ExpandDims at an axis known only at run time", f.taint)]
+    return [f.with_(axis=f.axis + (dim[0] <= f.axis), value=None, index=None)]
+
+
+def squeeze(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return _other(ctx, node, ins)
+    dims = node.attr("squeeze_dims", []) or []
+    shape = ctx.shape(node.inputs[0])
+    if shape is None:
+        return [mixed(node.name, "Squeeze of unknown rank", f.taint)]
+    rank = len(shape)
+    gone = sorted({d + rank if d < 0 else d for d in dims}) if dims else [
+        i for i, d in enumerate(shape) if d == 1 and i != f.axis]
+    if f.axis in gone:
+        return [mixed(node.name, "Squeeze of the batch axis", f.taint)]
+    index = f.index
+    if index is not None and index[0] == "cols" and rank - 1 in gone and rank == 2:
+        index = ("rows",) + index[2:]       # Where's [n, 1] coordinates squeezed to row numbers
+    return [f.with_(axis=f.axis - sum(1 for d in gone if d < f.axis), value=None, index=index)]
+
+
+def transpose(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return _other(ctx, node, ins)
+    perm = ctx.int_value(node.inputs[1])
+    if perm is None or any(not isinstance(p, int) for p in perm):
+        return [mixed(node.name, "Transpose by a permutation known only at run time", f.taint)]
+    return [f.with_(axis=list(perm).index(f.axis), value=None, index=None)]
+
+
+def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis: int | None,
+                out_shift: int) -> Fact:
+    """Concatenate or stack ``ins`` along ``axis`` (input coordinates)."""
+    bad = first_mixed(ins)
+    if bad is not None:
+        return bad
+    ps = [f for f in ins if f.kind == PART]
+    taint = couple(ctx, node, ins)
+    if not ps:
+        if any(f.kind == RED for f in ins):
+            merges = {f.merge for f in ins if f.kind == RED}
+            if merges == {"size"} or (all(f.kind == RED for f in ins) and len(merges) == 1):
+                values = [f.value for f in ins]
+                if all(v is not None for v in values) and merges == {"size"}:
+                    return size_fact(tuple(x for v in values for x in v), taint)
+                return ins[0].with_(value=None, taint=taint) if merges != {"size"} else \
+                    ins[0].with_(value=None, merge="other", taint=taint)
+            return ins[0].with_(merge="other", value=None, src=node.name, taint=taint,
+                                why=f"{node.op} of reduced and shared values")
+        values = [f.value for f in ins]
+        value = tuple(x for v in values for x in v) if all(v is not None for v in values) else None
+        return shared(value, taint)
+    axes = {f.axis for f in ps}
+    if len(axes) > 1:
+        return mixed(node.name, f"{node.op} of tensors with the batch on different axes", taint)
+    batch_axis = axes.pop()
+    if axis is None:
+        return mixed(node.name, f"{node.op} along an axis known only at run time", taint)
+    if batch_axis == axis and node.op not in ("Pack",):
+        if any(f.kind != PART for f in ins):
+            return mixed(node.name, f"{node.op} adds shared rows to the batch", taint)
+        if len(ps) == 1:
+            return ps[0].with_(taint=taint)
+        cls = ctx.classes.compose([f.cls for f in ps])
+        return part(axis, cls, None, ordered=False, filtered=any(f.filtered for f in ps), taint=taint)
+    out = combine_parts(ctx, node, ps, batch_axis + (out_shift if axis <= batch_axis else 0))
+    for ref, f in zip(refs, ins):
+        if f.kind == SHARED:
+            ctx.demand(ref, batch_axis, out, node)
+    return out.with_(taint=taint)
+
+
+def concat(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    n = int(node.attr("N", len(node.inputs) - 1))
+    if node.op == "Concat":
+        axis_ref, refs, facts = node.inputs[0], node.inputs[1:n + 1], ins[1:n + 1]
+    else:
+        axis_ref, refs, facts = node.inputs[n], node.inputs[:n], ins[:n]
+    rank = next((ctx.rank(r) for r in refs if ctx.rank(r) is not None), None)
+    axis = ctx.axes(axis_ref, rank)
+    return [_join_along(ctx, node, refs, facts, axis[0] if axis else None, 0)]
+
+
+def pack(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    rank = next((ctx.rank(r) for r in node.inputs if ctx.rank(r) is not None), None)
+    axis = int(node.attr("axis", 0))
+    if axis < 0 and rank is not None:
+        axis += rank + 1
+    if rank == 0 and all(f.kind != PART for f in ins):
+        values = [f.value for f in ins]
+        if all(v is not None and len(v) == 1 for v in values):
+            return [size_fact(tuple(v[0] for v in values), taint_of(ins))]
+    out = _join_along(ctx, node, node.inputs, ins, axis, 1)
+    if out.kind == PART:
+        index = _pack_index(ins, axis)
+        return [out.with_(index=index)]
+    return [out]
+
+
+def _pack_index(ins: list[Fact], axis: int) -> tuple | None:
+    """Stacking row numbers with other indices along the last axis makes index tuples whose
+    column ``c`` holds local rows (for ``GatherNd``)."""
+    for c, f in enumerate(ins):
+        if f.kind == PART and f.index is not None and f.index[0] == "rows":
+            return ("cols", c) + f.index[1:]
+    return None
+
+
+def unpack(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    n = ctx.n_outputs(node)
+    out = _other(ctx, node, ins, n)
+    if out is not None:
+        return out
+    f = ins[0]
+    rank = ctx.rank(node.inputs[0]) or 1
+    axis = int(node.attr("axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    if axis == f.axis:
+        return [mixed(node.name, "Unpack along the batch gives one tensor per example", f.taint)] * n
+    return [f.with_(axis=f.axis - (axis < f.axis), value=None)] * n
+
+
+def split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    n = ctx.n_outputs(node)
+    data, axis_ref = (1, node.inputs[0]) if node.op == "Split" else (0, node.inputs[2])
+    f = ins[data]
+    out = _other(ctx, node, [f] + [x for i, x in enumerate(ins) if i != data], n)
+    if out is not None:
+        return out
+    axis = ctx.axes(axis_ref, ctx.rank(node.inputs[data]))
+    if axis is None or axis[0] == f.axis:
+        return [mixed(node.name, f"{node.op} along the batch", f.taint)] * n
+    return [f.with_(value=None, index=None)] * n
+
+
+def _value_slice(value: tuple, begin: int, end: int | None, stride: int = 1) -> tuple:
+    return tuple(value[begin:end:stride])
+
+
+def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    begin, size = ctx.int_value(node.inputs[1]), ctx.int_value(node.inputs[2])
+    if f.kind != PART:
+        if f.value is not None and begin and size and isinstance(begin[0], int) and isinstance(size[0], int):
+            end = None if size[0] == -1 else begin[0] + size[0]
+            return [size_fact(_value_slice(f.value, begin[0], end), taint_of(ins))]
+        return _other(ctx, node, ins)
+    if begin is None or size is None or f.axis >= len(begin):
+        return [mixed(node.name, "Slice by bounds known only at run time", f.taint)]
+    b, s = begin[f.axis], size[f.axis]
+    full = ctx.batch_dim(f)
+    if b == 0 and (s == -1 or isinstance(s, Sym) or (full is not None and s == full)):
+        if isinstance(s, int) and s != -1:
+            ctx.position(node.inputs[2], f.axis, f.cls, rows(f), node)
+        return [f.with_(value=None, index=None, taint=f.taint | ins[1].taint | ins[2].taint)]
+    return [mixed(node.name, "Slice keeps only some of the examples", f.taint)]
+
+
+def _masks(node: Node) -> tuple[int, int, int, int, int]:
+    return tuple(int(node.attr(k, 0)) for k in ("begin_mask", "end_mask", "ellipsis_mask",
+                                                  "new_axis_mask", "shrink_axis_mask"))
+
+
+def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    begin, end, strides = (ctx.int_value(r) for r in node.inputs[1:4])
+    bm, em, ell, new, shrink = _masks(node)
+    if f.kind != PART:
+        out = _other(ctx, node, ins)
+        if f.value is not None and begin and end and strides and not ell and not new \
+                and all(isinstance(v, int) for v in begin + end + strides):
+            lo = None if bm & 1 else begin[0]
+            hi = None if em & 1 else end[0]
+            if shrink & 1:
+                picked = f.value[begin[0]:begin[0] + 1] if begin[0] >= 0 else f.value[begin[0]:][:1]
+            else:
+                picked = f.value[lo:hi:strides[0]]
+            return [size_fact(tuple(picked), taint_of(ins))]
+        return out
+    rank = ctx.rank(node.inputs[0])
+    if rank is None or begin is None or end is None or strides is None:
+        return [mixed(node.name, "StridedSlice by bounds known only at run time", f.taint)]
+    for din, dout, i in strided_entries(rank, len(begin), ell, new, shrink):
+        if din != f.axis:
+            continue
+        if i is None:
+            return [f.with_(axis=dout, value=None, index=None)]
+        if dout is None:
+            return [mixed(node.name, "StridedSlice picks one example", f.taint)]
+        full_begin = (bm >> i) & 1 or begin[i] == 0
+        full = ctx.batch_dim(f)
+        full_end = (em >> i) & 1 or (isinstance(end[i], Sym)) or (
+            full is not None and isinstance(end[i], int) and end[i] >= full)
+        if full_begin and full_end and strides[i] == 1:
+            return [f.with_(axis=dout, value=None, index=None)]
+        return [mixed(node.name, "StridedSlice keeps only some of the examples", f.taint)]
+    return [mixed(node.name, "StridedSlice with an unexpected layout", f.taint)]
+
+
+def strided_slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``StridedSliceGrad(shape, begin, end, strides, dy)``: dy scattered into ``shape``."""
+    dy = ins[4]
+    if dy.kind != PART:
+        return _other(ctx, node, [dy] + ins[:4])
+    shape = ctx.int_value(node.inputs[0])
+    begin = ctx.int_value(node.inputs[1])
+    if shape is None or begin is None:
+        return [mixed(node.name, "StridedSliceGrad of unknown shape", dy.taint)]
+    bm, em, ell, new, shrink = _masks(node)
+    for din, dout, _ in strided_entries(len(shape), len(begin), ell, new, shrink):
+        if dout == dy.axis and din is not None:
+            ctx.position(node.inputs[0], din, dy.cls, rows(dy), node)
+            return [dy.with_(axis=din, value=None)]
+    return [mixed(node.name, "StridedSliceGrad with an unexpected layout", dy.taint)]
+
+
+def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return [_sized_by(ctx, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
+    multiples = ctx.int_value(node.inputs[1])
+    if multiples is None or f.axis >= len(multiples) or multiples[f.axis] != 1:
+        return [mixed(node.name, "Tile repeats the examples of the batch", f.taint)]
+    return [f.with_(value=None, index=None)]
+
+
+def broadcast_to(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return [_sized_by(ctx, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
+    out_rank, rank = ctx.rank(f"{node.name}:0"), ctx.rank(node.inputs[0])
+    if out_rank is None or rank is None:
+        return [mixed(node.name, "BroadcastTo of unknown rank", f.taint)]
+    axis = f.axis + out_rank - rank
+    ctx.position(node.inputs[1], axis, f.cls, rows(f), node)
+    return [f.with_(axis=axis, value=None, index=None)]
+
+
+def shape_source(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``Fill``, random ops and others that make a tensor of a given shape."""
+    from replicate.batchflow.table import SHAPE_SOURCES
+
+    pos = SHAPE_SOURCES[node.op]
+    dims = ins[pos]
+    others = [f for i, f in enumerate(ins) if i != pos]
+    taint = couple(ctx, node, others) | dims.taint
+    if any(f.kind in (PART, MIXED) for f in others):
+        return [mixed(node.name, f"{node.op} with per-example parameters", taint)]
+    value = dims.value or ctx.int_value(node.inputs[pos])
+    if value is not None:
+        syms = [(j, v) for j, v in enumerate(value) if isinstance(v, Sym)]
+        if syms:
+            j, v = syms[0]
+            return [part(j, v.cls, v.coef, taint=taint)]
+    if dims.kind == RED and dims.merge != "size":      # a size computed from the batch: a coupling
+        taint = taint | ({dims.src} if dims.src and not ctx.in_gradient(node) else set())
+    fill = ctx.int_value(node.inputs[1]) if node.op == "Fill" else None
+    if value is not None and fill is not None and isinstance(fill[0], int):
+        if not value:
+            return [shared(fill, taint)]                     # an integer scalar
+        if len(value) == 1 and isinstance(value[0], int) and 0 <= value[0] <= 64:
+            return [shared(fill * value[0], taint)]          # a small integer vector, e.g. ones
+    return [shared(taint=taint)]
+
+
+def pad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return _other(ctx, node, ins)
+    pads = ctx.const(node.inputs[1])
+    if pads is None or pads.shape[0] <= f.axis or pads[f.axis].tolist() != [0, 0]:
+        return [mixed(node.name, f"{node.op} adds rows to the batch", f.taint)]
+    return [f.with_(value=None, index=None)]
+
+
+def reverse(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return _other(ctx, node, ins)
+    axes = ctx.axes(node.inputs[1], ctx.rank(node.inputs[0]))
+    if axes is None:
+        return [mixed(node.name, "ReverseV2 along axes known only at run time", f.taint)]
+    return [f.with_(ordered=f.ordered and f.axis not in axes, value=None, index=None)]
+
+
+def one_hot(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    f = ins[0]
+    if f.kind != PART:
+        return _other(ctx, node, ins)
+    rank = ctx.rank(node.inputs[0])
+    axis = int(node.attr("axis", -1))
+    axis = rank if axis < 0 and rank is not None else axis
+    return [f.with_(axis=f.axis + (axis <= f.axis), value=None, index=None,
+                    taint=couple(ctx, node, ins))]
+
+
+def range_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``Range(0, n, 1)`` over a batch size numbers the tower's own rows."""
+    start, limit, delta = (ctx.int_value(r) for r in node.inputs[:3])
+    if limit is not None and isinstance(limit[0], Sym) and start == (0,) and delta == (1,):
+        sym = limit[0]
+        return [part(0, sym.cls, sym.coef, index=("rows", sym.cls, sym.coef))]
+    if any(f.kind in (PART, MIXED) for f in ins):
+        return [mixed(node.name, "Range over values that depend on the batch", taint_of(ins))]
+    reds = [f for f in ins if f.kind == RED]
+    if reds:        # a length computed from the batch (the longest sequence): a coupling
+        taint = taint_of(ins) | ({f.src for f in reds if f.src} if not ctx.in_gradient(node) else set())
+        return [shared(taint=taint)]
+    if start and limit and delta and all(isinstance(v[0], int) for v in (start, limit, delta)) \
+            and delta[0] != 0 and 0 <= (limit[0] - start[0]) // delta[0] <= 64:
+        return [shared(tuple(range(start[0], limit[0], delta[0])), taint_of(ins))]
+    return [shared(taint=taint_of(ins))]

@@ -1,0 +1,141 @@
+"""Op knowledge of the batch dataflow: which rule family each op type follows.
+
+A rule family (see :mod:`replicate.batchflow.rules`) is a transfer function from the facts of
+an op's inputs to the facts of its outputs. An op type missing from every table follows the
+default rule: shared when all its inputs are shared, otherwise *mixed* ("no batch rule for
+this op"), so an unknown op can make a result inexact but never silently wrong.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UNARY", "BROADCAST", "SAME_SHAPE", "REDUCTIONS", "ARG_REDUCTIONS", "SCANS",
+           "LAST_AXIS", "ROWWISE", "BATCH_CONTRACTIONS", "SHAPE_SOURCES", "PASS_THROUGH",
+           "SOURCES", "STATEFUL_PASS", "RowSpec"]
+
+import dataclasses
+
+#: Elementwise ops of one data input; the output has the input's shape.
+UNARY = frozenset({
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Digamma",
+    "Elu", "Erf", "Erfc", "Erfinv", "Exp", "Expm1", "Floor", "Imag", "Inv", "Invert", "IsFinite",
+    "IsInf", "IsNan", "Lgamma", "Log", "Log1p", "LogicalNot", "Neg", "Real", "Reciprocal",
+    "Relu", "Relu6", "Rint", "Round", "Rsqrt", "Selu", "Sigmoid", "Sign", "Sin", "Sinh",
+    "Softplus", "Softsign", "Sqrt", "Square", "Tan", "Tanh", "LeakyRelu", "Cast", "Angle",
+    "ComplexAbs", "Conj", "OnesLike", "ZerosLike", "BitwiseNot", "PopulationCount",
+    "ClipByValue",   # its min/max operands broadcast: listed in BROADCAST as well
+})
+
+#: Elementwise ops whose data inputs broadcast against each other (numpy rules).
+BROADCAST = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "DivNoNan", "RealDiv", "TruncateDiv",
+    "FloorDiv", "FloorMod", "TruncateMod", "Mod", "Maximum", "Minimum", "Pow", "SquaredDifference",
+    "Atan2", "Xdivy", "Xlogy", "Xlog1py", "Equal", "NotEqual", "Less", "LessEqual", "Greater",
+    "GreaterEqual", "LogicalAnd", "LogicalOr", "SelectV2", "ClipByValue", "Complex",
+    "BitwiseAnd", "BitwiseOr", "BitwiseXor", "LeftShift", "RightShift", "Igamma", "Igammac",
+    "Zeta", "Polygamma", "ApproximateEqual", "BiasAdd", "BiasAddV1",
+    # gradient kernels of elementwise ops: same-shaped operands
+    "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad", "SoftsignGrad", "TanhGrad",
+    "SigmoidGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad", "InvGrad", "LeakyReluGrad",
+})
+
+#: Elementwise ops over a list of same-shaped inputs.
+SAME_SHAPE = frozenset({"AddN", "AccumulateNV2"})
+
+#: Reductions with a ``reduction_indices`` input: op -> how the batch's value follows from the
+#: towers' values when the batch axis is reduced.
+REDUCTIONS = {"Sum": "sum", "Mean": "mean", "Max": "max", "Min": "min", "All": "min",
+              "Any": "max", "Prod": "other", "EuclideanNorm": "other"}
+
+#: Ops that reduce one axis to an index (``dimension`` input).
+ARG_REDUCTIONS = frozenset({"ArgMax", "ArgMin"})
+
+#: Scans along an axis given as input 1: along the batch they mix examples.
+SCANS = frozenset({"Cumsum", "Cumprod", "CumulativeLogsumexp"})
+
+#: Ops that work along the last axis of their first input (and keep or drop it).
+LAST_AXIS = {"Softmax": "keep", "LogSoftmax": "keep", "TopKV2": "topk", "TopK": "topk",
+             "InTopK": "drop", "InTopKV2": "drop"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """An op whose inputs and outputs all carry examples on axis 0, one row per example.
+
+    Attributes:
+        data: positions of inputs that may be partitioned on axis 0.
+        params: positions of inputs that must be shared (filters, scales, sizes of windows).
+        sizes: positions of shape operands whose element 0 is the batch size.
+        reduced: outputs that sum over the batch instead (a filter's gradient).
+        stats: outputs that are batch statistics (``mean`` or ``other``) in training mode.
+    """
+
+    data: tuple[int, ...] = (0,)
+    params: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    reduced: tuple[int, ...] = ()
+    stats: tuple[tuple[int, str], ...] = ()
+
+
+_CONV = RowSpec(data=(0,), params=(1,))
+_POOL = RowSpec(data=(0,), params=(1, 2))
+_BN = RowSpec(data=(0,), params=(1, 2, 3, 4), stats=((1, "mean"), (2, "other"), (3, "other"),
+                                                     (4, "other"), (5, "other")))
+
+#: Per-example ops with a fixed layout: batch on axis 0 of every data input and output.
+ROWWISE: dict[str, RowSpec] = {
+    "SparseSoftmaxCrossEntropyWithLogits": RowSpec(data=(0, 1)),
+    "SoftmaxCrossEntropyWithLogits": RowSpec(data=(0, 1)),
+    "Conv2D": _CONV, "Conv3D": _CONV, "DepthwiseConv2dNative": _CONV, "Conv": _CONV,
+    "Conv2DBackpropInput": RowSpec(data=(2,), params=(1,), sizes=(0,)),
+    "Conv3DBackpropInputV2": RowSpec(data=(2,), params=(1,), sizes=(0,)),
+    "DepthwiseConv2dNativeBackpropInput": RowSpec(data=(2,), params=(1,), sizes=(0,)),
+    "MaxPool": RowSpec(), "AvgPool": RowSpec(), "MaxPool3D": RowSpec(), "AvgPool3D": RowSpec(),
+    "MaxPoolV2": _POOL, "MaxPoolWithArgmax": RowSpec(),
+    "MaxPoolGrad": RowSpec(data=(0, 1, 2)), "MaxPoolGradV2": RowSpec(data=(0, 1, 2), params=(3, 4)),
+    "MaxPool3DGrad": RowSpec(data=(0, 1, 2)), "MaxPoolGradGrad": RowSpec(data=(0, 1, 2)),
+    "MaxPoolGradWithArgmax": RowSpec(data=(0, 1, 2)),
+    "AvgPoolGrad": RowSpec(data=(1,), sizes=(0,)), "AvgPool3DGrad": RowSpec(data=(1,), sizes=(0,)),
+    "LRN": RowSpec(), "LRNGrad": RowSpec(data=(0, 1, 2)),
+    "ResizeBilinear": RowSpec(params=(1,)), "ResizeNearestNeighbor": RowSpec(params=(1,)),
+    "ResizeBicubic": RowSpec(params=(1,)), "ResizeArea": RowSpec(params=(1,)),
+    "ResizeBilinearGrad": RowSpec(data=(0,), params=(1,)),
+    "ResizeNearestNeighborGrad": RowSpec(data=(0,), params=(1,)),
+    "SpaceToDepth": RowSpec(), "DepthToSpace": RowSpec(), "ExtractImagePatches": RowSpec(),
+    "Dilation2D": RowSpec(params=(1,)), "Dilation2DBackpropInput": RowSpec(data=(0, 2), params=(1,)),
+    "FusedBatchNorm": _BN, "FusedBatchNormV2": _BN, "FusedBatchNormV3": _BN,
+    "FusedBatchNormGrad": RowSpec(data=(0, 1, 3, 4), params=(2,), reduced=(1, 2)),
+    "FusedBatchNormGradV2": RowSpec(data=(0, 1, 3, 4), params=(2,), reduced=(1, 2)),
+    "FusedBatchNormGradV3": RowSpec(data=(0, 1, 3, 4, 5), params=(2,), reduced=(1, 2)),
+    "L2Normalize": RowSpec(),
+}
+
+#: Ops that contract the batch away: their output sums over examples (filter gradients).
+BATCH_CONTRACTIONS = {
+    "Conv2DBackpropFilter": RowSpec(data=(0, 2), params=(1,)),
+    "Conv3DBackpropFilterV2": RowSpec(data=(0, 2), params=(1,)),
+    "DepthwiseConv2dNativeBackpropFilter": RowSpec(data=(0, 2), params=(1,)),
+    "Dilation2DBackpropFilter": RowSpec(data=(0, 2), params=(1,)),
+    "BiasAddGrad": RowSpec(data=(0,)),
+    "BiasAddGradV1": RowSpec(data=(0,)),
+}
+
+#: Ops that create a tensor from a shape operand: op -> position of the shape operand.
+SHAPE_SOURCES = {"Fill": 0, "RandomUniform": 0, "RandomStandardNormal": 0, "TruncatedNormal": 0,
+                 "RandomUniformInt": 0, "ParameterizedTruncatedNormal": 0, "Empty": 0,
+                 "StatelessRandomUniform": 0, "StatelessRandomNormal": 0,
+                 "StatelessTruncatedNormal": 0, "StatelessRandomUniformV2": 0,
+                 "StatelessRandomNormalV2": 0, "StatelessTruncatedNormalV2": 0}
+
+#: Ops whose output i is input i unchanged (identities, checks, gradient barriers).
+PASS_THROUGH = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient",
+                          "CheckNumerics", "DebugIdentity", "Print", "RefIdentity",
+                          "EnsureShape", "PlaceholderWithDefault"})
+
+#: Ops that produce values with no data inputs: constants, variables, variable reads.
+SOURCES = frozenset({"Const", "HostConst", "VariableV2", "Variable", "VarHandleOp",
+                     "ReadVariableOp", "_VarHandlesOp", "VarIsInitializedOp", "IsVariableInitialized",
+                     "NoOp", "ControlTrigger", "Rank"})
+
+#: Stateful ops whose outputs carry their first input's value (assignments in the region).
+STATEFUL_PASS = frozenset({"Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
+                           "AssignAddVariableOp", "AssignSubVariableOp"})

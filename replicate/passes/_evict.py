@@ -1,0 +1,81 @@
+"""Helper of the analyze pass: region nodes that must run once, outside the towers.
+
+Two kinds of ops land in the tower region only because training waits for them, yet copying
+them per tower would change what they do:
+
+- **state updates of global values**: an ``ExponentialMovingAverage`` of the loss, or of a
+  weight-decay term, that the gradients wait for by a control edge. Per tower it would run on
+  tower 0's slice; run once it reads the merged value under the loss's original name, exactly
+  as on one device;
+- **random draws that do not depend on the batch** (the negative samples of a sampled softmax
+  or NCE loss): per tower each would draw its own sample; drawn once, every tower uses the
+  single-device draw of the same op and seed. A per-example output next to the draw (the
+  expected counts of each example's true classes) is computed for the whole batch and each
+  tower reads its own rows.
+
+Such a node leaves the region; what it reads from the towers is merged under the original
+names by the rewire pass (or is shared and kept); per-example outputs it gives back are split.
+"""
+
+from __future__ import annotations
+
+from replicate import ops
+from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
+from replicate.ir import IR, node_of
+
+__all__ = ["evictable"]
+
+#: Merges under which a batch-reduced value read by an evicted op equals the single-device one.
+_GLOBAL = frozenset({"sum", "mean", "ratio", "count", "max", "min"})
+
+
+def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
+    """Region nodes to run once outside the towers (see the module docstring).
+
+    Args:
+        harmless: couplings that are synchronized (their per-tower values equal the batch's).
+    """
+    out: set[str] = set()
+    for name in region:
+        node = ir.nodes[name]
+        if flow.depths.get(name, 0):
+            continue            # inside a TF1 loop: it runs with the loop, per tower
+        if node.op in ops.MUTATING_OPS:
+            if _reads_global(ir, flow, node, harmless):
+                out.add(name)
+        elif node.op in ops.RANDOM_OPS:
+            facts = [flow.fact(f"{name}:{i}") for i in range(len(ir.output_types(node)))]
+            if facts and facts[0] is not None and facts[0].kind == SHARED and \
+                    all(f is not None and f.kind in (SHARED, PART) for f in facts) and \
+                    all(_mergeable(ir, flow, r) for r in node.inputs):
+                out.add(name)
+    return out
+
+
+def _mergeable(ir: IR, flow, ref: str) -> bool:
+    """A shared input, or per-example rows the towers hold in order (concatenated back)."""
+    fact = flow.fact(ref)
+    if fact is None:
+        return False
+    return fact.kind == SHARED or (fact.kind == PART and fact.ordered and fact.outer == 1
+                                   and not fact.filtered)
+
+
+def _reads_global(ir: IR, flow, node, harmless: set[str]) -> bool:
+    """True when every data input of update ``node`` is the same in every tower or a batch
+    reduction whose merge is its single-device value (and no unsynchronized coupling feeds it)."""
+    for ref in node.inputs:
+        if ir.is_handle(ref):
+            continue
+        fact = flow.fact(ref)
+        if fact is None or fact.kind in (PART, MIXED):
+            return False
+        if fact.taint - harmless:
+            return False
+        if fact.kind == RED and fact.merge not in _GLOBAL:
+            return False
+        if fact.kind not in (SHARED, RED):
+            return False
+    return bool(node.inputs)
+
+

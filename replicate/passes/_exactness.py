@@ -1,0 +1,75 @@
+"""Helper of the analyze pass: why the replicated graph may differ from one device.
+
+Each reason names the op, what it does across towers and what to do. The dataflow supplies
+the reasons about losses and baked-in batch sizes; this module adds the ones about state and
+randomness: random ops draw a stream per tower, state updates inside the towers run on tower
+0's slice, batch reductions that feed per-example values (couplings) give each tower its own
+slice's statistic unless synchronized, and tensors the shared graph reads that towers cannot
+merge are tower 0's.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+from tensorflow.core.framework import types_pb2
+
+from replicate.facts import Analysis, Reason
+from replicate.ir import IR, node_of
+from replicate.reductions import FUSED_BATCH_NORM
+from replicate.roles import FLOAT_TYPES
+
+__all__ = ["collect", "unmergeable", "size_like"]
+
+_INTS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64, types_pb2.DT_INT16, types_pb2.DT_INT8,
+                   types_pb2.DT_UINT8, types_pb2.DT_BOOL})
+
+
+def size_like(ir: IR, name: str) -> bool:
+    """A coupling computed on integers (the longest sequence of a batch, a count): cheap and
+    exact to synchronize, so it always is."""
+    node = ir.nodes[name]
+    return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS
+
+
+def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[str], region: set[str],
+                warnings: list[str]) -> list[Reason]:
+    """Tensors read by shared ops that towers cannot merge: a reason when training uses them,
+    otherwise one warning (only the fetched value is tower 0's)."""
+    if not tensors:
+        return []
+    training = ir.ancestors(train_ops, graph)
+    reasons, fetch_only = [], []
+    for t in tensors:
+        readers = [c.name for c, _ in ir.data_consumers(t) if c.name not in region]
+        if any(r in training for r in readers):
+            reasons.append(Reason(node_of(t), f"'{t}' is read by '{readers[0]}' outside the towers "
+                                  "and cannot be merged across towers; tower 0's value is used",
+                                  "compute it from merged values or outside the model"))
+        else:
+            fetch_only.append(t)
+    if fetch_only:
+        more = f" and {len(fetch_only) - 3} more" if len(fetch_only) > 3 else ""
+        warnings.append("fetching " + ", ".join(f"'{t}'" for t in fetch_only[:3]) + more +
+                        " gives tower 0's value (not mergeable across towers)")
+    return reasons
+
+
+def collect(ir: IR, analysis: Analysis) -> None:
+    """Add the reasons about randomness, state updates, couplings and gradient types."""
+    reasons = analysis.reasons
+    for name in analysis.random_ops[:8]:
+        reasons.append(Reason(name, f"random op ({ir.nodes[name].op}) draws a separate stream in "
+                              "each tower", "results match single-device training in distribution only"))
+    for name in analysis.update_ops[:8]:
+        reasons.append(Reason(name, "state update in the replicated region runs on tower 0's slice "
+                              "of the batch only", "statistics come from 1/N of the batch"))
+    for name in analysis.couplings:
+        what = ("batch norm normalizes each tower by its own slice's statistics"
+                if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name
+                else f"batch reduction ({ir.nodes[name].op}) feeds per-example values; each tower "
+                     "sees its own slice's value")
+        reasons.append(Reason(name, what, "use batch_norm='sync' (--batch-norm sync) to compute it "
+                              "over the global batch"))
+    for f in analysis.frontier:
+        if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
+            reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))

@@ -1,0 +1,103 @@
+"""Helper of the analyze pass: the gradient computations, their losses and their weights.
+
+Every ``tf.gradients`` call the train ops depend on is a :class:`~replicate.facts.GradScope`
+with one seed per differentiated output. Each seed's loss is decomposed by the batch dataflow
+(:mod:`replicate.batchflow.loss`); the terms of all of a scope's seeds decide its primary
+weights and per-term corrections. A loss the dataflow cannot decompose gives a reason and the
+scope keeps the count weights of its first batch class.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from replicate.batchflow.loss import weigh
+from replicate.errors import AnalysisError
+from replicate.facts import GradScope, Reason
+from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.roles import scope_seeds
+
+__all__ = ["scopes", "losses", "assign"]
+
+_THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics"})
+
+
+def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
+           loss: str | None) -> list[GradScope]:
+    """The gradient scopes the train ops depend on, with their seeds and losses.
+
+    ``loss`` (the user's ``loss=``) names what the gradients differentiate: it replaces a seed
+    whose loss cannot be recovered, and must agree with the ones that can.
+    """
+    if loss is not None:
+        name, _ = parse_tensor(loss)
+        if name not in ir.nodes:
+            raise AnalysisError(f"loss '{loss}' is not a node of the graph")
+        loss = tensor_name(*parse_tensor(loss))
+    ancestors = ir.ancestors(train_ops, graph)
+    out = []
+    for prefix in prefixes:
+        if not any(n.startswith(prefix + "/") for n in ancestors):
+            continue
+        seeds = scope_seeds(ir, prefix)
+        found = [l for _, l in seeds]
+        if loss is not None:
+            found = [loss if (l is None or _same(ir, l, loss)) else l for l in found]
+        scope = GradScope(prefix, next((l for l in found if l), None), "mean",
+                          seeds=[s for s, _ in seeds], losses=found)
+        out.append(scope)
+    if not out:
+        raise AnalysisError(f"train op '{train_ops[0]}' does not depend on any gradient")
+    if loss is not None and not any(loss in s.losses for s in out):
+        differentiated = next((l for s in out for l in s.losses if l), None)
+        raise AnalysisError(f"loss '{loss}' is not what the gradients differentiate"
+                            + (f" ('{differentiated}')" if differentiated else "")
+                            + "; omit loss= or name that tensor")
+    return out
+
+
+def _same(ir: IR, a: str, b: str) -> bool:
+    """True when tensors ``a`` and ``b`` are one value behind identities."""
+    def root(ref: str) -> str:
+        for _ in range(16):
+            node = ir.nodes[node_of(ref)]
+            if node.op not in _THROUGH or not node.inputs:
+                break
+            ref = node.inputs[0]
+        return tensor_name(*parse_tensor(ref))
+    return root(a) == root(b)
+
+
+def losses(grad_scopes: list[GradScope]) -> list[str]:
+    """Every loss the scopes differentiate, once, in order."""
+    return list(dict.fromkeys(l for s in grad_scopes for l in s.losses if l))
+
+
+def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reason]:
+    """Set each scope's kind, weights and corrections from the decomposed losses."""
+    reasons: list[Reason] = []
+    for scope in grad_scopes:
+        terms = []
+        failed = False
+        if any(l is None for l in scope.losses) or not scope.losses:
+            reasons.append(Reason(scope.prefix, "the loss this gradient computation differentiates "
+                                  "was not recognized (gradients seeded by a given grad_ys?)",
+                                  "pass loss= naming the tensor, or differentiate a loss tensor"))
+            failed = True
+        for loss in scope.losses:
+            if loss is None:
+                continue
+            found, reason = flow.losses[loss]
+            if reason is not None:
+                if not any(r.node == reason.node and r.what == reason.what for r in reasons):
+                    reasons.append(reason)
+                failed = True
+            terms.extend(found)
+        if failed:
+            scope.kind, scope.weights, scope.corrections = "other", ("count", primary_class), []
+            continue
+        weighting = weigh(terms)
+        scope.kind = weighting.kind
+        scope.weights = weighting.primary
+        scope.corrections = weighting.corrections
+    return reasons
