@@ -74,3 +74,11 @@ def test_the_judge():
     assert problems(_record(path="self", exact=None, max_diff=0.0, changed=3), exact) == []
     assert problems(_record(path="self", exact=None, max_diff=1e-3, changed=3), exact)
     assert problems(_record(path="self", exact=None, max_diff=0.0, changed=0), exact)
+    refused = {"exact": "refused", "refusal": ["concat"]}
+    no = "transform: AnalysisError: cannot replicate this graph: x/concat: ConcatV2 adds shared rows"
+    assert problems(_record(exact=None, error=no), refused) == []
+    assert problems(_record(exact=None, error="convert: exit 2: error: x/concat ..."), refused) == []
+    assert problems(_record(), refused)                                     # converted: a miss
+    assert problems(_record(exact=None, error="driver: KeyError: concat"), refused)   # not a refusal
+    assert problems(_record(exact=None, error="transform: AnalysisError: other op"), refused)
+    assert problems(_record(towers=1), refused) == []                      # one tower converts

@@ -12,6 +12,10 @@ Pure Python (no TensorFlow): used by ``tests/test_corpus.py`` and ``report.py``.
   required, e.g. a random draw that does not depend on the batch could be shared by the
   towers); ``max_diff`` bounds the difference even where inexactness is reported (dropout
   fed ``keep_prob=1.0``).
+- ``"exact": "refused"``: the mathematics may allow exactness but replicate cannot establish
+  it yet; the run must be *refused at transform time* (the API's ``AnalysisError``, or
+  ``replicate convert`` exiting 2) with a message naming one of ``refusal`` — never a
+  graph that fails later or trains differently. Towers=1 runs must still convert.
 - The judge's own check (path ``self``): the single-device program replayed from the same
   checkpoint reproduces itself, or the comparisons would mean nothing.
 """
@@ -54,6 +58,15 @@ def problems(record: dict, expect: dict) -> list[str]:
     """Every way ``record`` misses the program's expectation (soundness included)."""
     out = []
     name = label(record)
+    if expect.get("exact") == "refused" and record.get("towers", 1) >= 2:
+        error = record.get("error") or ""
+        if not error:
+            return [f"{name}: converted; expected a refusal ({expect.get('why', '')})"]
+        if not (error.startswith("transform: AnalysisError") or error.startswith("convert: exit 2")):
+            return [f"{name}: failed, but not by a refusal at transform time: {error[:200]}"]
+        if not any(s.lower() in error.lower() for s in expect.get("refusal", [])):
+            return [f"{name}: refused for another reason than {expect.get('refusal')}: {error[:200]}"]
+        return []
     if record.get("error"):
         return [f"{name}: {record['error']}"]
     if record.get("path") == "self":

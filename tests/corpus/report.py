@@ -98,6 +98,8 @@ def _expected(expect: dict) -> str:
     why = ", ".join(f"'{s}'" for s in expect.get("reasons_only", []))
     if expect.get("exact") == "either":
         return f"exact, or inexact for {why}"
+    if expect.get("exact") == "refused":
+        return "refused at transform time (" + ", ".join(f"'{s}'" for s in expect.get("refusal", [])) + ")"
     return "exact" if expect.get("exact") else f"inexact for {why}"
 
 
