@@ -110,3 +110,32 @@ def test_only_replicate_errors_escape():
     del graph_def.node[5:20]
     with pytest.raises(ReplicateError):
         replicate.transform(graph_def, CPUS)
+
+
+def _bad_output(name: str):
+    """A GraphDef whose node ``name`` adds a [2] and a [3] tensor: shape inference rejects it."""
+    graph = tf.Graph()
+    with graph.as_default():
+        a = tf.constant([1.0, 2.0], name="a")
+        b = tf.constant([1.0, 2.0, 3.0], name="b")
+    graph_def = graph.as_graph_def()
+    node = graph_def.node.add()
+    node.name, node.op = name, "AddV2"
+    node.input.extend([a.op.name, b.op.name])
+    node.attr["T"].type = tf.float32.as_datatype_enum
+    return graph_def
+
+
+@pytest.mark.parametrize("name,maker", [("tower_1/replicate/rebatch/size", "rebatch"),
+                                        ("replicate/aggregate/w/sum", "aggregate"),
+                                        ("tower_0/dense/MatMul", "clone")])
+def test_an_output_that_does_not_import_is_an_internal_error_naming_node_and_pass(name, maker):
+    """Nothing fails after transform returns: the output is imported with TensorFlow's shape
+    inference first, and a failure is labelled internal, naming the node and its pass."""
+    from replicate import api
+    from replicate.errors import InternalError
+
+    with pytest.raises(InternalError, match=rf"node '{name}' \(made by the {maker} pass\)"):
+        api._import_result(_bad_output(name), v1.MetaGraphDef())
+    with pytest.raises(InternalError, match="internal error|report"):
+        api._import_result(_bad_output(name), v1.MetaGraphDef())
