@@ -34,7 +34,9 @@ __all__ = ["fuzz", "Tally", "transform_cleanly", "check_importable", "outcome", 
 SCALE = float(os.environ.get("REPLICATE_FUZZ_SCALE", "1"))
 SEED = os.environ.get("REPLICATE_FUZZ_SEED")
 STATS = os.environ.get("REPLICATE_FUZZ_STATS")
-TESTS = ("tests/test_fuzz.py", "tests/test_registry.py")
+TESTS = ("tests/test_fuzz.py", "tests/test_registry.py", "tests/test_soundness.py")
+#: The pytest ``-k`` selection of the fuzz tests among TESTS.
+SELECT = "fuzz_ or claimed_exact"
 
 
 #: Open core bugs the fuzzers found, each with a strict-xfail reproduction: a result that
@@ -155,7 +157,7 @@ def _round(seed: int, scale: float, stats: str, timeout: float) -> tuple[int, st
     env = dict(os.environ, REPLICATE_FUZZ_SEED=str(seed), REPLICATE_FUZZ_SCALE=str(scale),
                REPLICATE_FUZZ_STATS=stats)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS,
-           "-k", "fuzz_"]
+           "-k", SELECT]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 if code != 0:
                     failures.append(f"seed {s}: exit {code}; reproduce with REPLICATE_FUZZ_SEED={s} "
                                     f"REPLICATE_FUZZ_SCALE={args.scale:g} python -m pytest "
-                                    f"{' '.join(TESTS)} -k fuzz_\n{text}")
+                                    f"{' '.join(TESTS)} -k '{SELECT}'\n{text}")
                 if os.path.exists(stats):
                     for line in open(stats, encoding="utf-8"):
                         row = json.loads(line)
