@@ -83,6 +83,23 @@ def _trainable_cone(ir: IR, ref: str, limit: int = 2000) -> str | None:
     return None
 
 
+#: What to do about a loss that mixes examples, by a fragment of the mixing op's reason
+#: (first match wins); the last entry is the general advice.
+FIXES = (
+    ("adds shared rows to the batch",
+     "this is how nce_loss and sampled_softmax_loss join the batch's labels with the shared "
+     "sampled classes before one lookup; replicate cannot yet follow a tensor whose rows are "
+     "part batch, part shared: look the labels and the sampled classes up separately, or "
+     "train this graph on one device"),
+    ("", "compute the loss per example and reduce it with a mean or sum over the batch, or "
+         "train this graph on one device"),
+)
+
+
+def _fix_for(why: str) -> str:
+    return next(fix for fragment, fix in FIXES if fragment in why)
+
+
 def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
     """The terms of ``loss``, or the first reason it is not a linear combination of batch
     reductions."""
@@ -109,8 +126,7 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
             return
         if fact.kind == MIXED:
             fail(fact.src or name, f"the loss depends on '{fact.src}': {fact.why}; towers see "
-                 "only their own examples", "compute the loss per example and reduce it with a mean "
-                 "or sum over the batch, or train this graph on one device")
+                 "only their own examples", _fix_for(fact.why))
             return
         if fact.kind == PART:
             terms.append(Term(ref, "sum", ONES, ctx.classes.find(fact.cls)))   # tf.gradients sums
