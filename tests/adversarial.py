@@ -155,7 +155,7 @@ def _loss(case: Case, x, y, logits, sq, per, variables):
         shape = [case.batch, 1] if case.static else [-1, 1]
         return tf.reduce_mean(tf.reshape(per, shape) * tf.constant([[2.0]])), None
     if kind == "time_mean":
-        seq = tf.stack([per, 2.0 * per, per * per], axis=1)
+        seq = tf.stack([per, 2.0 * per, tf.sqrt(per + 1.0)], axis=1)   # bounded growth: no divergence
         return tf.reduce_mean(tf.reduce_mean(seq, axis=1)), None
     if kind == "floormod_const":
         ids = v1.placeholder(tf.int64, [batch], name="ids")
