@@ -10,7 +10,7 @@ keep a known merge (a mean plus a constant is still a mean; a sum plus a constan
 from __future__ import annotations
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import PART, RED, SHARED, Fact, Sym
+from replicate.batchflow.lattice import EMPTY_LIST, LIST, PART, RED, SHARED, Fact, Sym, join
 from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, parts, red,
                                               reds, shared, size_fact, taint_of)
 from replicate.ir import Node
@@ -53,8 +53,24 @@ def _bias_rank_offset(ctx: Context, node: Node, out_rank: int, pos: int, rank: i
     return out_rank - rank
 
 
+def _lists(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``AddN`` of TensorLists (a gradient loop accumulating the gradients of list elements):
+    elementwise sums of the elements, per example when every list's elements are per example
+    or shared."""
+    known = [f for f in ins if f is not None and f.handle != EMPTY_LIST]
+    if all(f.kind in (SHARED, PART) for f in known):
+        out = join(known, ctx.classes)
+        return [out if out is not None else ins[0]]
+    bad = first_mixed(known)
+    return [bad if bad is not None else
+            mixed(node.name, f"{node.op} of lists whose elements are reduced over the batch",
+                  taint_of(ins))]
+
+
 def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     refs = node.inputs[:len(ins)]
+    if any(f is not None and f.handle in (LIST, EMPTY_LIST) for f in ins):
+        return _lists(ctx, node, ins)
     bad = first_mixed(ins)
     if bad is not None:
         keep = bad.handle == "unique" and all(f.kind in (SHARED, "mixed") for f in ins)
