@@ -220,7 +220,9 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               batch_norm: str = "tower0", batch_inputs: Any = None,
               cluster: Any = None, verify_each: bool = False,
               dump_dir: str | None = None,
-              progress: Callable[[str, int, int], None] | None = None) -> Result:
+              progress: Callable[[str, int, int], None] | None = None,
+              between_graph: bool = False, task_index: int | None = None,
+              sparse_on_ps: bool = True) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
 
     Args:
@@ -250,6 +252,12 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         verify_each: validate the IR after every pass.
         dump_dir: write the IR after each pass to this directory.
         progress: called with (pass name, index, total) before each pass.
+        between_graph: between-graph replication over ``cluster``: ``devices`` are the towers
+            inside each worker task; the result is one template every worker imports through
+            :func:`replicate.between.for_task` (see :mod:`replicate.passes.between`).
+        task_index: with ``between_graph``, pin the result to this worker task.
+        sparse_on_ps: with ``between_graph`` and ps tasks, keep sparsely trained variables on
+            the ps tasks (else every worker keeps a copy, updated from all-gathered gradients).
 
     Returns:
         A :class:`Result`; the input is never modified.
@@ -262,7 +270,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
                           outputs=outputs, merge_forward=merge_forward, param_devices=param_devices,
                           aggregation=aggregation, batch_norm=batch_norm, batch_inputs=batch_inputs,
                           cluster=cluster, verify_each=verify_each, dump_dir=dump_dir,
-                          progress=progress)
+                          progress=progress, between_graph=between_graph, task_index=task_index,
+                          sparse_on_ps=sparse_on_ps)
 
 
 @contextlib.contextmanager
@@ -281,8 +290,21 @@ def _gc_paused():
 
 def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op, loss, outputs,
                merge_forward: bool, param_devices, aggregation: str, batch_norm: str, batch_inputs,
-               cluster, verify_each: bool, dump_dir, progress) -> Result:
+               cluster, verify_each: bool, dump_dir, progress, between_graph: bool = False,
+               task_index: int | None = None, sparse_on_ps: bool = True) -> Result:
     start = time.perf_counter()
+    between = None
+    if between_graph:
+        from replicate import between as between_rt
+        from replicate.passes.between import Between
+
+        if param_devices is not None or batch_norm != "tower0":
+            raise ReplicateError("between_graph: param_devices and batch_norm='sync' are not "
+                                 "supported (each worker keeps its own copy of dense variables)")
+        devices, controller, workers, ps = between_rt.plan(cluster, devices, controller)
+        cluster = None
+        aggregation = ("packed_allreduce" if aggregation.startswith("packed") and len(devices) > 1
+                       else "allreduce")
     mirrored = param_devices == MIRRORED or (
         not isinstance(param_devices, str) and list(param_devices or []) == [MIRRORED])
     if mirrored:
@@ -310,6 +332,11 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
                   Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
                   Aggregate(controller, aggregation), Rewire(controller)]
+        if between_graph:
+            seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
+                (devices, controller, workers, ps, aggregation)).encode()
+            between = Between(workers, controller, ps, sparse_on_ps, seed)
+            passes.append(between)
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
@@ -321,6 +348,9 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                             "task, or the first step waits forever (replicate cluster does this)")
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
+        if between is not None:
+            meta_out = between_rt.finish(meta_out, ir.facts["between"], task_index)
+            graph_def = meta_out.graph_def
     except ReplicateError:
         raise
     except Exception as exc:  # noqa: BLE001 - the contract: only ReplicateError escapes
