@@ -92,7 +92,9 @@ def for_task(meta_graph_def: meta_graph_pb2.MetaGraphDef, task_index: int,
             continue
         scope = node.name.rsplit("/", 1)[0]
         if role == "chief_only":
-            control = [i for i in node.input if i.startswith("^")]
+            # Its inputs still run (as control inputs): every worker joins the same collectives.
+            control = list(dict.fromkeys(i if i.startswith("^") else "^" + i.split(":")[0]
+                                         for i in node.input))
             keep_device, name = node.device, node.name
             node.Clear()
             node.name, node.op, node.device = name, "NoOp", keep_device

@@ -213,12 +213,6 @@ class Between:
         dev = self.controller
         i32, i64 = dtypes.int32, dtypes.int64
         dtype = dtypes.as_dtype(ir.output_dtype(ref))
-        shape = ir.static_shape(ref)
-        rank = len(shape) if shape is not None else None
-        if rank is None:
-            raise AnalysisError(f"between-graph: sparse gradient '{ref}' has an unknown rank, so its "
-                                "rows cannot be gathered over the workers")
-
         def add(name, op, inputs, **attrs):
             return ir.add(f"{scope}/{name}", op, inputs, device=dev, attrs=attrs).name
 
@@ -235,10 +229,11 @@ class Between:
         sizes = self._collective(ir, f"{scope}/sizes", "CollectiveGatherV2", rows_vec, i64, dev)
         pad = add("pad", "Sub", [most, rows_vec], T=i64)
         first = add("first_pad", "Pack", [const("zero64", [0], i64), pad], T=i64, N=2, axis=1)
-        paddings = first
-        if rank > 1:
-            rest = const("rest_pad", np.zeros((rank - 1, 2), np.int64), i64)
-            paddings = add("paddings", "ConcatV2", [first, rest, zero], T=i64, N=2, Tidx=i32)
+        rank = add("rank", "Rank", [src], T=dtype)
+        inner = add("inner_dims", "Sub", [rank, const("one", 1, i32)], T=i32)
+        dims = add("rest_dims", "Pack", [inner, const("two", 2, i32)], T=i32, N=2, axis=0)
+        rest = add("rest_pad", "Fill", [dims, const("zero_pad", 0, i64)], T=i64, index_type=i32)
+        paddings = add("paddings", "ConcatV2", [first, rest, zero], T=i64, N=2, Tidx=i32)
         padded = add("padded", "Pad", [src, paddings], T=dtype, Tpaddings=i64)
         every = self._collective(ir, f"{scope}/all", "CollectiveGatherV2", padded, dtype, dev)
         most_s = add("most", "Reshape", [most, const("scalar", [], i32)], T=i64, Tshape=i32)
@@ -254,25 +249,42 @@ class Between:
 
     # ------------------------------------------------------------------ parameter servers
     def _place_sparse(self, ir: IR, analysis) -> list[str]:
-        """Variables whose every gradient is sparse, and their slots, go to the ps tasks."""
-        kinds: dict[str, set[str]] = {}
+        """Variables trained only through sparse writes (scatter, sparse apply), with their slots,
+        go to the ps tasks, spread by size. A variable any of whose group is written densely in
+        the update section (TF1 Adam decays its slots densely) stays on every worker, updated
+        from the all-gathered gradient; ``ir.facts["between_local_sparse"]`` names them."""
+        graph = ir.to_networkx(control=True)
+        section = ir.ancestors(analysis.train_ops or [analysis.train_op], graph)
+        prefixes = set(ir.facts["towers"].prefixes)
+        writers: dict[str, set[str]] = {}
+        for name in section:
+            node = ir.nodes[name]
+            if node.op in _WRITES and name.split("/", 1)[0] not in prefixes:
+                for ref in node.inputs:
+                    if ir.nodes.get(node_of(ref)) is not None and ir.nodes[node_of(ref)].op in ops.VARIABLE_OPS:
+                        writers.setdefault(node_of(ref), set()).add(node.op)
+        primaries = set()
         for f in analysis.frontier:
-            if f.gradient and f.variable:
-                kinds.setdefault(f.variable, set()).add("sparse" if f.role.startswith("sparse") else "dense")
-        sparse = sorted(v for v, k in kinds.items() if k == {"sparse"} and v in ir.nodes)
-        if not sparse:
-            return []
-        load = {d: 0 for d in self.ps_devices}
+            if f.gradient and f.variable and f.role.startswith("sparse") and f.variable in ir.nodes:
+                locs = [c for c in ir.nodes[f.variable].colocation() if c in ir.nodes]
+                primaries.add(locs[0] if locs else f.variable)
+        dense = {f.variable for f in analysis.frontier if f.gradient and f.role == "dense"}
         placed: list[str] = []
-        for var in sorted(sparse, key=lambda v: (-analysis.variables[v].bytes
-                                                 if v in analysis.variables else 0, v)):
-            device = min(self.ps_devices, key=lambda d: (load[d], self.ps_devices.index(d)))
-            load[device] += analysis.variables[var].bytes if var in analysis.variables else 0
+        local: list[str] = []
+        load = {d: 0 for d in self.ps_devices}
+        for var in sorted(primaries):
             group = {var} | {n.name for n in ir if n.op in ops.VARIABLE_OPS and var in n.colocation()}
+            if group & dense or not all(_sparse_write(op) for g in group for op in writers.get(g, ())):
+                local.append(var)
+                continue
+            size = sum(analysis.variables[g].bytes for g in group if g in analysis.variables)
+            device = min(self.ps_devices, key=lambda d: (load[d], self.ps_devices.index(d)))
+            load[device] += size
             for node in list(ir):
                 if node.name in group or any(c in group for c in node.colocation()):
                     ir.set_device(node.name, runnable_on(node.op, node.attrs, device))
             placed.extend(sorted(group))
+        ir.facts["between_local_sparse"] = local
         return placed
 
     def _chief_only(self, ir: IR, analysis, on_ps: list[str]) -> set[str]:
@@ -386,6 +398,11 @@ class Between:
 
 _REDUCIBLE = frozenset({dtypes.float32, dtypes.float64, dtypes.float16, dtypes.bfloat16,
                         dtypes.int32, dtypes.int64})
+
+
+def _sparse_write(op: str) -> bool:
+    """True for ops that write only the rows they are given."""
+    return "Scatter" in op or op.startswith(("SparseApply", "ResourceSparseApply"))
 
 
 def _gradient_side(name: str) -> bool:
