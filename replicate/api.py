@@ -334,7 +334,8 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                   Aggregate(controller, aggregation), Rewire(controller)]
         if between_graph:
             seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
-                (devices, controller, workers, ps, aggregation)).encode()
+                (devices, controller, workers, ps, aggregation, sparse_on_ps, outputs, train_op,
+                 loss, batch_inputs)).encode()
             between = Between(workers, controller, ps, sparse_on_ps, seed)
             passes.append(between)
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]

@@ -30,7 +30,7 @@ def variable_values(session, graph) -> dict[str, np.ndarray]:
 
 def run_worker(template, task_index: int, target: str, feeds: Sequence[dict], train_op: str,
                config=None, fetch: Sequence[str] = (), initial: dict | None = None,
-               timeout_ms: int = 120_000) -> dict[str, Any]:
+               timeout_ms: int = 120_000, after=None) -> dict[str, Any]:
     """One worker's client: returns ``{"initial": values, "final": values, "fetched": [...]}``."""
     import tensorflow as tf
 
@@ -59,11 +59,13 @@ def run_worker(template, task_index: int, target: str, feeds: Sequence[dict], tr
             out = sess.run([train_op] + list(fetch), feed, options=options)
             fetched.append(out[1:])
         final = variable_values(sess, graph)
+        if after is not None:
+            after(sess, graph)
     return {"initial": start, "final": final, "fetched": fetched}
 
 
 def train_threads(template, targets: Sequence[str], feeds: Sequence[Sequence[dict]], train_op: str,
-                  **kwargs: Any) -> list[dict[str, Any]]:
+                  after: dict | None = None, **kwargs: Any) -> list[dict[str, Any]]:
     """Run :func:`run_worker` for every worker in its own thread; ``feeds[i]`` are worker ``i``'s
     local batches. Re-raises the first worker's error."""
     results: list[Any] = [None] * len(targets)
@@ -71,7 +73,8 @@ def train_threads(template, targets: Sequence[str], feeds: Sequence[Sequence[dic
 
     def work(i: int) -> None:
         try:
-            results[i] = run_worker(template, i, targets[i], feeds[i], train_op, **kwargs)
+            results[i] = run_worker(template, i, targets[i], feeds[i], train_op,
+                                    after=(after or {}).get(i), **kwargs)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             errors[i] = exc
 
@@ -126,13 +129,14 @@ def train_single(graph_or_meta, train_op: str, initial: dict[str, np.ndarray],
 
 def largest_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray],
                        names: Sequence[str] | None = None) -> tuple[float, str]:
-    """Largest relative difference ``|a-b| / max(|b|, 1e-3)`` over the shared (or named) variables."""
+    """(largest :func:`~replicate.equivalence.relative_difference`, variable name) over the
+    variables both hold (or ``names``): ``max |a-b| / max(max |b|, 1e-3)`` per variable, the
+    measure of the project's equivalence tests."""
+    from replicate.equivalence import relative_difference
+
     worst, where = 0.0, ""
     for name in names or sorted(set(a) & set(b)):
-        x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
-        if x.size == 0:
-            continue
-        d = float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-3)))
+        d = relative_difference(b[name], a[name])
         if d > worst:
             worst, where = d, name
     return worst, where

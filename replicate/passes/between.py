@@ -97,7 +97,8 @@ class Between:
         size = self.workers * local
         if local == 1:
             self._single_tower_allreduce(ir, analysis, ir.facts["aggregates"], towers.devices[0])
-        self._regroup(ir, size)
+        else:
+            self._regroup(ir, size)
         globals_ = self._global_totals(ir)
         gathered = self._gather_sparse(ir, analysis, ir.facts["aggregates"])
         on_ps: list[str] = []
@@ -151,7 +152,8 @@ class Between:
                 continue
             scope = f"{node.name}_parts/between"
             consts = [ir.const(f"{scope}/{what}", value, dtypes.int32, device)
-                      for what, value in (("group_size", 1), ("group_key", 1), ("instance_key", n))]
+                      for what, value in (("group_size", self.workers), ("group_key", self.group_key),
+                                          ("instance_key", self.instance_base + n))]
             tf_dtype = dtypes.as_dtype(node.attrs["T"].type)
             reduced = ir.add(f"{scope}/allreduce", "CollectiveReduceV2", [node.inputs[0]] + consts,
                              device=device, attrs={"T": tf_dtype, "merge_op": "Add",
@@ -168,8 +170,12 @@ class Between:
             consts = [ir.const(f"{scope}/{what}", value, dtypes.int32, node.device)
                       for what, value in (("group_size", size), ("group_key", self.group_key),
                                           ("instance_key", self.instance_base + old_instance))]
+            old = [node_of(r) for r in node.inputs[1:4]]
             for i, ref in enumerate(consts, start=1):
                 ir.set_input(node.name, i, ref)
+            for name in old:
+                if not ir.consumers(name):
+                    ir.remove(name)
 
     # ------------------------------------------------------------------ weights
     def _global_totals(self, ir: IR) -> list[str]:
