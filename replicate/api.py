@@ -23,6 +23,7 @@ from replicate.kernels import host_of
 from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
+from replicate.passes.guard import Guard
 from replicate.passes.mirror import MIRRORED, Mirror
 from replicate.passes.place import Place
 from replicate.passes.rebatch import Rebatch
@@ -331,7 +332,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         validator = Validate()
         passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
                   Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
-                  Aggregate(controller, aggregation), Rewire(controller)]
+                  Aggregate(controller, aggregation), Rewire(controller), Guard()]
         if between_graph:
             seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
                 (devices, controller, workers, ps, aggregation, sparse_on_ps, outputs, train_op,
@@ -381,7 +382,8 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
 _MAKERS = (("replicate/split/", "split"), ("replicate/aggregate/", "aggregate"),
            ("replicate/weights/", "aggregate"), ("replicate/sync/", "sync"),
            ("replicate/rebatch/", "rebatch"), ("replicate/mirror", "mirror"),
-           ("replicate/weigh/", "weigh"))
+           ("replicate/weigh/", "weigh"), ("replicate/guard/", "guard"),
+           ("replicate/between", "between"))
 
 
 def _import_result(graph_def, meta_out) -> None:
