@@ -112,7 +112,7 @@ def _between_targets(args: argparse.Namespace) -> dict:
     cluster = cluster_value(args)
     if cluster is None:
         raise ReplicateError("--between-graph needs --cluster (a cluster file or TF_CONFIG)")
-    return {"devices": args.devices or "worker", "controller": args.controller, "cluster": cluster,
+    return {"devices": (args.devices or "worker").split(","), "controller": args.controller, "cluster": cluster,
             "between_graph": True, "task_index": args.task_index,
             "sparse_on_ps": args.sparse_on_ps, **options}
 
