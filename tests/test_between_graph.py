@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import models
 import replicate
+import replicate.demo
 from replicate import between_driver as drv
 from replicate.between import for_task, import_meta_graph, task_index_from_env, wait_for_cluster
 from replicate.cluster import Cluster
@@ -248,3 +249,100 @@ def test_cli_convert_between_graph(tmp_path):
     with graph.as_default():
         import_meta_graph(str(tmp_path / "template.meta"), task_index=0)
     assert graph.get_operation_by_name("train").device.startswith("/job:worker/task:0")
+
+
+# ---------------------------------------------------------------------------- processes, faults
+def _example():
+    import importlib
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "between_graph")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("launch")
+
+
+def _job(tmp_path, workers=2):
+    launch = _example()
+    jobs = {"worker": [f"127.0.0.1:{p}" for p in launch.free_ports(workers)]}
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps(jobs))
+    res = replicate.transform(replicate.demo.build_cnn((4, 8, 32)).graph, "worker",
+                              between_graph=True, cluster=str(spec))
+    template = tmp_path / "template.meta"
+    template.write_bytes(res.meta_graph_def.SerializeToString())
+    return launch, str(spec), str(template)
+
+
+def _worker(launch, procs, spec, template, task, out, ckpt, *extra, steps=8, name=None):
+    import sys
+
+    return procs.start(name or f"worker-{task}", [
+        sys.executable, os.path.join(os.path.dirname(launch.__file__), "worker.py"),
+        "--cluster", spec, "--task", str(task), "--template", template, "--steps", str(steps),
+        "--batch", "8,4", "--out", out, "--checkpoint-dir", ckpt, "--save-steps", "3", *extra])
+
+
+def _final(path):
+    return {k.replace("|", "/"): v for k, v in np.load(path).items()}
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_worker_and_a_job_restart_resume_from_the_last_checkpoint(tmp_path):
+    """Worker 1 dies after step 5 (checkpoints at 0, 3, 6). TensorFlow's collective leader
+    rejects a restarted member until it restarts too (the device incarnation changed), so the
+    job restarts: every worker again, on the same ports. The chief restores step 3, the others
+    take its values, the batches of steps 3.. are replayed, and the final parameters equal an
+    uninterrupted run's bit for bit."""
+    import subprocess
+
+    launch, spec, template = _job(tmp_path)
+    procs = launch.Processes(str(tmp_path))
+    try:
+        clean = [_worker(launch, procs, spec, template, t, str(tmp_path / f"clean_{t}.npz"),
+                         str(tmp_path / "clean_ckpt"), name=f"clean-{t}") for t in range(2)]
+        for p in clean:
+            assert p.wait(timeout=180) == 0, procs.tail("clean-0") + procs.tail("clean-1")
+        ckpt = str(tmp_path / "ckpt")
+        w0 = _worker(launch, procs, spec, template, 0, str(tmp_path / "final_0.npz"), ckpt,
+                     name="first-0")
+        w1 = _worker(launch, procs, spec, template, 1, str(tmp_path / "final_1.npz"), ckpt,
+                     "--die-after", "5", name="first-1")
+        assert w1.wait(timeout=180) == 9, procs.tail("first-1")
+        # The chief cannot finish its step without worker 1: it is stuck or failing.
+        with pytest.raises(subprocess.TimeoutExpired):
+            w0.wait(timeout=3)
+        w0.kill()
+        w0.wait()
+        assert tf.train.latest_checkpoint(ckpt).endswith("model.ckpt-3")
+        again = [_worker(launch, procs, spec, template, t, str(tmp_path / f"final_{t}.npz"), ckpt,
+                         name=f"again-{t}") for t in range(2)]
+        for t, p in enumerate(again):
+            assert p.wait(timeout=180) == 0, procs.tail(f"again-{t}")
+    finally:
+        procs.stop()
+    expected = _final(tmp_path / "clean_0.npz")
+    for t in range(2):
+        got = _final(tmp_path / f"final_{t}.npz")
+        assert set(got) == set(expected)
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=f"worker {t}: {name}")
+    assert int(expected["global_step"]) == 8
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_process_whose_peer_never_comes_up_fails_clearly(tmp_path):
+    launch, spec, template = _job(tmp_path)
+    procs = launch.Processes(str(tmp_path))
+    try:
+        start = time.monotonic()
+        p = _worker(launch, procs, spec, template, 0, str(tmp_path / "out.npz"),
+                    str(tmp_path / "ckpt"), "--wait", "3")
+        code = p.wait(timeout=120)
+    finally:
+        procs.stop()
+    assert code != 0
+    tail = procs.tail("worker-0")
+    assert "worker:1" in tail and "did not come up within 3 s" in tail, tail
+    assert time.monotonic() - start < 60
