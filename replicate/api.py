@@ -348,6 +348,8 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
             warnings.append("collective all-reduce spans several tasks: start every server with "
                             "ConfigProto.experimental.collective_group_leader set to the master "
                             "task, or the first step waits forever (replicate cluster does this)")
+        if between is not None:
+            warnings.extend(between_rt.notes(ir.facts))
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
         if between is not None:

@@ -233,6 +233,22 @@ def plan(cluster: Any, devices: Any, controller: str) -> tuple[list[str], str, i
     return towers, control, workers, ps
 
 
+def notes(facts: dict[str, Any]) -> list[str]:
+    """Report lines of a between-graph transform (what each worker must know)."""
+    info = facts["between"]
+    out = [f"between-graph: {info['workers']} workers x {info['towers_per_worker']} towers, one "
+           "template for every worker (pin it with replicate.between.for_task or --task-index); "
+           "every server needs collective_group_leader set (replicate.between.server_config)"]
+    if info["on_ps"]:
+        out.append(f"between-graph: {len(info['on_ps'])} variables on ps tasks, updated by the "
+                   f"chief: {', '.join(info['on_ps'][:4])}{' ...' if len(info['on_ps']) > 4 else ''}")
+    for var in facts.get("between_local_sparse", []):
+        out.append(f"between-graph: '{var}' has sparse gradients but its optimizer also writes it "
+                   "(or its slots) densely, so every worker keeps a copy and applies the "
+                   "all-gathered rows")
+    return out
+
+
 def finish(meta_out: meta_graph_pb2.MetaGraphDef, facts: dict[str, Any],
            task_index: int | None) -> meta_graph_pb2.MetaGraphDef:
     """Record the template's facts and Scaffold collections; pin to ``task_index`` if given."""

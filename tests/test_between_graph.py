@@ -77,15 +77,23 @@ def _check(local, model, res, local_batches=(5, 3), steps=STEPS, fetch=()):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+@pytest.mark.parametrize("optimizer", sorted(models.OPTIMIZERS))
 def test_dense_mlp_uneven_local_batches_is_exact(local, optimizer):
-    model = models.mlp(optimizer, resource=optimizer != "momentum")
+    resource = sorted(models.OPTIMIZERS).index(optimizer) % 2 == 0     # ref and resource both
+    model = models.mlp(optimizer, resource=resource)
     res = replicate.transform(model.graph, "worker", between_graph=True, cluster=local.cluster)
     assert res.report.exact
     out, feeds = _check(local, model, res, fetch=("loss:0",))
     # The loss fetched under its name is each worker's local-batch loss (no collective).
-    single = drv.train_single  # noqa: F841 - documented behaviour below
-    assert len(out[0]["fetched"]) == STEPS and np.isfinite(out[0]["fetched"][0][0])
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.train.import_meta_graph(v1.train.export_meta_graph(graph=model.graph))
+        with v1.Session(graph=graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            for v in v1.global_variables():
+                v.load(out[1]["initial"][v.op.name], sess)
+            local_loss = sess.run("loss:0", feeds[1][0])
+    np.testing.assert_allclose(out[1]["fetched"][0][0], local_loss, rtol=1e-5)
 
 
 @pytest.mark.timeout(300)
@@ -101,7 +109,9 @@ def test_cnn_two_towers_per_worker_uneven(local):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("optimizer,resource", [("sgd", True), ("momentum", False), ("adagrad", True)])
+@pytest.mark.parametrize("optimizer,resource", [
+    ("sgd", True), ("momentum", False), ("adagrad", True), ("rmsprop", False), ("ftrl", True),
+    ("adadelta", True), ("proximal_adagrad", False)])
 def test_sparse_embedding_on_ps_is_exact(local, optimizer, resource):
     model = embedding(optimizer, resource)
     res = replicate.transform(model.graph, "worker", between_graph=True, cluster=local.cluster)
