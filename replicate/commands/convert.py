@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress("replicate convert")
     check_input(args.input)
     if args.devices is None and not args.between_graph:
-        raise ReplicateError("convert: --devices is required (the tower devices, e.g. "
+        raise ReplicateError("--devices is required (the tower devices, e.g. "
                              "/gpu:0,/gpu:1), unless --between-graph")
     where = _between_targets(args) if args.between_graph else targets(args)
     devices = where["devices"]

@@ -41,8 +41,9 @@ from tensorflow.python.framework import dtypes
 from replicate import ops
 from replicate.combine import WEIGHTS
 from replicate.errors import AnalysisError
-from replicate.ir import IR, node_of, parse_tensor
-from replicate.kernels import runnable_on
+from replicate.ir import IR, node_of
+from replicate.passes._between_sparse import WRITES as _WRITES
+from replicate.passes._between_sparse import gather_rows, place_sparse
 from replicate.pipeline import PassResult
 
 __all__ = ["Between", "ROLE_ATTR", "CHIEF_ONLY", "BROADCAST_VALUE", "SCOPE", "BROADCAST_OP",
@@ -60,7 +61,6 @@ BARRIER = f"{SCOPE}/barrier"
 LOCAL_INIT = f"{SCOPE}/local_init"
 READY_FOR_LOCAL_INIT = f"{SCOPE}/ready_for_local_init"
 
-_WRITES = frozenset(ops.MUTATING_OPS) | frozenset(ops.APPLY_OPS)
 _COLLECTIVES = frozenset({"CollectiveReduceV2", "CollectiveGatherV2"})
 
 
@@ -104,7 +104,7 @@ class Between:
         on_ps: list[str] = []
         chief_only: set[str] = set()
         if self.sparse_on_ps:
-            on_ps = self._place_sparse(ir, analysis)
+            on_ps = place_sparse(self, ir, analysis)
             chief_only = self._chief_only(ir, analysis, on_ps)
         self._barrier(ir, analysis, chief_only)
         per_worker = self._broadcast(ir, set(on_ps))
@@ -129,7 +129,7 @@ class Between:
                 for what, value in (("group_size", group_size), ("group_key", group_key),
                                     ("instance_key", self._instance()))]
 
-    def _collective(self, ir: IR, name: str, op: str, ref: str, tf_dtype, device: str,
+    def collective(self, ir: IR, name: str, op: str, ref: str, tf_dtype, device: str,
                     merge: str = "Add", group_key: int | None = None,
                     control: list[str] = ()) -> str:
         """A collective among the workers' controllers (one member per worker)."""
@@ -186,7 +186,7 @@ class Between:
             tf_dtype = dtypes.as_dtype(ir.nodes[total].attrs["T"].type if "T" in ir.nodes[total].attrs
                                        else ir.nodes[total].attrs["DstT"].type)
             device = ir.nodes[total].device
-            reduced = self._collective(ir, f"{total}_global/allreduce", "CollectiveReduceV2", total,
+            reduced = self.collective(ir, f"{total}_global/allreduce", "CollectiveReduceV2", total,
                                        tf_dtype, device)
             scope = total[: -len("/total")]
             for weight in [c for c in ir.consumers(total)
@@ -210,89 +210,12 @@ class Between:
                 continue
             agg = aggregates[f.tensor]
             readers = [c.name for c, _ in ir.data_consumers(agg)]
-            gathered = self._gather(ir, agg, f"{SCOPE}/gather/{node_of(agg).replace('/', '_')}")
+            gathered = gather_rows(self, ir, agg, f"{SCOPE}/gather/{node_of(agg).replace('/', '_')}")
             ir.replace_uses(agg, gathered, only=readers)
             out.append(agg)
         return out
 
-    def _gather(self, ir: IR, ref: str, scope: str) -> str:
-        dev = self.controller
-        i32, i64 = dtypes.int32, dtypes.int64
-        dtype = dtypes.as_dtype(ir.output_dtype(ref))
-        def add(name, op, inputs, **attrs):
-            return ir.add(f"{scope}/{name}", op, inputs, device=dev, attrs=attrs).name
-
-        def const(name, value, dt):
-            return ir.const(f"{scope}/{name}", value, dt, dev)
-
-        src = ref if parse_tensor(ref)[1] else node_of(ref)
-        shp = add("shape", "Shape", [src], T=dtype, out_type=i64)
-        zero = const("zero", 0, i32)
-        rows = add("rows", "GatherV2", [shp, zero, zero], Tparams=i64, Tindices=i32, Taxis=i32)
-        rows_vec = add("rows_vec", "Reshape", [rows, const("one_vec", [1], i32)], T=i64, Tshape=i32)
-        most = self._collective(ir, f"{scope}/max_rows", "CollectiveReduceV2", rows_vec, i64, dev,
-                                merge="Max")
-        sizes = self._collective(ir, f"{scope}/sizes", "CollectiveGatherV2", rows_vec, i64, dev)
-        pad = add("pad", "Sub", [most, rows_vec], T=i64)
-        first = add("first_pad", "Pack", [const("zero64", [0], i64), pad], T=i64, N=2, axis=1)
-        rank = add("rank", "Rank", [src], T=dtype)
-        inner = add("inner_dims", "Sub", [rank, const("one", 1, i32)], T=i32)
-        dims = add("rest_dims", "Pack", [inner, const("two", 2, i32)], T=i32, N=2, axis=0)
-        rest = add("rest_pad", "Fill", [dims, const("zero_pad", 0, i64)], T=i64, index_type=i32)
-        paddings = add("paddings", "ConcatV2", [first, rest, zero], T=i64, N=2, Tidx=i32)
-        padded = add("padded", "Pad", [src, paddings], T=dtype, Tpaddings=i64)
-        every = self._collective(ir, f"{scope}/all", "CollectiveGatherV2", padded, dtype, dev)
-        most_s = add("most", "Reshape", [most, const("scalar", [], i32)], T=i64, Tshape=i32)
-        total = add("total", "Mul", [most_s, const("workers", self.workers, i64)], T=i64)
-        pos = add("pos", "Range", [const("zero_l", 0, i64), total, const("one_l", 1, i64)], Tidx=i64)
-        worker = add("worker", "FloorDiv", [pos, most_s], T=i64)
-        within = add("within", "FloorMod", [pos, most_s], T=i64)
-        limit = add("limit", "GatherV2", [sizes, worker, zero], Tparams=i64, Tindices=i64, Taxis=i32)
-        keep = add("keep", "Less", [within, limit], T=i64)
-        where = add("where", "Where", [keep], T=dtypes.bool)
-        flat = add("rows_kept", "Reshape", [where, const("flat", [-1], i32)], T=i64, Tshape=i32)
-        return add("gathered", "GatherV2", [every, flat, zero], Tparams=dtype, Tindices=i64, Taxis=i32)
-
     # ------------------------------------------------------------------ parameter servers
-    def _place_sparse(self, ir: IR, analysis) -> list[str]:
-        """Variables trained only through sparse writes (scatter, sparse apply), with their slots,
-        go to the ps tasks, spread by size. A variable any of whose group is written densely in
-        the update section (TF1 Adam decays its slots densely) stays on every worker, updated
-        from the all-gathered gradient; ``ir.facts["between_local_sparse"]`` names them."""
-        graph = ir.to_networkx(control=True)
-        section = ir.ancestors(analysis.train_ops or [analysis.train_op], graph)
-        prefixes = set(ir.facts["towers"].prefixes)
-        writers: dict[str, set[str]] = {}
-        for name in section:
-            node = ir.nodes[name]
-            if node.op in _WRITES and name.split("/", 1)[0] not in prefixes:
-                for ref in node.inputs:
-                    if ir.nodes.get(node_of(ref)) is not None and ir.nodes[node_of(ref)].op in ops.VARIABLE_OPS:
-                        writers.setdefault(node_of(ref), set()).add(node.op)
-        primaries = set()
-        for f in analysis.frontier:
-            if f.gradient and f.variable and f.role.startswith("sparse") and f.variable in ir.nodes:
-                locs = [c for c in ir.nodes[f.variable].colocation() if c in ir.nodes]
-                primaries.add(locs[0] if locs else f.variable)
-        dense = {f.variable for f in analysis.frontier if f.gradient and f.role == "dense"}
-        placed: list[str] = []
-        local: list[str] = []
-        load = {d: 0 for d in self.ps_devices}
-        for var in sorted(primaries):
-            group = {var} | {n.name for n in ir if n.op in ops.VARIABLE_OPS and var in n.colocation()}
-            if group & dense or not all(_sparse_write(op) for g in group for op in writers.get(g, ())):
-                local.append(var)
-                continue
-            size = sum(analysis.variables[g].bytes for g in group if g in analysis.variables)
-            device = min(self.ps_devices, key=lambda d: (load[d], self.ps_devices.index(d)))
-            load[device] += size
-            for node in list(ir):
-                if node.name in group or any(c in group for c in node.colocation()):
-                    ir.set_device(node.name, runnable_on(node.op, node.attrs, device))
-            placed.extend(sorted(group))
-        ir.facts["between_local_sparse"] = local
-        return placed
-
     def _chief_only(self, ir: IR, analysis, on_ps: list[str]) -> set[str]:
         """Update-section ops writing a ps variable, and their data descendants: run by the chief
         only (the others would apply the same update a second time)."""
@@ -334,7 +257,7 @@ class Between:
             return
         value = ir.const(f"{BARRIER}/value", 0.0, dtypes.float32, self.controller)
         waits = sorted(n for n in chief_only if ir.nodes[n].op in _WRITES)
-        reduced = self._collective(ir, f"{BARRIER}/allreduce", "CollectiveReduceV2", value,
+        reduced = self.collective(ir, f"{BARRIER}/allreduce", "CollectiveReduceV2", value,
                                    dtypes.float32, self.controller, control=waits)
         ir.add(BARRIER, "NoOp", control=[reduced], device=self.controller)
         for train in analysis.train_ops or [analysis.train_op]:
@@ -367,7 +290,7 @@ class Between:
             if dtype in (dtypes.int32,):          # int32 collectives live in host memory: go int64
                 send = ir.add(f"{scope}/to64", "Cast", [value], device=var.device,
                               attrs={"SrcT": dtype, "DstT": dtypes.int64}).name
-            reduced = self._collective(ir, f"{scope}/allreduce", "CollectiveReduceV2", send,
+            reduced = self.collective(ir, f"{scope}/allreduce", "CollectiveReduceV2", send,
                                        dtypes.int64 if send != value else dtype, var.device)
             if send != value:
                 reduced = ir.add(f"{scope}/from64", "Cast", [reduced], device=var.device,
@@ -404,11 +327,6 @@ class Between:
 
 _REDUCIBLE = frozenset({dtypes.float32, dtypes.float64, dtypes.float16, dtypes.bfloat16,
                         dtypes.int32, dtypes.int64})
-
-
-def _sparse_write(op: str) -> bool:
-    """True for ops that write only the rows they are given."""
-    return "Scatter" in op or op.startswith(("SparseApply", "ResourceSparseApply"))
 
 
 def _gradient_side(name: str) -> bool:
