@@ -97,6 +97,27 @@ def test_dense_mlp_uneven_local_batches_is_exact(local, optimizer):
 
 
 @pytest.mark.timeout(300)
+def test_a_regularizer_added_to_the_mean_loss_is_counted_once(local):
+    """A batch-independent term (L2) added to a mean: every tower's gradient is weighed by its
+    share of the *global* batch, so the shares sum to one over all workers' towers and the
+    term's gradient counts once, not once per worker."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(2)
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [8, 3], use_resource=True)
+        ce = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                           logits=tf.matmul(x, w)))
+        loss = tf.identity(ce + 0.05 * tf.nn.l2_loss(w), name="loss")
+        v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train")
+    model = models.Model(graph, "train", models._classification_feed((8,), 3))
+    res = replicate.transform(graph, "/cpu:0,/cpu:1", between_graph=True, cluster=local.cluster)
+    assert res.report.exact, str(res.report)
+    _check(local, model, res, local_batches=(5, 2))
+
+
+@pytest.mark.timeout(300)
 def test_cnn_two_towers_per_worker_uneven(local):
     # Momentum: with Adam this small CNN amplifies summation-order rounding on these batches to
     # ~5e-5 in in-graph replication too (Adam divides by the root of tiny second moments).

@@ -100,6 +100,8 @@ class Between:
         else:
             self._regroup(ir, size)
         globals_ = self._global_totals(ir)
+        for node in [n for n in ir if n.name.startswith(WEIGHTS + "/") and n.name.endswith("/uniform")]:
+            ir.set_const(node.name, 1.0 / size)    # a batch-independent term: 1/N of every tower
         gathered = self._gather_sparse(ir, analysis, ir.facts["aggregates"])
         on_ps: list[str] = []
         chief_only: set[str] = set()
@@ -274,7 +276,11 @@ class Between:
             dtype = dtypes.as_dtype(var.attrs["dtype"].type).base_dtype
             shape = _var_shape(var)
             if shape is None or dtype not in _REDUCIBLE:
-                continue
+                raise AnalysisError(
+                    f"between-graph: variable '{var.name}' ({dtype.name}, shape "
+                    f"{shape if shape is not None else 'unknown'}) cannot take the chief's value by "
+                    "all-reduce (a known shape and a float or integer type are needed); give it a "
+                    "static shape")
             scope = f"{BROADCAST_OP}/{var.name}"
             resource = var.op in ops.RESOURCE_VARIABLE_OPS
             if resource:
