@@ -23,6 +23,7 @@ from replicate.kernels import host_of
 from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
+from replicate.passes.guard import Guard
 from replicate.passes.mirror import MIRRORED, Mirror
 from replicate.passes.place import Place
 from replicate.passes.rebatch import Rebatch
@@ -220,7 +221,9 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               batch_norm: str = "tower0", batch_inputs: Any = None,
               cluster: Any = None, verify_each: bool = False,
               dump_dir: str | None = None,
-              progress: Callable[[str, int, int], None] | None = None) -> Result:
+              progress: Callable[[str, int, int], None] | None = None,
+              between_graph: bool = False, task_index: int | None = None,
+              sparse_on_ps: bool = True) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
 
     Args:
@@ -250,6 +253,12 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         verify_each: validate the IR after every pass.
         dump_dir: write the IR after each pass to this directory.
         progress: called with (pass name, index, total) before each pass.
+        between_graph: between-graph replication over ``cluster``: ``devices`` are the towers
+            inside each worker task; the result is one template every worker imports through
+            :func:`replicate.between.for_task` (see :mod:`replicate.passes.between`).
+        task_index: with ``between_graph``, pin the result to this worker task.
+        sparse_on_ps: with ``between_graph`` and ps tasks, keep sparsely trained variables on
+            the ps tasks (else every worker keeps a copy, updated from all-gathered gradients).
 
     Returns:
         A :class:`Result`; the input is never modified.
@@ -262,7 +271,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
                           outputs=outputs, merge_forward=merge_forward, param_devices=param_devices,
                           aggregation=aggregation, batch_norm=batch_norm, batch_inputs=batch_inputs,
                           cluster=cluster, verify_each=verify_each, dump_dir=dump_dir,
-                          progress=progress)
+                          progress=progress, between_graph=between_graph, task_index=task_index,
+                          sparse_on_ps=sparse_on_ps)
 
 
 @contextlib.contextmanager
@@ -281,8 +291,21 @@ def _gc_paused():
 
 def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op, loss, outputs,
                merge_forward: bool, param_devices, aggregation: str, batch_norm: str, batch_inputs,
-               cluster, verify_each: bool, dump_dir, progress) -> Result:
+               cluster, verify_each: bool, dump_dir, progress, between_graph: bool = False,
+               task_index: int | None = None, sparse_on_ps: bool = True) -> Result:
     start = time.perf_counter()
+    between = None
+    if between_graph:
+        from replicate import between as between_rt
+        from replicate.passes.between import Between
+
+        if param_devices is not None or batch_norm != "tower0":
+            raise ReplicateError("between_graph: param_devices and batch_norm='sync' are not "
+                                 "supported (each worker keeps its own copy of dense variables)")
+        devices, controller, workers, ps = between_rt.plan(cluster, devices, controller)
+        cluster = None
+        aggregation = ("packed_allreduce" if aggregation.startswith("packed") and len(devices) > 1
+                       else "allreduce")
     mirrored = param_devices == MIRRORED or (
         not isinstance(param_devices, str) and list(param_devices or []) == [MIRRORED])
     if mirrored:
@@ -309,7 +332,13 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         validator = Validate()
         passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
                   Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
-                  Aggregate(controller, aggregation), Rewire(controller)]
+                  Aggregate(controller, aggregation), Rewire(controller), Guard()]
+        if between_graph:
+            seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
+                (devices, controller, workers, ps, aggregation, sparse_on_ps, outputs, train_op,
+                 loss, batch_inputs)).encode()
+            between = Between(workers, controller, ps, sparse_on_ps, seed)
+            passes.append(between)
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
@@ -319,8 +348,13 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
             warnings.append("collective all-reduce spans several tasks: start every server with "
                             "ConfigProto.experimental.collective_group_leader set to the master "
                             "task, or the first step waits forever (replicate cluster does this)")
+        if between is not None:
+            warnings.extend(between_rt.notes(ir.facts))
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
+        if between is not None:
+            meta_out = between_rt.finish(meta_out, ir.facts["between"], task_index)
+            graph_def = meta_out.graph_def
     except ReplicateError:
         raise
     except Exception as exc:  # noqa: BLE001 - the contract: only ReplicateError escapes
@@ -350,7 +384,8 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
 _MAKERS = (("replicate/split/", "split"), ("replicate/aggregate/", "aggregate"),
            ("replicate/weights/", "aggregate"), ("replicate/sync/", "sync"),
            ("replicate/rebatch/", "rebatch"), ("replicate/mirror", "mirror"),
-           ("replicate/weigh/", "weigh"))
+           ("replicate/weigh/", "weigh"), ("replicate/guard/", "guard"),
+           ("replicate/between", "between"))
 
 
 def _import_result(graph_def, meta_out) -> None:

@@ -39,10 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", metavar="IN", help="a .meta, .pb or .pbtxt file, or a SavedModel directory")
     parser.add_argument("-o", "--output", required=True, metavar="OUT",
                         help="where to write the result (refused if it exists, unless --force)")
-    add_device_arguments(parser)
+    add_device_arguments(parser, required=False)     # required unless --between-graph (run)
     add_graph_arguments(parser)
     add_strategy_arguments(parser)
     add_cluster_arguments(parser)
+    parser.add_argument("--between-graph", action="store_true",
+                        help="between-graph replication over --cluster: one template every worker "
+                             "imports (replicate.between.import_meta_graph); --devices are the "
+                             "towers inside each worker task (default: one per worker)")
+    parser.add_argument("--task-index", type=int, default=None, metavar="N",
+                        help="with --between-graph: pin the output to worker task N")
+    parser.add_argument("--no-sparse-on-ps", dest="sparse_on_ps", action="store_false",
+                        help="with --between-graph: keep sparsely trained variables on every "
+                             "worker (all-gathered gradients) even when the cluster has ps tasks")
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="output format (default: IN's, as text when OUT ends in .pbtxt)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -59,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
     progress = Progress("replicate convert")
     check_input(args.input)
-    where = targets(args)
+    if args.devices is None and not args.between_graph:
+        raise ReplicateError("--devices is required (the tower devices, e.g. "
+                             "/gpu:0,/gpu:1), unless --between-graph")
+    where = _between_targets(args) if args.between_graph else targets(args)
     devices = where["devices"]
     io.check_writable(args.output, args.force, source=args.input)
     for option, directory in (("--tensorboard", args.tensorboard), ("--dump-dir", args.dump_dir)):
@@ -89,6 +101,20 @@ def run(args: argparse.Namespace) -> int:
             fmt in ("pb", "pbtxt") and loaded.meta is not None) else ""
         print(f"wrote {args.output} ({fmt}, {len(devices)} towers){dropped}")
     return 0
+
+
+def _between_targets(args: argparse.Namespace) -> dict:
+    """transform() keyword arguments of ``--between-graph`` (devices inside each worker)."""
+    from replicate.commands._cluster_args import cluster_value
+    from replicate.commands._common import strategy_options
+
+    options = strategy_options(args)
+    cluster = cluster_value(args)
+    if cluster is None:
+        raise ReplicateError("--between-graph needs --cluster (a cluster file or TF_CONFIG)")
+    return {"devices": (args.devices or "worker").split(","), "controller": args.controller, "cluster": cluster,
+            "between_graph": True, "task_index": args.task_index,
+            "sparse_on_ps": args.sparse_on_ps, **options}
 
 
 def _transform(args: argparse.Namespace, loaded, where: dict, progress):

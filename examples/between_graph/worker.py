@@ -1,0 +1,138 @@
+"""One worker of a between-graph job: its own server and its own client, its own data.
+
+    python worker.py --cluster cluster.json --task 1 --template model_between.meta \
+        --steps 5 --batch 16 --out final_1.npz [--checkpoint-dir DIR --save-steps 2]
+
+The worker starts this task's ``tf.distribute.Server`` (collective group leader: worker 0, as
+``replicate.between.server_config`` says), waits for every task of the cluster (a clear error
+after ``--wait`` seconds instead of a hang), imports the template pinned to its task
+(``replicate.between.import_meta_graph``) and trains with ``MonitoredTrainingSession``: the
+chief (task 0) initializes or restores and saves checkpoints; every worker starts from the
+chief's values (the template's ``local_init_op`` broadcasts them). Each worker feeds its *own*
+batches: batch ``s`` of task ``t`` is ``local_batch(t, s)``, chosen by the global step, so a
+restarted job replays exactly the batches of the steps it lost. At the end it writes its
+variables to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import tensorflow as tf  # noqa: E402
+
+from replicate.between import import_meta_graph, server_config, wait_for_cluster  # noqa: E402
+from replicate.cluster import load  # noqa: E402
+
+v1 = tf.compat.v1
+
+
+def local_batch(kind: str, task: int, step: int, size: int) -> dict:
+    """Task ``task``'s batch of step ``step`` (deterministic; size may differ per task)."""
+    rng = np.random.RandomState(1000 * step + task)
+    if kind == "embedding":
+        return {"ids:0": rng.randint(0, 1000, size=(size, 4)).astype(np.int64),
+                "y:0": rng.randint(0, 10, size=size).astype(np.int64)}
+    from replicate.demo.data import synthetic
+
+    data = synthetic(512, seed=3)
+    idx = rng.randint(0, len(data), size=size)
+    return {"x:0": data.images[idx], "y:0": data.labels[idx]}
+
+
+class StepFeeder(v1.train.SessionRunHook):
+    """Feeds the batch of the current global step (read once per session, then counted)."""
+
+    def __init__(self, kind: str, task: int, sizes: list[int], last: int, on_step=None):
+        self.kind, self.task, self.sizes, self.last, self.on_step = kind, task, sizes, last, on_step
+        self.step = 0
+
+    def begin(self) -> None:
+        self._global_step = v1.train.get_global_step()
+
+    def after_create_session(self, session, coord) -> None:
+        self.step = int(session.run(self._global_step))
+
+    def before_run(self, run_context):
+        size = self.sizes[self.step % len(self.sizes)]
+        return v1.train.SessionRunArgs(None, feed_dict=local_batch(self.kind, self.task, self.step, size))
+
+    def after_run(self, run_context, run_values) -> None:
+        self.step += 1
+        if self.on_step is not None:
+            self.on_step(self.step)
+        if self.step >= self.last:
+            run_context.request_stop()
+
+
+class Values(v1.train.SessionRunHook):
+    """Fetches every global variable when the session ends."""
+
+    def begin(self) -> None:
+        self.variables = v1.global_variables()
+        self.values = {}
+
+    def end(self, session) -> None:
+        values = session.run(self.variables)
+        self.values = {v.op.name: np.asarray(x) for v, x in zip(self.variables, values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", required=True)
+    parser.add_argument("--task", type=int, required=True)
+    parser.add_argument("--template", required=True)
+    parser.add_argument("--kind", choices=("cnn", "embedding"), default="cnn")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", default="16", help="local batch size (or sizes, comma-separated, "
+                                                      "one per task)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--save-steps", type=int, default=None)
+    parser.add_argument("--wait", type=float, default=60.0,
+                        help="seconds to wait for every task to come up")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--die-after", type=int, default=None,
+                        help="(fault drills) exit abruptly after this many local steps")
+    args = parser.parse_args(argv)
+    tf.compat.v1.disable_eager_execution()
+    cluster = load(args.cluster)
+    sizes = [int(b) for b in args.batch.split(",")]
+    size = sizes[args.task % len(sizes)]
+    config = server_config(cluster, threads=args.threads)
+    server = tf.distribute.Server(cluster.cluster_spec(), job_name="worker", task_index=args.task,
+                                  config=config, start=True)
+    wait_for_cluster(cluster, timeout=args.wait)
+    graph = tf.Graph()
+    with graph.as_default():
+        import_meta_graph(args.template, task_index=args.task)
+        train_op = graph.get_operation_by_name("train")
+        values = Values()
+
+        def die(step: int) -> None:
+            if args.die_after is not None and step >= args.die_after:
+                print(f"worker {args.task}: dying after step {step}", flush=True)
+                os._exit(9)
+
+        hooks = [StepFeeder(args.kind, args.task, [size], args.steps, die), values]
+        with v1.train.MonitoredTrainingSession(
+                master=server.target, is_chief=args.task == 0, checkpoint_dir=args.checkpoint_dir,
+                save_checkpoint_steps=args.save_steps if args.checkpoint_dir else None,
+                save_checkpoint_secs=None, save_summaries_steps=None, save_summaries_secs=None,
+                log_step_count_steps=None, hooks=hooks, config=config) as sess:
+            while not sess.should_stop():
+                sess.run(train_op)
+    np.savez(args.out, **{k.replace("/", "|"): v for k, v in values.values.items()})
+    print(f"worker {args.task}: done, global step {int(values.values.get('global_step', -1))}",
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""Between-graph replication: one client per worker, collectives across workers, sparse
+variables on ps; exact against one device trained on the concatenated local batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+import replicate
+import replicate.demo
+from replicate import between_driver as drv
+from replicate.between import for_task, import_meta_graph, task_index_from_env, wait_for_cluster
+from replicate.cluster import Cluster
+from replicate.cluster_server import LocalCluster
+from replicate.errors import DeviceError, ReplicateError
+
+v1 = tf.compat.v1
+RTOL = 1e-5
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def local():
+    """1 ps + 2 workers with 2 logical CPUs each, on loopback."""
+    with LocalCluster(ps=1, workers=2, cpus_per_task=2, timeout=240) as cluster:
+        yield cluster
+
+
+def _targets(local) -> list[str]:
+    return [f"grpc://{a}" for _, a in sorted(local.cluster.jobs["worker"].items())]
+
+
+def embedding(optimizer: str, resource: bool = True) -> models.Model:
+    """An embedding table read by ``embedding_lookup`` (sparse gradients) and a dense layer."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(5)
+        ids = v1.placeholder(tf.int64, [None, 3], name="ids")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        with v1.variable_scope("m", use_resource=resource):
+            table = v1.get_variable("embedding", [50, 4])
+            w = v1.get_variable("w", [4, 3])
+        h = tf.reduce_mean(tf.nn.embedding_lookup(table, ids), axis=1)
+        logits = tf.matmul(h, w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        step = v1.train.get_or_create_global_step()
+        models.OPTIMIZERS[optimizer]().minimize(loss, global_step=step, name="train")
+
+    def feed(rng, b):
+        return {"ids:0": rng.randint(0, 50, size=(b, 3)).astype(np.int64),
+                "y:0": rng.randint(0, 3, size=b).astype(np.int64)}
+    return models.Model(graph, "train", feed)
+
+
+def _check(local, model, res, local_batches=(5, 3), steps=STEPS, fetch=()):
+    """Train the template on every worker (threads, one client each) and one device on the
+    concatenated batches from the chief's initial values; return the workers' results."""
+    rng = np.random.RandomState(0)
+    feeds = [[model.make_feed(rng, b) for _ in range(steps)] for b in local_batches]
+    out = drv.train_threads(res.meta_graph_def, _targets(local), feeds, model.train_op,
+                            fetch=fetch, timeout_ms=60_000)
+    single = drv.train_single(model.graph, model.train_op, out[0]["initial"], drv.concat_feeds(feeds))
+    for k, worker in enumerate(out):
+        diff, worst = drv.largest_difference(worker["final"], single)
+        assert diff <= RTOL, f"worker {k}: {worst} differs from one device by {diff:.3g}"
+    trained = [n for n in single if not np.array_equal(single[n], out[0]["initial"][n])]
+    assert trained, "training changed nothing"
+    return out, feeds
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", sorted(models.OPTIMIZERS))
+def test_dense_mlp_uneven_local_batches_is_exact(local, optimizer):
+    resource = sorted(models.OPTIMIZERS).index(optimizer) % 2 == 0     # ref and resource both
+    model = models.mlp(optimizer, resource=resource)
+    res = replicate.transform(model.graph, "worker", between_graph=True, cluster=local.cluster)
+    assert res.report.exact
+    out, feeds = _check(local, model, res, fetch=("loss:0",))
+    # The loss fetched under its name is each worker's local-batch loss (no collective).
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.train.import_meta_graph(v1.train.export_meta_graph(graph=model.graph))
+        with v1.Session(graph=graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            for v in v1.global_variables():
+                v.load(out[1]["initial"][v.op.name], sess)
+            local_loss = sess.run("loss:0", feeds[1][0])
+    np.testing.assert_allclose(out[1]["fetched"][0][0], local_loss, rtol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_regularizer_added_to_the_mean_loss_is_counted_once(local):
+    """A batch-independent term (L2) added to a mean: every tower's gradient is weighed by its
+    share of the *global* batch, so the shares sum to one over all workers' towers and the
+    term's gradient counts once, not once per worker."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(2)
+        x = v1.placeholder(tf.float32, [None, 8], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [8, 3], use_resource=True)
+        ce = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                           logits=tf.matmul(x, w)))
+        loss = tf.identity(ce + 0.05 * tf.nn.l2_loss(w), name="loss")
+        v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train")
+    model = models.Model(graph, "train", models._classification_feed((8,), 3))
+    res = replicate.transform(graph, "/cpu:0,/cpu:1", between_graph=True, cluster=local.cluster)
+    assert res.report.exact, str(res.report)
+    _check(local, model, res, local_batches=(5, 2))
+
+
+@pytest.mark.timeout(300)
+def test_cnn_two_towers_per_worker_uneven(local):
+    # Momentum: with Adam this small CNN amplifies summation-order rounding on these batches to
+    # ~5e-5 in in-graph replication too (Adam divides by the root of tiny second moments).
+    model = models.cnn(filters=(2, 4), dense=8, size=12, optimizer="momentum")
+    res = replicate.transform(model.graph, "/cpu:0,/cpu:1", between_graph=True,
+                              cluster=local.cluster)
+    info = json.loads(res.meta_graph_def.collection_def["replicate_between"].bytes_list.value[0])
+    assert info["group_size"] == 4 and info["towers_per_worker"] == 2
+    _check(local, model, res, local_batches=(6, 3))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer,resource", [
+    ("sgd", True), ("momentum", False), ("adagrad", True), ("rmsprop", False), ("ftrl", True),
+    ("adadelta", True), ("proximal_adagrad", False)])
+def test_sparse_embedding_on_ps_is_exact(local, optimizer, resource):
+    model = embedding(optimizer, resource)
+    res = replicate.transform(model.graph, "worker", between_graph=True, cluster=local.cluster)
+    devices = {n.name: n.device for n in res.graph_def.node}
+    assert devices["m/embedding"].startswith("/job:ps/"), devices["m/embedding"]
+    assert devices["m/w"].startswith("/job:worker/")
+    chief_only = [n.name for n in res.graph_def.node if "_replicate_role" in n.attr
+                  and n.attr["_replicate_role"].s == b"chief_only"]
+    assert chief_only
+    pinned = for_task(res.meta_graph_def, 1)
+    assert all(n.op == "NoOp" for n in pinned.graph_def.node if n.name in chief_only)
+    _check(local, model, res)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sparse_on_ps", [True, False], ids=["adam-dense-slots", "no-ps"])
+def test_sparse_embedding_all_gathered_per_worker(local, sparse_on_ps):
+    """TF1 Adam decays its slots densely, so its table stays on every worker (as with
+    sparse_on_ps=False): each applies the all-gathered sparse gradient."""
+    model = embedding("adam" if sparse_on_ps else "momentum")
+    res = replicate.transform(model.graph, "worker", between_graph=True, cluster=local.cluster,
+                              sparse_on_ps=sparse_on_ps)
+    devices = {n.name: n.device for n in res.graph_def.node}
+    assert devices["m/embedding"].startswith("/job:worker/")
+    assert any(n.op == "CollectiveGatherV2" for n in res.graph_def.node)
+    _check(local, model, res, local_batches=(4, 7))
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_by_the_chief_restores_into_the_single_device_graph(local, tmp_path):
+    model = embedding("momentum")
+    res = replicate.transform(model.graph, "worker", between_graph=True, cluster=local.cluster)
+    rng = np.random.RandomState(1)
+    feeds = [[model.make_feed(rng, b) for _ in range(2)] for b in (3, 3)]
+    path = str(tmp_path / "ckpt")
+    saved = {}
+
+    def chief(sess, graph):
+        with graph.as_default():
+            saver = v1.train.Saver()
+        saver.save(sess, path)
+        saved.update(drv.variable_values(sess, graph))
+
+    drv.train_threads(res.meta_graph_def, _targets(local), feeds, model.train_op,
+                      after={0: chief}, timeout_ms=60_000)
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.train.import_meta_graph(v1.train.export_meta_graph(graph=model.graph))
+        saver = v1.train.Saver()
+        with v1.Session(graph=graph) as sess:
+            saver.restore(sess, path)
+            restored = drv.variable_values(sess, graph)
+    assert set(restored) <= set(saved)
+    for name, value in restored.items():
+        np.testing.assert_array_equal(value, saved[name], err_msg=name)
+
+
+def test_a_worker_that_never_comes_up_is_named_within_the_timeout():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    free = holder.getsockname()[1]
+    holder.close()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        cluster = Cluster({"worker": {0: f"127.0.0.1:{listener.getsockname()[1]}",
+                                      1: f"127.0.0.1:{free}"}})
+        start = time.monotonic()
+        with pytest.raises(ReplicateError, match=r"worker:1 \(127\.0\.0\.1:\d+\) did not come up "
+                                                 r"within 1\.5 s"):
+            wait_for_cluster(cluster, timeout=1.5)
+        assert time.monotonic() - start < 5
+    finally:
+        listener.close()
+
+
+def test_template_is_pinned_per_task_and_checked():
+    model = models.mlp("adam")
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}
+    res = replicate.transform(model.graph, "worker", between_graph=True, cluster=cluster)
+    assert not any("/task:" in n.device for n in res.graph_def.node if n.device.startswith("/job:worker"))
+    again = replicate.transform(model.graph, "worker", between_graph=True, cluster=cluster)
+    assert again.graph_def.SerializeToString(deterministic=True) == \
+        res.graph_def.SerializeToString(deterministic=True)
+    pinned = for_task(res.meta_graph_def, 2)
+    assert all("/task:2" in n.device for n in pinned.graph_def.node if "/job:worker" in n.device)
+    sizes = {tf.make_ndarray(n.attr["value"].tensor).item() for n in pinned.graph_def.node
+             if n.name.endswith("group_size")}
+    assert sizes == {3}
+    with pytest.raises(DeviceError, match="task index 3"):
+        for_task(res.meta_graph_def, 3)
+    baked = replicate.transform(model.graph, "worker", between_graph=True, cluster=cluster,
+                                task_index=1)
+    assert all("/task:1" in n.device for n in baked.graph_def.node if "/job:worker" in n.device)
+    # A different graph gets different collective keys (no collision in one process).
+    other = replicate.transform(models.mlp("sgd").graph, "worker", between_graph=True, cluster=cluster)
+    key = lambda r: json.loads(r.meta_graph_def.collection_def["replicate_between"]  # noqa: E731
+                               .bytes_list.value[0])["group_key"]
+    assert key(other) != key(res)
+
+
+def test_task_index_from_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    assert task_index_from_env() == 1
+    monkeypatch.delenv("TF_CONFIG")
+    with pytest.raises(ReplicateError, match="TF_CONFIG"):
+        task_index_from_env()
+
+
+def test_bad_between_graph_options_are_refused():
+    model = models.mlp("sgd")
+    with pytest.raises(ReplicateError, match="needs a cluster"):
+        replicate.transform(model.graph, "worker", between_graph=True)
+    with pytest.raises(DeviceError, match="inside every worker task"):
+        replicate.transform(model.graph, "/job:worker/task:1", between_graph=True,
+                            cluster={"worker": ["127.0.0.1:1"]})
+    with pytest.raises(ReplicateError, match="not supported"):
+        replicate.transform(model.graph, "worker", between_graph=True, batch_norm="sync",
+                            cluster={"worker": ["127.0.0.1:1"]})
+
+
+def test_cli_convert_between_graph(tmp_path):
+    import subprocess
+    import sys
+
+    model = models.mlp("sgd")
+    src = str(tmp_path / "model.meta")
+    v1.train.export_meta_graph(filename=src, graph=model.graph)
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps({"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2", "127.0.0.1:3"]}))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    for extra, suffix in (([], "template"), (["--task-index", "1"], "task1")):
+        out = str(tmp_path / f"{suffix}.meta")
+        done = subprocess.run([sys.executable, "-m", "replicate", "convert", src, "-o", out,
+                               "--between-graph", "--cluster", str(spec), *extra],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        meta = replicate.io.load(out).meta
+        assert "replicate_between" in meta.collection_def
+        tasks = {n.device for n in meta.graph_def.node if n.device.startswith("/job:worker")}
+        assert all(("/task:1" in d) == bool(extra) for d in tasks)
+    graph = tf.Graph()
+    with graph.as_default():
+        import_meta_graph(str(tmp_path / "template.meta"), task_index=0)
+    assert graph.get_operation_by_name("train").device.startswith("/job:worker/task:0")
+
+
+# ---------------------------------------------------------------------------- processes, faults
+def _example():
+    import importlib
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "between_graph")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("launch")
+
+
+def _job(tmp_path, workers=2):
+    launch = _example()
+    jobs = {"worker": [f"127.0.0.1:{p}" for p in launch.free_ports(workers)]}
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps(jobs))
+    res = replicate.transform(replicate.demo.build_cnn((4, 8, 32)).graph, "worker",
+                              between_graph=True, cluster=str(spec))
+    template = tmp_path / "template.meta"
+    template.write_bytes(res.meta_graph_def.SerializeToString())
+    return launch, str(spec), str(template)
+
+
+def _worker(launch, procs, spec, template, task, out, ckpt, *extra, steps=8, name=None):
+    import sys
+
+    return procs.start(name or f"worker-{task}", [
+        sys.executable, os.path.join(os.path.dirname(launch.__file__), "worker.py"),
+        "--cluster", spec, "--task", str(task), "--template", template, "--steps", str(steps),
+        "--batch", "8,4", "--out", out, "--checkpoint-dir", ckpt, "--save-steps", "3", *extra])
+
+
+def _final(path):
+    return {k.replace("|", "/"): v for k, v in np.load(path).items()}
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_worker_and_a_job_restart_resume_from_the_last_checkpoint(tmp_path):
+    """Worker 1 dies after step 5 (checkpoints at 0, 3, 6). TensorFlow's collective leader
+    rejects a restarted member until it restarts too (the device incarnation changed), so the
+    job restarts: every worker again, on the same ports. The chief restores step 3, the others
+    take its values, the batches of steps 3.. are replayed, and the final parameters equal an
+    uninterrupted run's bit for bit."""
+    import subprocess
+
+    launch, spec, template = _job(tmp_path)
+    procs = launch.Processes(str(tmp_path))
+    try:
+        clean = [_worker(launch, procs, spec, template, t, str(tmp_path / f"clean_{t}.npz"),
+                         str(tmp_path / "clean_ckpt"), name=f"clean-{t}") for t in range(2)]
+        for p in clean:
+            assert p.wait(timeout=180) == 0, procs.tail("clean-0") + procs.tail("clean-1")
+        ckpt = str(tmp_path / "ckpt")
+        w0 = _worker(launch, procs, spec, template, 0, str(tmp_path / "final_0.npz"), ckpt,
+                     name="first-0")
+        w1 = _worker(launch, procs, spec, template, 1, str(tmp_path / "final_1.npz"), ckpt,
+                     "--die-after", "5", name="first-1")
+        assert w1.wait(timeout=180) == 9, procs.tail("first-1")
+        # The chief cannot finish its step without worker 1: it is stuck or failing.
+        with pytest.raises(subprocess.TimeoutExpired):
+            w0.wait(timeout=3)
+        w0.kill()
+        w0.wait()
+        assert tf.train.latest_checkpoint(ckpt).endswith("model.ckpt-3")
+        again = [_worker(launch, procs, spec, template, t, str(tmp_path / f"final_{t}.npz"), ckpt,
+                         name=f"again-{t}") for t in range(2)]
+        for t, p in enumerate(again):
+            assert p.wait(timeout=180) == 0, procs.tail(f"again-{t}")
+    finally:
+        procs.stop()
+    expected = _final(tmp_path / "clean_0.npz")
+    for t in range(2):
+        got = _final(tmp_path / f"final_{t}.npz")
+        assert set(got) == set(expected)
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name], err_msg=f"worker {t}: {name}")
+    assert int(expected["global_step"]) == 8
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_process_whose_peer_never_comes_up_fails_clearly(tmp_path):
+    launch, spec, template = _job(tmp_path)
+    procs = launch.Processes(str(tmp_path))
+    try:
+        start = time.monotonic()
+        p = _worker(launch, procs, spec, template, 0, str(tmp_path / "out.npz"),
+                    str(tmp_path / "ckpt"), "--wait", "3")
+        code = p.wait(timeout=120)
+    finally:
+        procs.stop()
+    assert code != 0
+    tail = procs.tail("worker-0")
+    assert "worker:1" in tail and "did not come up within 3 s" in tail, tail
+    assert time.monotonic() - start < 60
