@@ -20,6 +20,7 @@ from replicate.errors import (REPORT, AnalysisError, DeviceError, InputError, In
 from replicate.facts import Analysis, Towers
 from replicate.ir import IR, parse_tensor
 from replicate.kernels import host_of
+from replicate.passes.accumulate import Accumulate
 from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
@@ -220,7 +221,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               batch_norm: str = "tower0", batch_inputs: Any = None,
               cluster: Any = None, verify_each: bool = False,
               dump_dir: str | None = None,
-              progress: Callable[[str, int, int], None] | None = None) -> Result:
+              progress: Callable[[str, int, int], None] | None = None,
+              accumulate: int = 1) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
 
     Args:
@@ -250,6 +252,10 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         verify_each: validate the IR after every pass.
         dump_dir: write the IR after each pass to this directory.
         progress: called with (pass name, index, total) before each pass.
+        accumulate: gradient accumulation: each device processes its slice of the global batch
+            as this many micro-batches, one after the other within the same step, adding their
+            gradients; the aggregation and the optimizer run once (see
+            :mod:`replicate.passes.accumulate`).
 
     Returns:
         A :class:`Result`; the input is never modified.
@@ -262,7 +268,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
                           outputs=outputs, merge_forward=merge_forward, param_devices=param_devices,
                           aggregation=aggregation, batch_norm=batch_norm, batch_inputs=batch_inputs,
                           cluster=cluster, verify_each=verify_each, dump_dir=dump_dir,
-                          progress=progress)
+                          progress=progress, accumulate=accumulate)
 
 
 @contextlib.contextmanager
@@ -281,8 +287,9 @@ def _gc_paused():
 
 def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op, loss, outputs,
                merge_forward: bool, param_devices, aggregation: str, batch_norm: str, batch_inputs,
-               cluster, verify_each: bool, dump_dir, progress) -> Result:
+               cluster, verify_each: bool, dump_dir, progress, accumulate: int = 1) -> Result:
     start = time.perf_counter()
+    micro = _micro(accumulate)
     mirrored = param_devices == MIRRORED or (
         not isinstance(param_devices, str) and list(param_devices or []) == [MIRRORED])
     if mirrored:
@@ -307,9 +314,9 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                                       merge_forward=merge_forward, batch_inputs=batch_inputs,
                                       sync=batch_norm == "sync")
         validator = Validate()
-        passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
+        passes = [analyze, Place(controller, params), Split([d for d in devices for _ in range(micro)], controller, micro), Clone(),
                   Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
-                  Aggregate(controller, aggregation), Rewire(controller)]
+                  Accumulate(), Aggregate(controller, aggregation), Rewire(controller)]
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)
@@ -342,8 +349,17 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
                      warnings, batch_norm)
+    report.accumulate = ir.facts.get("accumulate", {})
     return Result(graph_def, meta_out, report, analysis, towers, records,
                   ir.facts.get("aggregates", {}), seconds)
+
+
+def _micro(accumulate: Any) -> int:
+    """The validated ``accumulate`` option."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ReplicateError(f"accumulate={accumulate!r}: give a whole number of micro-batches "
+                             "per device, 1 or more")
+    return accumulate
 
 
 #: Which pass makes the nodes under each name scope of the output (for error messages).
@@ -388,7 +404,7 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
     grads: dict[str, int] = {}
     for f in analysis.frontier:
         grads[f.role] = grads.get(f.role, 0) + 1
-    per_tower = len(analysis.needed) if len(devices) > 1 else len(analysis.region)
+    per_tower = len(analysis.needed) if len(towers.devices) > 1 else len(analysis.region)
     tower_nodes = sum(1 for n in ir.nodes if n.split("/", 1)[0] in towers.prefixes)
     return Report(
         devices=devices, controller=controller, train_op=analysis.train_op, loss=analysis.loss,

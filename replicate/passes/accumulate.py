@@ -1,0 +1,116 @@
+"""Chain each device's micro-batches, so only one micro-batch's activations are live at a time.
+
+Gradient accumulation (``transform(..., accumulate=k)``) is built from *virtual towers*: the
+split pass cuts the global batch into (devices x k) slices and gives each device k consecutive
+towers, one per micro-batch; the clone, rebatch and weigh passes treat them like any other
+tower, and the aggregate pass adds each device's micro-batch gradients as a running sum on
+that device before combining the devices (:mod:`replicate.combine`). Exactness is that of
+towers: each micro-batch is weighted by its share of the global batch, counted in the graph,
+and an empty micro-batch contributes zero.
+
+Requires: ``ir.facts["towers"]`` (``micro`` > 1, the tower inputs), the clone pass's
+``ir.facts["copies"]`` and ``ir.facts["analysis"]`` (gradient frontier, merged outputs);
+run after the passes that add cross-tower reads (sync).
+
+Produces: for micro-batch j >= 1 of every device, a ``NoOp`` gate
+``replicate/accumulate/<tower>/gate`` on the device that waits for micro-batch j-1's
+gradients and forward outputs, and an ``Identity`` ``<tower>/replicate/accumulate/input_<i>``
+per batch-input slice, controlled by the gate, that the micro-tower reads instead of the
+slice: micro-batch j's forward pass starts once j-1's backward pass is done. When the gates
+would close a cycle (synchronized batch statistics: every micro-batch's forward pass needs
+every other's), nothing is chained. ``ir.facts["accumulate"]`` records ``micro``,
+``chained`` and, when not chained, ``why``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+from tensorflow.python.framework import dtypes
+
+from replicate.ir import IR, node_of, parse_tensor
+from replicate.pipeline import PassResult
+
+__all__ = ["Accumulate", "SCOPE"]
+
+log = logging.getLogger(__name__)
+
+SCOPE = "replicate/accumulate"
+
+
+class Accumulate:
+    """Serialized micro-batches (no options: ``micro`` comes from the towers)."""
+
+    name = "accumulate"
+
+    def run(self, ir: IR) -> PassResult:
+        towers = ir.facts["towers"]
+        if towers.micro <= 1:
+            return PassResult(ir, False)
+        analysis, copies = ir.facts["analysis"], ir.facts["copies"]
+        done_of = [self._done(analysis, copy) for copy in copies]
+        plan = []        # (tower, previous tower, [(slice, readers)])
+        for chain in towers.chains():
+            for prev, t in zip(chain, chain[1:]):
+                prefix = towers.prefixes[t] + "/"
+                reads = []
+                for tensor in sorted(set(towers.inputs[t].values())):
+                    readers = [c.name for c, _ in ir.data_consumers(tensor)
+                               if c.name.startswith(prefix)]
+                    if readers:
+                        reads.append((tensor, readers))
+                plan.append((t, prev, reads))
+        why = self._cycle(ir, plan, done_of)
+        facts = {"micro": towers.micro, "chained": why is None, "why": why}
+        ir.facts["accumulate"] = facts
+        if why is not None:
+            log.info("accumulate: micro-batches not chained (%s)", why)
+            return PassResult(ir, False)
+        for t, prev, reads in plan:
+            prefix, device = towers.prefixes[t], towers.devices[t]
+            gate = ir.add(f"{SCOPE}/{prefix}/gate", "NoOp", control=done_of[prev], device=device).name
+            for i, (tensor, readers) in enumerate(reads):
+                held = ir.add(f"{prefix}/{SCOPE}/input_{i}", "Identity", [_ref(tensor)],
+                              control=[gate], device=device,
+                              attrs={"T": dtypes.as_dtype(ir.output_dtype(tensor))}).name
+                ir.replace_uses(tensor, held, only=readers)
+        log.info("accumulate: %d micro-batches per device chained on %d devices",
+                 towers.micro, len(towers.chains()))
+        return PassResult(ir, True)
+
+    @staticmethod
+    def _done(analysis, copy: dict[str, str]) -> list[str]:
+        """The tower ops whose completion ends a micro-batch: its gradients and forward outputs."""
+        names = {node_of(f.tensor) for f in analysis.frontier} | {node_of(f.tensor) for f in analysis.outputs}
+        return sorted(copy[n] for n in names if n in copy)
+
+    @staticmethod
+    def _cycle(ir: IR, plan, done_of) -> str | None:
+        """Why the gates cannot be added (they would close a cycle), or None."""
+        if not plan:
+            return "no micro-batch reads a batch input"
+        graph = ir.to_networkx(control=True)
+        gates = []
+        for t, prev, reads in plan:
+            gate = ("gate", t)
+            gates.append(gate)
+            graph.add_edges_from((d, gate) for d in done_of[prev])
+            graph.add_edges_from((gate, r) for _, readers in reads for r in readers)
+        gate_set = set(gates)
+        for component in nx.strongly_connected_components(graph):
+            if len(component) > 1 and component & gate_set:
+                synced = ir.facts.get("synced", [])
+                what = (f"synchronized batch statistics ({', '.join(synced[:2])}"
+                        f"{'...' if len(synced) > 2 else ''})" if synced else
+                        "a value computed from several micro-batches")
+                return (f"{what} need every micro-batch's forward pass before any backward pass, "
+                        "so the micro-batches of a device run side by side: exact, but peak "
+                        "activation memory is that of the device's whole slice, as without "
+                        "accumulation")
+        return None
+
+
+def _ref(tensor: str) -> str:
+    node, idx = parse_tensor(tensor)
+    return node if idx == 0 else f"{node}:{idx}"
