@@ -316,7 +316,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         validator = Validate()
         passes = [analyze, Place(controller, params), Split([d for d in devices for _ in range(micro)], controller, micro), Clone(),
                   Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
-                  Accumulate(), Aggregate(controller, aggregation), Rewire(controller)]
+                  Aggregate(controller, aggregation), Rewire(controller), Accumulate()]
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
         ir, records = run_pipeline(ir, passes, verify_each=verify_each, validator=validator,
                                    dump_dir=dump_dir, progress=progress)

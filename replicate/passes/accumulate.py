@@ -10,7 +10,7 @@ and an empty micro-batch contributes zero.
 
 Requires: ``ir.facts["towers"]`` (``micro`` > 1, the tower inputs), the clone pass's
 ``ir.facts["copies"]`` and ``ir.facts["analysis"]`` (gradient frontier, merged outputs);
-run after the passes that add cross-tower reads (sync).
+runs after rewire, so that every edge between the towers and the shared graph is known.
 
 Produces: for micro-batch j >= 1 of every device, a ``NoOp`` gate
 ``replicate/accumulate/<tower>/gate`` on the device that waits for micro-batch j-1's
@@ -29,6 +29,7 @@ import logging
 import networkx as nx
 from tensorflow.python.framework import dtypes
 
+from replicate import ops
 from replicate.ir import IR, node_of, parse_tensor
 from replicate.pipeline import PassResult
 
@@ -97,15 +98,27 @@ class Accumulate:
             gates.append(gate)
             graph.add_edges_from((d, gate) for d in done_of[prev])
             graph.add_edges_from((gate, r) for _, readers in reads for r in readers)
+        for node in ir:          # while-loop back edges are not dependencies
+            if node.op in ("NextIteration", "RefNextIteration"):
+                graph.remove_edges_from([(node.name, s) for s in list(graph.successors(node.name))])
         gate_set = set(gates)
+        prefixes = set(ir.facts["towers"].prefixes)
         for component in nx.strongly_connected_components(graph):
             if len(component) > 1 and component & gate_set:
                 synced = ir.facts.get("synced", [])
-                what = (f"synchronized batch statistics ({', '.join(synced[:2])}"
-                        f"{'...' if len(synced) > 2 else ''})" if synced else
-                        "a value computed from several micro-batches")
-                return (f"{what} need every micro-batch's forward pass before any backward pass, "
-                        "so the micro-batches of a device run side by side: exact, but peak "
+                shared = sorted(n for n in component if isinstance(n, str)
+                                and n.split("/", 1)[0] not in prefixes)
+                writes = [n for n in shared if ir.nodes[n].op in ops.MUTATING_OPS]
+                shared = writes or shared
+                if synced:
+                    what = (f"synchronized batch statistics ({', '.join(synced[:2])}"
+                            f"{'...' if len(synced) > 2 else ''}) need")
+                else:
+                    what = (f"the shared op '{shared[-1] if shared else '?'}' combines every "
+                            "micro-batch's forward values and a micro-batch's backward pass waits "
+                            "for it (a control dependency such as the UPDATE_OPS one), so it needs")
+                return (f"{what} every micro-batch's forward pass before any backward pass; the "
+                        "micro-batches of a device run side by side: exact as reported, but peak "
                         "activation memory is that of the device's whole slice, as without "
                         "accumulation")
         return None
