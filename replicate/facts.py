@@ -150,7 +150,8 @@ class Towers:
     ``class_batch`` (the global size tensor) and ``class_offsets`` (where each tower's examples
     start, as tensors). With gradient accumulation (``micro`` > 1) every device holds ``micro``
     consecutive virtual towers, one per micro-batch: ``devices`` repeats each device ``micro``
-    times and :meth:`chains` groups the towers by device.
+    times and :meth:`chains` groups the towers by device; ``running`` lists the running-sum
+    ops (op name, the tower whose part it adds) for the accumulate pass.
     """
 
     devices: list[str]
@@ -165,6 +166,7 @@ class Towers:
     class_batch: dict[int, str] = dataclasses.field(default_factory=dict)
     class_offsets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     micro: int = 1
+    running: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     def chains(self) -> list[list[int]]:
         """Tower indices per physical device, in order (one per tower without accumulation)."""

@@ -16,7 +16,10 @@ Produces: for micro-batch j >= 1 of every device, a ``NoOp`` gate
 ``replicate/accumulate/<tower>/gate`` on the device that waits for micro-batch j-1's
 gradients and forward outputs, and an ``Identity`` ``<tower>/replicate/accumulate/input_<i>``
 per batch-input slice, controlled by the gate, that the micro-tower reads instead of the
-slice: micro-batch j's forward pass starts once j-1's backward pass is done. When the gates
+slice: micro-batch j's forward pass starts once j-1's backward pass is done. The running sum
+that adds micro-batch j's gradient also waits for gate j+1, which keeps TensorFlow's
+arithmetic optimizer from rewriting the chain of adds into one ``AddN`` over every
+micro-batch's gradient (which would keep all of them alive until the last). When the gates
 would close a cycle (synchronized batch statistics: every micro-batch's forward pass needs
 every other's), nothing is chained. ``ir.facts["accumulate"]`` records ``micro``,
 ``chained`` and, when not chained, ``why``.
@@ -68,14 +71,19 @@ class Accumulate:
         if why is not None:
             log.info("accumulate: micro-batches not chained (%s)", why)
             return PassResult(ir, False)
+        gates = {}
         for t, prev, reads in plan:
             prefix, device = towers.prefixes[t], towers.devices[t]
-            gate = ir.add(f"{SCOPE}/{prefix}/gate", "NoOp", control=done_of[prev], device=device).name
+            gate = gates[t] = ir.add(f"{SCOPE}/{prefix}/gate", "NoOp", control=done_of[prev],
+                                     device=device).name
             for i, (tensor, readers) in enumerate(reads):
                 held = ir.add(f"{prefix}/{SCOPE}/input_{i}", "Identity", [_ref(tensor)],
                               control=[gate], device=device,
                               attrs={"T": dtypes.as_dtype(ir.output_dtype(tensor))}).name
                 ir.replace_uses(tensor, held, only=readers)
+        for acc, t in towers.running:     # keep Grappler from merging a running sum into one AddN
+            if t + 1 in gates and acc in ir.nodes:
+                ir.set_control(acc, ir.nodes[acc].control + [gates[t + 1]])
         log.info("accumulate: %d micro-batches per device chained on %d devices",
                  towers.micro, len(towers.chains()))
         return PassResult(ir, True)
