@@ -3,14 +3,14 @@
 For each model (``models.SPECS``) and each variant, a fresh worker process builds the graph,
 runs warm-up steps, and then measures
 
-* **peak RSS of a step**: the kernel's peak-RSS counter is reset (``/proc/self/clear_refs``),
-  one training step runs, and the figure is ``VmHWM`` minus the RSS just before the step: the
-  memory the step itself needed on top of variables, optimizer slots and the runtime. The
-  worker runs with ``MALLOC_MMAP_THRESHOLD_=65536`` and ``MALLOC_TRIM_THRESHOLD_=0`` so that
-  freed buffers go back to the kernel and RSS follows live memory; the median of 3 steps;
-* **allocator peak**: from ``RunMetadata`` step statistics of one traced step
-  (``FULL_TRACE``): the largest ``allocator_bytes_in_use`` TensorFlow's CPU allocator reports
-  (0 when the allocator does not track sizes);
+* **allocator peak** (the primary figure): from ``RunMetadata`` step statistics of one traced
+  step (``FULL_TRACE``): the largest ``allocator_bytes_in_use`` that TensorFlow's CPU allocator
+  (``mklcpu`` with oneDNN on) reports at any node of the step -- live bytes, including
+  variables and optimizer slots, which every variant holds alike;
+* **process peak RSS**: ``VmHWM`` of the fresh worker at its end, and the same minus the RSS
+  after the variables were initialized (before the first step). The CPU allocator keeps freed
+  memory for reuse instead of returning it to the kernel, so RSS only shows the high-water
+  mark of the whole run (first steps included), never the live memory of one step;
 * **step time**: median of ``--steps`` untraced steps (feeding the global batch, fetching the loss).
 
 Variants, all one device (``/cpu:0``) on the same global batch and Adam:
@@ -53,11 +53,6 @@ def _rss() -> tuple[int, int]:
                 key, value = line.split(":")
                 out[key] = int(value.split()[0]) * 1024
     return out["VmRSS"], out["VmHWM"]
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _hand_loop(spec, k: int):
@@ -127,6 +122,7 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
         init = v1.global_variables_initializer()
     sess = v1.Session(graph=graph, config=config)
     sess.run(init)
+    rss_init, _ = _rss()
     data = feeds(spec, batch, 4)
     fetch = [graph.get_operation_by_name(train), graph.get_tensor_by_name(loss)]
 
@@ -136,13 +132,6 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
 
     for i in range(2):
         step(i)
-    peaks = []
-    for i in range(3):
-        before, _ = _rss()
-        _reset_peak()
-        step(i)
-        _, hwm = _rss()
-        peaks.append(hwm - before)
     meta = v1.RunMetadata()
     xs, ys = data[0]
     sess.run(fetch, {"x:0": xs, "y:0": ys}, options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
@@ -155,20 +144,18 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
         start = time.perf_counter()
         value = step(i)
         times.append(time.perf_counter() - start)
-    baseline, _ = _rss()
+    _, hwm = _rss()
     sess.close()
     return {"model": model, "variant": variant, "k": k, "batch": batch, "nodes": nodes,
             "transform_s": transform_s, "loss": float(value),
-            "step_peak_rss": int(statistics.median(peaks)), "step_peak_rss_all": peaks,
-            "rss_between_steps": baseline,
+            "process_peak_rss": hwm, "peak_rss_above_init": hwm - rss_init,
             "allocator_peak_in_use": max(in_use, default=0), "largest_node_peak": max(node_peak, default=0),
             "step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
             "parameters": spec.parameters()}
 
 
 def _run(model, variant, k, batch, steps) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
-               TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([model, variant, k, batch, steps])]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -183,17 +170,21 @@ def _mib(n) -> str:
 def table(rows: list[dict]) -> str:
     """RESULTS.md table of one model's rows."""
     single = next((r for r in rows if r["variant"] == "single"), None)
-    lines = ["| variant | k | step peak RSS MiB | /single | allocator peak MiB | step ms | /single | nodes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | k | allocator peak MiB | /single | peak RSS above init MiB | /single "
+             "| process peak RSS MiB | step ms | /single | nodes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['k']} | error: {r['error']} | | | | | |")
+            lines.append(f"| {r['variant']} | {r['k']} | error: {r['error']} | | | | | | | |")
             continue
-        ratio_m = r["step_peak_rss"] / single["step_peak_rss"] if single else float("nan")
-        ratio_t = r["step_ms"] / single["step_ms"] if single else float("nan")
+
+        def ratio(key):
+            return f"{r[key] / single[key]:.2f}" if single and single.get(key) else "-"
         alloc = _mib(r["allocator_peak_in_use"]) if r["allocator_peak_in_use"] else "n/a"
-        lines.append(f"| {r['variant']} | {r['k']} | {_mib(r['step_peak_rss'])} | {ratio_m:.2f} | {alloc} "
-                     f"| {r['step_ms']:.0f} | {ratio_t:.2f} | {r['nodes']} |")
+        lines.append(f"| {r['variant']} | {r['k']} | {alloc} | {ratio('allocator_peak_in_use')} "
+                     f"| {_mib(r['peak_rss_above_init'])} | {ratio('peak_rss_above_init')} "
+                     f"| {_mib(r['process_peak_rss'])} | {r['step_ms']:.0f} | {ratio('step_ms')} "
+                     f"| {r['nodes']} |")
     return "\n".join(lines)
 
 
@@ -223,7 +214,7 @@ def main() -> int:
             for variant, k in (plan if r % 2 == 0 else plan[::-1]):
                 row = _run(model, variant, k, batch, args.steps)
                 got.setdefault((variant, k), []).append(row)
-                print(json.dumps({key: row.get(key) for key in ("model", "variant", "k", "step_peak_rss",
+                print(json.dumps({key: row.get(key) for key in ("model", "variant", "k", "peak_rss_above_init",
                                                                  "allocator_peak_in_use", "step_ms", "error")}),
                       flush=True)
         rows = []
@@ -233,9 +224,10 @@ def main() -> int:
                 rows.append(runs[0])
                 continue
             row = dict(ok[0])
-            for key in ("step_peak_rss", "allocator_peak_in_use", "step_ms"):
+            for key in ("peak_rss_above_init", "process_peak_rss", "allocator_peak_in_use", "step_ms"):
                 row[key] = statistics.median(x[key] for x in ok)
-            row["rounds"] = [{key: x[key] for key in ("step_peak_rss", "step_ms")} for x in ok]
+            row["rounds"] = [{key: x[key] for key in ("allocator_peak_in_use", "peak_rss_above_init",
+                                                      "step_ms")} for x in ok]
             rows.append(row)
         results.extend(rows)
         print(f"\n{model}, global batch {batch}\n{table(rows)}\n", flush=True)
