@@ -197,6 +197,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=0, help="global batch (default per model)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the whole list; each variant's figures are the medians over rounds")
+    parser.add_argument("--out", default="accumulate.json", help="results file under results/")
     args = parser.parse_args()
     if args.worker:
         model, variant, k, batch, steps = json.loads(args.worker)
@@ -231,7 +232,7 @@ def main() -> int:
             rows.append(row)
         results.extend(rows)
         print(f"\n{model}, global batch {batch}\n{table(rows)}\n", flush=True)
-    path = write_json("accumulate.json", {"machine": machine(), "args": vars(args), "results": results})
+    path = write_json(args.out, {"machine": machine(), "args": vars(args), "results": results})
     print(f"wrote {path}")
     return 0
 
