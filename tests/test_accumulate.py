@@ -216,3 +216,16 @@ def test_cli_static_batch_smaller_than_k_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "accumulate=5" in err, err
     assert not out.exists()
+
+
+def test_running_sums_wait_for_the_next_gate():
+    """Each add of the running sum (but the last) waits for the next micro-batch's gate, so
+    Grappler cannot fold the chain into one AddN holding every micro-batch's gradient."""
+    res = replicate.transform(models.mlp("sgd").graph, CPUS[:1], accumulate=4)
+    adds = {n.name: n for n in res.graph_def.node if "_parts/accumulate_0_" in n.name
+            and n.name.startswith("replicate/aggregate/")}
+    assert adds
+    for name, node in adds.items():
+        j = int(name.rsplit("_", 1)[1])
+        controls = [i for i in node.input if i.startswith("^")]
+        assert controls == ([f"^{SCOPE}/tower_{j + 1}/gate"] if j < 3 else []), (name, controls)
