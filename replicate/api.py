@@ -20,6 +20,7 @@ from replicate.errors import (REPORT, AnalysisError, DeviceError, InputError, In
 from replicate.facts import Analysis, Towers
 from replicate.ir import IR, parse_tensor
 from replicate.kernels import host_of
+from replicate.passes.accumulate import Accumulate
 from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
@@ -223,7 +224,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               dump_dir: str | None = None,
               progress: Callable[[str, int, int], None] | None = None,
               between_graph: bool = False, task_index: int | None = None,
-              sparse_on_ps: bool = True) -> Result:
+              sparse_on_ps: bool = True,
+              accumulate: int = 1) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
 
     Args:
@@ -259,6 +261,10 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
         task_index: with ``between_graph``, pin the result to this worker task.
         sparse_on_ps: with ``between_graph`` and ps tasks, keep sparsely trained variables on
             the ps tasks (else every worker keeps a copy, updated from all-gathered gradients).
+        accumulate: gradient accumulation: each device processes its slice of the global batch
+            as this many micro-batches, one after the other within the same step, adding their
+            gradients; the aggregation and the optimizer run once (see
+            :mod:`replicate.passes.accumulate`).
 
     Returns:
         A :class:`Result`; the input is never modified.
@@ -272,7 +278,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
                           aggregation=aggregation, batch_norm=batch_norm, batch_inputs=batch_inputs,
                           cluster=cluster, verify_each=verify_each, dump_dir=dump_dir,
                           progress=progress, between_graph=between_graph, task_index=task_index,
-                          sparse_on_ps=sparse_on_ps)
+                          sparse_on_ps=sparse_on_ps, accumulate=accumulate)
 
 
 @contextlib.contextmanager
@@ -292,10 +298,14 @@ def _gc_paused():
 def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op, loss, outputs,
                merge_forward: bool, param_devices, aggregation: str, batch_norm: str, batch_inputs,
                cluster, verify_each: bool, dump_dir, progress, between_graph: bool = False,
-               task_index: int | None = None, sparse_on_ps: bool = True) -> Result:
+               task_index: int | None = None, sparse_on_ps: bool = True,
+               accumulate: int = 1) -> Result:
     start = time.perf_counter()
+    micro = _micro(accumulate)
     between = None
     if between_graph:
+        if micro > 1:
+            raise ReplicateError("between_graph with accumulate > 1 is not supported yet")
         from replicate import between as between_rt
         from replicate.passes.between import Between
 
@@ -330,9 +340,9 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                                       merge_forward=merge_forward, batch_inputs=batch_inputs,
                                       sync=batch_norm == "sync")
         validator = Validate()
-        passes = [analyze, Place(controller, params), Split(devices, controller), Clone(),
+        passes = [analyze, Place(controller, params), Split([d for d in devices for _ in range(micro)], controller, micro), Clone(),
                   Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
-                  Aggregate(controller, aggregation), Rewire(controller), Guard()]
+                  Aggregate(controller, aggregation), Rewire(controller), Guard(), Accumulate()]
         if between_graph:
             seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
                 (devices, controller, workers, ps, aggregation, sparse_on_ps, outputs, train_op,
@@ -376,8 +386,17 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
                      warnings, batch_norm)
+    report.accumulate = ir.facts.get("accumulate", {})
     return Result(graph_def, meta_out, report, analysis, towers, records,
                   ir.facts.get("aggregates", {}), seconds)
+
+
+def _micro(accumulate: Any) -> int:
+    """The validated ``accumulate`` option."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ReplicateError(f"accumulate={accumulate!r}: give a whole number of micro-batches "
+                             "per device, 1 or more")
+    return accumulate
 
 
 #: Which pass makes the nodes under each name scope of the output (for error messages).
@@ -423,7 +442,7 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
     grads: dict[str, int] = {}
     for f in analysis.frontier:
         grads[f.role] = grads.get(f.role, 0) + 1
-    per_tower = len(analysis.needed) if len(devices) > 1 else len(analysis.region)
+    per_tower = len(analysis.needed) if len(towers.devices) > 1 else len(analysis.region)
     tower_nodes = sum(1 for n in ir.nodes if n.split("/", 1)[0] in towers.prefixes)
     return Report(
         devices=devices, controller=controller, train_op=analysis.train_op, loss=analysis.loss,

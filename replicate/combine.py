@@ -5,6 +5,9 @@ the combination: ``dense``/``mean`` (sum of example-count-weighted parts), ``sum
 ``concat`` (along the batch axis), ``sparse_values`` (weighted, then concatenated),
 ``sparse_indices`` (concatenated), ``max``, ``min`` and ``first`` (tower 0's part).
 Weights use ``MulNoNan`` so a tower with no examples contributes zero, not NaN.
+With gradient accumulation (``towers.micro`` > 1) the sums first run along each device's
+micro-batches as a running sum on that device (each micro-batch's part can be freed as soon as
+it is added), and only the per-device sums are added (or all-reduced) across devices.
 """
 
 from __future__ import annotations
@@ -122,8 +125,11 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
                                  device=towers.devices[k], attrs={"T": tf_dtype}).name)
         refs = scaled
     if kind in ("dense", "mean", "ratio", "sum"):
+        devices = list(towers.devices)
+        if towers.micro > 1 and len(refs) == len(devices):
+            refs, devices = _running_sums(ir, towers, name, refs, tf_dtype)
         if allreduce_key is not None and len(refs) > 1:
-            return _allreduce(ir, towers, name, refs, tf_dtype, device, allreduce_key)
+            return _allreduce(ir, devices, name, refs, tf_dtype, device, allreduce_key)
         if len(refs) == 1:
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
         return ir.add(name, "AddN", refs, device=device, attrs={"T": tf_dtype, "N": len(refs)}).name
@@ -145,11 +151,26 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
     return acc
 
 
+def _running_sums(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype):
+    """Per device, the running sum of its micro-batches' parts (on that device, in order);
+    returns the per-device sums and their devices."""
+    sums, devices = [], []
+    for i, chain in enumerate(towers.chains()):
+        acc = refs[chain[0]]
+        for j in chain[1:]:
+            acc = ir.add(f"{name}_parts/accumulate_{i}_{j - chain[0]}", "AddV2", [acc, refs[j]],
+                         device=towers.devices[j], attrs={"T": tf_dtype}).name
+            towers.running.append((acc, j))
+        sums.append(acc)
+        devices.append(towers.devices[chain[0]])
+    return sums, devices
+
+
 #: Collective group of the towers' all-reduces.
 GROUP_KEY = 1
 
 
-def _allreduce(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype, device: str,
+def _allreduce(ir: IR, devices: list[str], name: str, refs: list[str], tf_dtype, device: str,
                instance_key: int) -> str:
     """All-reduce ``refs`` across the tower devices; the result (tower 0's) waits for every
     tower's collective, so none is pruned from a step."""
@@ -157,11 +178,11 @@ def _allreduce(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype, dev
     scope = f"{name}_parts"
     outputs = []
     for k, ref in enumerate(refs):
-        consts = [ir.const(f"{scope}/{what}_{k}", value, dtypes.int32, towers.devices[k])
+        consts = [ir.const(f"{scope}/{what}_{k}", value, dtypes.int32, devices[k])
                   for what, value in (("group_size", n), ("group_key", GROUP_KEY),
                                       ("instance_key", instance_key))]
         outputs.append(ir.add(f"{scope}/allreduce_{k}", "CollectiveReduceV2", [ref] + consts,
-                              device=towers.devices[k],
+                              device=devices[k],
                               attrs={"T": tf_dtype, "merge_op": "Add", "final_op": "Id",
                                      "Nordering_token": 0}).name)
     return ir.add(name, "Identity", [outputs[0]], control=outputs[1:], device=device,

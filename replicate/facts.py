@@ -148,7 +148,10 @@ class Towers:
     ``counts``/``static_counts``/``batch_size`` are those of the first batch class; every class
     has its own in ``class_counts`` (count tensors), ``class_static`` (static counts or None),
     ``class_batch`` (the global size tensor) and ``class_offsets`` (where each tower's examples
-    start, as tensors).
+    start, as tensors). With gradient accumulation (``micro`` > 1) every device holds ``micro``
+    consecutive virtual towers, one per micro-batch: ``devices`` repeats each device ``micro``
+    times and :meth:`chains` groups the towers by device; ``running`` lists the running-sum
+    ops (op name, the tower whose part it adds) for the accumulate pass.
     """
 
     devices: list[str]
@@ -162,3 +165,10 @@ class Towers:
     class_static: dict[int, list[int] | None] = dataclasses.field(default_factory=dict)
     class_batch: dict[int, str] = dataclasses.field(default_factory=dict)
     class_offsets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    micro: int = 1
+    running: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+    def chains(self) -> list[list[int]]:
+        """Tower indices per physical device, in order (one per tower without accumulation)."""
+        m = self.micro
+        return [list(range(i, i + m)) for i in range(0, len(self.devices), m)]

@@ -57,6 +57,7 @@ class Report:
     mirrored: list[str] = dataclasses.field(default_factory=list)
     shared_why: dict[str, str] = dataclasses.field(default_factory=dict)
     train_ops: list[str] = dataclasses.field(default_factory=list)
+    accumulate: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""
@@ -105,6 +106,13 @@ class Report:
                          "updated in place from all-reduced gradients (checkpoints hold the "
                          "originals; run replicate/mirror/sync after restoring with a Saver "
                          "built after import)")
+        if self.accumulate.get("micro", 1) > 1:
+            k = self.accumulate["micro"]
+            how = ("one after the other (one micro-batch's activations live at a time)"
+                   if self.accumulate.get("chained") else
+                   f"side by side: {self.accumulate.get('why')}")
+            lines.append(f"  accumulate    {k} micro-batches per device ({k * len(self.devices)} in all), "
+                         f"gradients summed on each device, optimizer once; run {how}")
         if self.rebatched:
             lines.append(f"  static batch  {len(self.rebatched)} constants rewritten per tower")
         if self.exact:

@@ -51,6 +51,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-inputs", metavar="NAME[@AXIS][,...]", default="",
                         help="split exactly these inputs along their batch axis (default 0) "
                              "instead of the ones the analysis finds, e.g. x:0,state:0@1")
+    parser.add_argument("--accumulate", metavar="K", default="1",
+                        help="gradient accumulation: each device runs its slice of the batch as K "
+                             "micro-batches in one step, gradients summed, optimizer once (default 1)")
 
 
 def strategy_options(args: argparse.Namespace) -> dict:
@@ -60,6 +63,12 @@ def strategy_options(args: argparse.Namespace) -> dict:
     else:
         params = parse_devices(args.param_devices, "--param-devices") if args.param_devices else None
     options = {"batch_norm": args.batch_norm, "aggregation": args.aggregation, "param_devices": params}
+    accumulate = str(getattr(args, "accumulate", "1")).strip()
+    if not accumulate.isdigit() or int(accumulate) < 1:
+        raise InputError(f"--accumulate {accumulate}: give a whole number of micro-batches per "
+                         "device, 1 or more")
+    if int(accumulate) > 1:
+        options["accumulate"] = int(accumulate)
     batch_inputs = getattr(args, "batch_inputs", "")
     if batch_inputs:
         names = name_list(batch_inputs)

@@ -109,6 +109,7 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
                    "optimizer_updates": report.updates, "inputs": len(report.inputs)
                    + len(report.shared_inputs)},
         "mirrored": list(report.mirrored),
+        "accumulate": dict(report.accumulate),
         "merged_outputs": [f.tensor for f in analysis.outputs],
         "named_outputs": [f.tensor for f in analysis.outputs if _named(ir, f.tensor)],
         "output_nodes": report.output_nodes, "exact": report.exact,
@@ -221,6 +222,11 @@ def render(info: dict[str, Any]) -> str:
     if info.get("mirrored"):
         lines.append(f"Mirrored: {len(info['mirrored'])} variables (weights and optimizer state) "
                      "copied on every tower device; the update runs on each device")
+    acc = info.get("accumulate") or {}
+    if acc.get("micro", 1) > 1:
+        lines.append(f"Accumulation: {acc['micro']} micro-batches per device, gradients summed on "
+                     "each device, optimizer once; " + ("run one after the other" if acc["chained"]
+                                                         else f"run side by side: {acc['why']}"))
     lines.append("")
     if info["exact"]:
         lines.append("Exact: yes (N towers train as one device on the same global batch)")

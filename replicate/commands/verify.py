@@ -166,7 +166,8 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
             raise InputError(f"{origin}: refusing to run node '{bad[0][0]}' ({bad[0][1]}): it touches "
                              "files, the network or Python; pass --allow-unsafe-ops to run it anyway")
     static = [s.shape[0] for s in specs if s.batch_axis is not None and s.shape and s.shape[0]]
-    batch = batch or (static[0] if static else default_batch(towers))
+    micro = (strategy or {}).get("accumulate", 1)
+    batch = batch or (static[0] if static else default_batch(towers * micro))
     rng = np.random.RandomState(seed)
     steps_feeds = [synthetic.make_feed(specs, batch, rng, overrides=feeds) for _ in range(steps)]
     batched = {s.tensor for s in specs if s.batch_axis is not None}

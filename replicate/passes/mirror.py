@@ -58,7 +58,9 @@ class Mirror:
     def run(self, ir: IR) -> PassResult:
         analysis = ir.facts["analysis"]
         towers = ir.facts["towers"]
-        devices = towers.devices
+        chains = towers.chains()     # with gradient accumulation, a device's micro-batch towers
+        devices = [towers.devices[c[0]] for c in chains]
+        groups = [{towers.prefixes[t] for t in c} for c in chains]
         if len(devices) < 2:
             ir.facts["mirrored"] = []
             return PassResult(ir, False)
@@ -85,7 +87,7 @@ class Mirror:
             mirrored |= more
         self._check_writers(ir, mirrored, shared)
         self._move_to_first(ir, mirrored, section, devices[0])
-        copies = [self._copy(ir, k, towers.prefixes[k], devices[k], mirrored, section, sources,
+        copies = [self._copy(ir, k, groups[k], devices[k], mirrored, section, sources,
                              needed | {train}, shared) for k in range(1, len(devices))]
         self._mirror_writes(ir, mirrored, section, shared, copies, towers.prefixes, devices)
         self._sync_op(ir, mirrored, copies, devices)
@@ -133,11 +135,11 @@ class Mirror:
             node = ir.nodes[name]
             ir.set_device(name, runnable_on(node.op, node.attrs, device))
 
-    def _copy(self, ir: IR, k: int, prefix: str, device: str, mirrored: set[str],
+    def _copy(self, ir: IR, k: int, prefixes: set[str], device: str, mirrored: set[str],
               section: set[str], sources: dict[str, list[str]], run: set[str],
               shared: set[str]) -> dict[str, str]:
-        """Tower ``k``'s mirrors and update section, and its tower reading them; returns the
-        names of the copies."""
+        """Device ``k``'s mirrors and update section, and its towers (``prefixes``) reading them;
+        returns the names of the copies."""
         names = {n: ir.unique_name(f"{COPY_SCOPE}_{k}/{n}") for n in sorted(mirrored | section)}
 
         def remap(ref: str) -> str:
@@ -158,7 +160,7 @@ class Mirror:
                              [names.get(c, c) for c in node.control],
                              runnable_on(node.op, node.attrs, device), attrs))
         for node in list(ir):
-            if node.name.split("/", 1)[0] == prefix and node.name not in names.values():
+            if node.name.split("/", 1)[0] in prefixes and node.name not in names.values():
                 self._retarget_tower_node(ir, node, names, remap, device)
         for name in sorted(section):
             for consumer in ir.consumers(name):

@@ -10,6 +10,8 @@ and ``ir.facts["towers"]``, a :class:`~replicate.facts.Towers` holding the tower
 prefixes, each tower's input tensors and the count tensors. With a static batch size the
 counts are constants; otherwise they are computed from the class's first input's shape,
 so uneven and tiny batches (even fewer examples than towers) split correctly.
+With gradient accumulation (``micro`` = k) every device gets k consecutive virtual towers,
+one per micro-batch, and the batch is split into (devices x k) slices the same way.
 """
 
 from __future__ import annotations
@@ -45,18 +47,22 @@ class Split:
     Args:
         devices: one device per tower.
         controller: device of the split ops.
+        micro: micro-batches per device (gradient accumulation); ``devices`` then lists each
+            device ``micro`` times, once per virtual tower.
     """
 
     name = "split"
 
-    def __init__(self, devices: list[str], controller: str):
+    def __init__(self, devices: list[str], controller: str, micro: int = 1):
         self.devices = list(devices)
         self.controller = controller
+        self.micro = micro
 
     def run(self, ir: IR) -> PassResult:
         analysis = ir.facts["analysis"]
         n = len(self.devices)
-        towers = Towers(self.devices, tower_prefixes(ir, n), [dict() for _ in range(n)], [], None)
+        towers = Towers(self.devices, tower_prefixes(ir, n), [dict() for _ in range(n)], [], None,
+                        micro=self.micro)
         order = list(dict.fromkeys(b.cls for b in analysis.batch_inputs))
         for i, cls in enumerate(order):
             members = [b for b in analysis.batch_inputs if b.cls == cls]
@@ -78,6 +84,11 @@ class Split:
         one more); returns the sizes vector for ``SplitV``."""
         n, dev = len(self.devices), self.controller
         if static is not None:
+            if static < n and self.micro > 1:
+                raise AnalysisError(
+                    f"accumulate={self.micro}: the batch inputs have a static batch size of "
+                    f"{static}, fewer than the {n} micro-batches ({n // self.micro} devices x "
+                    f"{self.micro}); use a smaller accumulate or a dynamic batch dimension (None)")
             if static < n:
                 raise AnalysisError(f"the batch inputs have a static batch size of {static}, fewer "
                                     f"than the {n} towers; give them a dynamic batch dimension (None)")

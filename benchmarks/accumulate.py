@@ -1,0 +1,241 @@
+"""Gradient accumulation: peak memory and step time for k micro-batches at a fixed global batch.
+
+For each model (``models.SPECS``) and each variant, a fresh worker process builds the graph,
+runs warm-up steps, and then measures
+
+* **allocator peak** (the primary figure): from ``RunMetadata`` step statistics of one traced
+  step (``FULL_TRACE``): the largest ``allocator_bytes_in_use`` that TensorFlow's CPU allocator
+  (``mklcpu`` with oneDNN on) reports at any node of the step -- live bytes, including
+  variables and optimizer slots, which every variant holds alike;
+* **process peak RSS**: ``VmHWM`` of the fresh worker at its end, and the same minus the RSS
+  after the variables were initialized (before the first step). The CPU allocator keeps freed
+  memory for reuse instead of returning it to the kernel, so RSS only shows the high-water
+  mark of the whole run (first steps included), never the live memory of one step;
+* **step time**: median of ``--steps`` untraced steps (feeding the global batch, fetching the loss).
+
+Variants, all one device (``/cpu:0``) on the same global batch and Adam:
+
+* ``single``: the single-device graph running the whole batch (replicate's input);
+* ``replicate k=K``: ``replicate.transform(graph, ["/cpu:0"], accumulate=K)``;
+* ``hand loop k=K``: a hand-written in-graph ``tf.while_loop`` over K micro-batches that adds
+  each micro-batch's gradients (weighted by its share of the batch) into loop variables, then
+  one ``apply_gradients`` -- the common hand-written accumulation;
+
+Usage::
+
+    python benchmarks/accumulate.py                       # both models, k = 1 2 4 8
+    python benchmarks/accumulate.py --models mlp_20m --ks 1,4 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+DEFAULT_BATCH = {"mnist_cnn": 256, "mlp_20m": 512}
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out["VmRSS"], out["VmHWM"]
+
+
+def _hand_loop(spec, k: int):
+    """The hand-written accumulation loop: a while loop over k micro-batches."""
+    import tensorflow as tf
+
+    from models import LEARNING_RATE, Built, _get_params
+
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, spec.features], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        with v1.variable_scope("model"):
+            params = _get_params(spec)
+        names = [n for n, _ in spec.variables]
+        variables = [params[n] for n in names]
+        batch = tf.shape(x)[0]
+        total = tf.cast(batch, tf.float32)
+
+        def body(i, loss_sum, *acc):
+            start = i * batch // k
+            end = (i + 1) * batch // k
+            xs, ys = x[start:end], y[start:end]
+            logits = spec.forward(params, xs)
+            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=ys, logits=logits)) / total
+            grads = tf.gradients(loss, variables)
+            return [i + 1, loss_sum + loss] + [a + g for a, g in zip(acc, grads)]
+
+        zeros = [tf.zeros_like(v) for v in variables]
+        out = tf.while_loop(lambda i, *_: i < k, body, [tf.constant(0), tf.constant(0.0)] + zeros,
+                            parallel_iterations=1, back_prop=False)
+        tf.identity(out[1], name="loss")
+        step = v1.train.get_or_create_global_step()
+        v1.train.AdamOptimizer(LEARNING_RATE).apply_gradients(
+            list(zip(out[2:], variables)), global_step=step, name="train")
+    return Built(graph, "train", "loss:0")
+
+
+def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
+    """Build one variant and measure it (runs in a fresh process)."""
+    import numpy as np
+    import tensorflow as tf
+
+    import replicate
+    from models import SPECS, feeds, single_graph
+
+    tf.compat.v1.disable_eager_execution()
+    v1 = tf.compat.v1
+    spec = SPECS[model]
+    graph, train, loss = None, "train", "loss:0"
+    transform_s = None
+    if variant == "hand_loop":
+        built = _hand_loop(spec, k)
+        graph = built.graph
+    else:
+        built = single_graph(spec)
+        graph = built.graph
+        if variant == "replicate":
+            start = time.perf_counter()
+            res = replicate.transform(graph, ["/cpu:0"], accumulate=k)
+            transform_s = time.perf_counter() - start
+            graph = res.graph
+    nodes = len(graph.as_graph_def().node)
+    config = v1.ConfigProto(device_count={"CPU": 1})
+    with graph.as_default():
+        init = v1.global_variables_initializer()
+    sess = v1.Session(graph=graph, config=config)
+    sess.run(init)
+    rss_init, _ = _rss()
+    data = feeds(spec, batch, 4)
+    fetch = [graph.get_operation_by_name(train), graph.get_tensor_by_name(loss)]
+
+    def step(i):
+        xs, ys = data[i % len(data)]
+        return sess.run(fetch, {"x:0": xs, "y:0": ys})[1]
+
+    for i in range(2):
+        step(i)
+    meta = v1.RunMetadata()
+    xs, ys = data[0]
+    sess.run(fetch, {"x:0": xs, "y:0": ys}, options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
+             run_metadata=meta)
+    in_use = [m.allocator_bytes_in_use for d in meta.step_stats.dev_stats for n in d.node_stats
+              for m in n.memory]
+    node_peak = [m.peak_bytes for d in meta.step_stats.dev_stats for n in d.node_stats for m in n.memory]
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        value = step(i)
+        times.append(time.perf_counter() - start)
+    _, hwm = _rss()
+    sess.close()
+    return {"model": model, "variant": variant, "k": k, "batch": batch, "nodes": nodes,
+            "transform_s": transform_s, "loss": float(value),
+            "process_peak_rss": hwm, "peak_rss_above_init": hwm - rss_init,
+            "allocator_peak_in_use": max(in_use, default=0), "largest_node_peak": max(node_peak, default=0),
+            "step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
+            "parameters": spec.parameters()}
+
+
+def _run(model, variant, k, batch, steps) -> dict:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([model, variant, k, batch, steps])]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        return {"model": model, "variant": variant, "k": k, "error": out.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _mib(n) -> str:
+    return f"{n / 2 ** 20:.0f}"
+
+
+def table(rows: list[dict]) -> str:
+    """RESULTS.md table of one model's rows."""
+    single = next((r for r in rows if r["variant"] == "single"), None)
+    lines = ["| variant | k | allocator peak MiB | /single | peak RSS above init MiB | /single "
+             "| process peak RSS MiB | step ms | /single | nodes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['k']} | error: {r['error']} | | | | | | | |")
+            continue
+
+        def ratio(key):
+            return f"{r[key] / single[key]:.2f}" if single and single.get(key) else "-"
+        alloc = _mib(r["allocator_peak_in_use"]) if r["allocator_peak_in_use"] else "n/a"
+        lines.append(f"| {r['variant']} | {r['k']} | {alloc} | {ratio('allocator_peak_in_use')} "
+                     f"| {_mib(r['peak_rss_above_init'])} | {ratio('peak_rss_above_init')} "
+                     f"| {_mib(r['process_peak_rss'])} | {r['step_ms']:.0f} | {ratio('step_ms')} "
+                     f"| {r['nodes']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default="mnist_cnn,mlp_20m")
+    parser.add_argument("--ks", default="1,2,4,8")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=0, help="global batch (default per model)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole list; each variant's figures are the medians over rounds")
+    parser.add_argument("--out", default="accumulate.json", help="results file under results/")
+    args = parser.parse_args()
+    if args.worker:
+        model, variant, k, batch, steps = json.loads(args.worker)
+        print(json.dumps(worker(model, variant, k, batch, steps)))
+        return 0
+    from common import machine, write_json
+
+    ks = [int(k) for k in args.ks.split(",")]
+    results = []
+    for model in args.models.split(","):
+        batch = args.batch or DEFAULT_BATCH[model]
+        plan = [("single", 1)] + [("replicate", k) for k in ks] + [("hand_loop", k) for k in ks if k > 1]
+        got: dict[tuple, list[dict]] = {}
+        for r in range(args.rounds):
+            for variant, k in (plan if r % 2 == 0 else plan[::-1]):
+                row = _run(model, variant, k, batch, args.steps)
+                got.setdefault((variant, k), []).append(row)
+                print(json.dumps({key: row.get(key) for key in ("model", "variant", "k", "peak_rss_above_init",
+                                                                 "allocator_peak_in_use", "step_ms", "error")}),
+                      flush=True)
+        rows = []
+        for (variant, k), runs in got.items():
+            ok = [x for x in runs if "error" not in x]
+            if not ok:
+                rows.append(runs[0])
+                continue
+            row = dict(ok[0])
+            for key in ("peak_rss_above_init", "process_peak_rss", "allocator_peak_in_use", "step_ms"):
+                row[key] = statistics.median(x[key] for x in ok)
+            row["rounds"] = [{key: x[key] for key in ("allocator_peak_in_use", "peak_rss_above_init",
+                                                      "step_ms")} for x in ok]
+            rows.append(row)
+        results.extend(rows)
+        print(f"\n{model}, global batch {batch}\n{table(rows)}\n", flush=True)
+    path = write_json(args.out, {"machine": machine(), "args": vars(args), "results": results})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

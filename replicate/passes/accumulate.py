@@ -1,0 +1,137 @@
+"""Chain each device's micro-batches, so only one micro-batch's activations are live at a time.
+
+Gradient accumulation (``transform(..., accumulate=k)``) is built from *virtual towers*: the
+split pass cuts the global batch into (devices x k) slices and gives each device k consecutive
+towers, one per micro-batch; the clone, rebatch and weigh passes treat them like any other
+tower, and the aggregate pass adds each device's micro-batch gradients as a running sum on
+that device before combining the devices (:mod:`replicate.combine`). Exactness is that of
+towers: each micro-batch is weighted by its share of the global batch, counted in the graph,
+and an empty micro-batch contributes zero.
+
+Requires: ``ir.facts["towers"]`` (``micro`` > 1, the tower inputs), the clone pass's
+``ir.facts["copies"]`` and ``ir.facts["analysis"]`` (gradient frontier, merged outputs);
+runs after rewire, so that every edge between the towers and the shared graph is known.
+
+Produces: for micro-batch j >= 1 of every device, a ``NoOp`` gate
+``replicate/accumulate/<tower>/gate`` on the device that waits for micro-batch j-1's
+gradients and forward outputs, and an ``Identity`` ``<tower>/replicate/accumulate/input_<i>``
+per batch-input slice, controlled by the gate, that the micro-tower reads instead of the
+slice: micro-batch j's forward pass starts once j-1's backward pass is done. The running sum
+that adds micro-batch j's gradient also waits for gate j+1, which keeps TensorFlow's
+arithmetic optimizer from rewriting the chain of adds into one ``AddN`` over every
+micro-batch's gradient (which would keep all of them alive until the last). When the gates
+would close a cycle (synchronized batch statistics: every micro-batch's forward pass needs
+every other's), nothing is chained. ``ir.facts["accumulate"]`` records ``micro``,
+``chained`` and, when not chained, ``why``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+from tensorflow.python.framework import dtypes
+
+from replicate import ops
+from replicate.ir import IR, node_of, parse_tensor
+from replicate.pipeline import PassResult
+
+__all__ = ["Accumulate", "SCOPE"]
+
+log = logging.getLogger(__name__)
+
+SCOPE = "replicate/accumulate"
+
+
+class Accumulate:
+    """Serialized micro-batches (no options: ``micro`` comes from the towers)."""
+
+    name = "accumulate"
+
+    def run(self, ir: IR) -> PassResult:
+        towers = ir.facts["towers"]
+        if towers.micro <= 1:
+            return PassResult(ir, False)
+        analysis, copies = ir.facts["analysis"], ir.facts["copies"]
+        done_of = [self._done(analysis, copy) for copy in copies]
+        plan = []        # (tower, previous tower, [(slice, readers)])
+        for chain in towers.chains():
+            for prev, t in zip(chain, chain[1:]):
+                prefix = towers.prefixes[t] + "/"
+                reads = []
+                for tensor in sorted(set(towers.inputs[t].values())):
+                    readers = [c.name for c, _ in ir.data_consumers(tensor)
+                               if c.name.startswith(prefix)]
+                    if readers:
+                        reads.append((tensor, readers))
+                plan.append((t, prev, reads))
+        why = self._cycle(ir, plan, done_of)
+        facts = {"micro": towers.micro, "chained": why is None, "why": why}
+        ir.facts["accumulate"] = facts
+        if why is not None:
+            log.info("accumulate: micro-batches not chained (%s)", why)
+            return PassResult(ir, False)
+        gates = {}
+        for t, prev, reads in plan:
+            prefix, device = towers.prefixes[t], towers.devices[t]
+            gate = gates[t] = ir.add(f"{SCOPE}/{prefix}/gate", "NoOp", control=done_of[prev],
+                                     device=device).name
+            for i, (tensor, readers) in enumerate(reads):
+                held = ir.add(f"{prefix}/{SCOPE}/input_{i}", "Identity", [_ref(tensor)],
+                              control=[gate], device=device,
+                              attrs={"T": dtypes.as_dtype(ir.output_dtype(tensor))}).name
+                ir.replace_uses(tensor, held, only=readers)
+        for acc, t in towers.running:     # keep Grappler from merging a running sum into one AddN
+            if t + 1 in gates and acc in ir.nodes:
+                ir.set_control(acc, ir.nodes[acc].control + [gates[t + 1]])
+        log.info("accumulate: %d micro-batches per device chained on %d devices",
+                 towers.micro, len(towers.chains()))
+        return PassResult(ir, True)
+
+    @staticmethod
+    def _done(analysis, copy: dict[str, str]) -> list[str]:
+        """The tower ops whose completion ends a micro-batch: its gradients and forward outputs."""
+        names = {node_of(f.tensor) for f in analysis.frontier} | {node_of(f.tensor) for f in analysis.outputs}
+        return sorted(copy[n] for n in names if n in copy)
+
+    @staticmethod
+    def _cycle(ir: IR, plan, done_of) -> str | None:
+        """Why the gates cannot be added (they would close a cycle), or None."""
+        if not plan:
+            return "no micro-batch reads a batch input"
+        graph = ir.to_networkx(control=True)
+        gates = []
+        for t, prev, reads in plan:
+            gate = ("gate", t)
+            gates.append(gate)
+            graph.add_edges_from((d, gate) for d in done_of[prev])
+            graph.add_edges_from((gate, r) for _, readers in reads for r in readers)
+        for node in ir:          # while-loop back edges are not dependencies
+            if node.op in ("NextIteration", "RefNextIteration"):
+                graph.remove_edges_from([(node.name, s) for s in list(graph.successors(node.name))])
+        gate_set = set(gates)
+        prefixes = set(ir.facts["towers"].prefixes)
+        for component in nx.strongly_connected_components(graph):
+            if len(component) > 1 and component & gate_set:
+                synced = ir.facts.get("synced", [])
+                shared = sorted(n for n in component if isinstance(n, str)
+                                and n.split("/", 1)[0] not in prefixes)
+                writes = [n for n in shared if ir.nodes[n].op in ops.MUTATING_OPS]
+                shared = writes or shared
+                if synced:
+                    what = (f"synchronized batch statistics ({', '.join(synced[:2])}"
+                            f"{'...' if len(synced) > 2 else ''}) need")
+                else:
+                    what = (f"the shared op '{shared[-1] if shared else '?'}' combines every "
+                            "micro-batch's forward values and a micro-batch's backward pass waits "
+                            "for it (a control dependency such as the UPDATE_OPS one), so it needs")
+                return (f"{what} every micro-batch's forward pass before any backward pass; the "
+                        "micro-batches of a device run side by side: exact as reported, but peak "
+                        "activation memory is that of the device's whole slice, as without "
+                        "accumulation")
+        return None
+
+
+def _ref(tensor: str) -> str:
+    node, idx = parse_tensor(tensor)
+    return node if idx == 0 else f"{node}:{idx}"

@@ -1,0 +1,231 @@
+"""Issue 14: exact gradient accumulation (``accumulate=k`` micro-batches per device, optimizer once)."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import breadth_models as bm
+import models
+import replicate
+from replicate.cli import main
+from replicate.equivalence import Trainer, compare
+from replicate.passes.accumulate import SCOPE
+from test_equivalence import CPUS, check
+
+v1 = tf.compat.v1
+
+#: Ops that would turn an IndexedSlices gradient into a dense tensor.
+DENSIFY = {"UnsortedSegmentSum", "ScatterNd", "SparseToDense", "TensorScatterAdd"}
+
+
+def _ops(res) -> dict[str, str]:
+    return {n.name: n.op for n in res.graph_def.node}
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_mlp_every_fetch_and_update_exact(optimizer, resource):
+    res, _ = check(models.mlp(optimizer, resource), towers=2, batch=13, accumulate=3)
+    assert res.report.exact, str(res.report)
+    assert res.report.accumulate == {"micro": 3, "chained": True, "why": None}
+    assert "accumulate    3 micro-batches per device (6 in all)" in str(res.report)
+
+
+def test_one_device_four_micro_batches():
+    res, _ = check(models.mlp("adam"), towers=1, batch=10, accumulate=4)
+    gates = [n for n in _ops(res) if n.startswith(SCOPE + "/") and n.endswith("/gate")]
+    assert len(gates) == 3, gates
+
+
+def test_micro_batches_run_in_a_chain():
+    """Micro-batch j reads its input slice through an Identity that waits for micro-batch j-1's
+    gradients: its forward pass cannot start before."""
+    res = replicate.transform(models.mlp("sgd").graph, CPUS[:2], accumulate=3)
+    nodes = {n.name: n for n in res.graph_def.node}
+    for tower in ("tower_1", "tower_2", "tower_4", "tower_5"):
+        held = [n for n in nodes.values() if n.name.startswith(f"{tower}/{SCOPE}/input_")]
+        assert len(held) == 2 and all(n.input[-1] == f"^{SCOPE}/{tower}/gate" for n in held)
+        gate = nodes[f"{SCOPE}/{tower}/gate"]
+        previous = f"tower_{int(tower[-1]) - 1}/"
+        assert gate.input and all(i.startswith("^" + previous) for i in gate.input)
+    assert f"{SCOPE}/tower_3/gate" not in nodes      # the second device's first micro-batch
+    devices = {nodes[f"{SCOPE}/tower_{k}/gate"].device for k in (1, 2)}
+    assert devices == {"/device:CPU:0"}
+
+
+def test_uneven_and_empty_micro_batches_are_exact_and_finite():
+    # 5 examples in 2 x 4 micro-batches: three are empty.
+    _, result = check(models.mlp("adam"), towers=2, batch=5, accumulate=4)
+    for _, multi in result.fetched:
+        assert all(np.isfinite(np.asarray(v, np.float64)).all() for v in multi)
+
+
+def test_cnn_dynamic_batch():
+    check(models.cnn(), towers=2, batch=10, steps=2, accumulate=2)
+
+
+def test_cnn_static_batch_rewritten_per_micro_batch():
+    model = models.cnn(batch=16, optimizer="sgd")
+    res, _ = check(model, towers=2, batch=16, steps=2, accumulate=4)
+    assert res.report.rebatched and res.report.exact, str(res.report)
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_sparse_gradient_accumulated_as_slices(resource):
+    model = bm.embedding("adagrad", resource)
+    before = {op.name for op in model.graph.get_operations() if op.type in DENSIFY}
+    res, _ = check(model, towers=2, batch=10, accumulate=3)
+    assert res.report.gradients.get("sparse_values") == 1
+    after = {name for name, op in _ops(res).items() if op in DENSIFY}
+    # Only the optimizer's own deduplication (a segment sum over the unique indices) remains.
+    assert after == before, f"an IndexedSlices gradient was densified: {after - before}"
+    table = next(a for a in res.analysis.apply_ops if a.variable == "m/embedding")
+    assert "Sparse" in table.op or "Scatter" in table.op
+    nodes = {n.name: n for n in res.graph_def.node}
+    values = nodes[table.grad.split(":")[0]]
+    while values.op in ("Identity", "UnsortedSegmentSum"):     # the optimizer's deduplication
+        values = nodes[values.input[0].split(":")[0]]
+    assert values.op == "ConcatV2" and values.attr["N"].i == 6     # 2 devices x 3 micro-batches
+
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_clipping_sees_the_accumulated_gradient(resource):
+    check(models.clipped(resource, norm=0.05), towers=2, batch=11, accumulate=2)
+
+
+def test_two_optimizers():
+    res, _ = check(models.two_optimizers(True), towers=2, batch=9, accumulate=2)
+    assert set(res.report.optimizers) == {"Adam", "GradientDescent"}
+
+
+def test_global_step_once_per_step():
+    model = models.mlp("sgd")
+    res = replicate.transform(model.graph, CPUS[:2], accumulate=4)
+    trainer = Trainer(res.meta_graph_def, "train")
+    try:
+        for feed in model.feeds(12, 3):
+            trainer.step(feed)
+        assert trainer.values()["global_step"] == 3
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("options", [
+    {"param_devices": ["/cpu:2", "/cpu:3"]},
+    {"aggregation": "packed"},
+    {"aggregation": "allreduce"},
+    {"aggregation": "packed_allreduce"},
+    {"param_devices": "mirrored"},
+], ids=["param_devices", "packed", "allreduce", "packed_allreduce", "mirrored"])
+def test_composes_with_placement_and_aggregation(options):
+    res, _ = check(models.mlp("momentum", hidden=8), towers=2, batch=11, accumulate=3, **options)
+    if "aggregation" in options and "allreduce" in options["aggregation"]:
+        reduces = [n for n in res.graph_def.node if n.op == "CollectiveReduceV2"]
+        # all-reduces among the 2 devices (one per device), not among the 6 micro-batches
+        assert reduces and all(n.input[1] for n in reduces)
+        sizes = {next(m for m in res.graph_def.node if m.name == n.input[1].split(":")[0])
+                 .attr["value"].tensor.int_val[0] for n in reduces}
+        assert sizes == {2}
+
+
+def test_sync_batch_norm_exact_and_says_why_not_chained():
+    res, _ = check(bm.batch_norm_cnn(True), towers=2, batch=10, accumulate=2, batch_norm="sync")
+    assert res.report.exact, str(res.report)
+    acc = res.report.accumulate
+    assert acc["chained"] is False and "synchronized batch statistics" in acc["why"]
+    assert "peak activation memory is that of the device's whole slice" in str(res.report)
+
+
+def test_tower0_batch_norm_reported_inexact():
+    res = replicate.transform(bm.batch_norm_cnn(True).graph, CPUS[:2], accumulate=2)
+    assert not res.report.exact and res.report.batch_norm["ops"]
+    # The model's gradients wait for the moving-average updates (UPDATE_OPS), which read every
+    # micro-batch's statistics: the micro-batches cannot be chained, and the report says so.
+    acc = res.report.accumulate
+    assert acc["chained"] is False and "AssignMovingAvg" in acc["why"], acc
+
+
+def test_same_input_same_output():
+    graph = models.mlp("adam").graph
+    a = replicate.transform(graph, CPUS[:2], accumulate=3).graph_def.SerializeToString(deterministic=True)
+    b = replicate.transform(graph, CPUS[:2], accumulate=3).graph_def.SerializeToString(deterministic=True)
+    assert a == b
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_bad_values_raise(bad):
+    with pytest.raises(replicate.ReplicateError, match="accumulate="):
+        replicate.transform(models.mlp("sgd").graph, CPUS[:2], accumulate=bad)
+
+
+def test_more_micro_batches_than_a_static_batch():
+    with pytest.raises(replicate.ReplicateError, match="accumulate=8.*static batch size of 6"):
+        replicate.transform(models.mlp("sgd", batch=6).graph, CPUS[:1], accumulate=8)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def _export(tmp_path, model, name="model.meta"):
+    path = tmp_path / name
+    v1.train.export_meta_graph(str(path), graph=model.graph)
+    return path
+
+
+def test_cli_convert_end_to_end_with_unchanged_driver(tmp_path, capsys):
+    model = models.mlp("adam")
+    path, out = _export(tmp_path, model), tmp_path / "out.meta"
+    assert main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0,/cpu:1",
+                 "--accumulate", "3"]) == 0
+    assert "accumulate    3 micro-batches per device" in capsys.readouterr().out
+    written = v1.MetaGraphDef()
+    written.ParseFromString(out.read_bytes())
+    # The legacy driver: feed x:0 and y:0, run 'train', fetch 'loss:0'.
+    result = compare(model.graph, written, "train", model.feeds(11, 3), fetch=("loss:0",))
+    assert result.max_rel <= 1e-5, f"{result.worst} differs by {result.max_rel:.3g}"
+    for single, multi in result.fetched:
+        np.testing.assert_allclose(multi[0], single[0], rtol=1e-5)
+
+
+def test_cli_inspect_and_verify(tmp_path, capsys):
+    path = _export(tmp_path, models.mlp("momentum"))
+    assert main(["inspect", str(path), "--devices", "/cpu:0,/cpu:1", "--accumulate", "2",
+                 "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["accumulate"]["micro"] == 2 and info["accumulate"]["chained"]
+    assert main(["inspect", str(path), "--devices", "/cpu:0", "--accumulate", "4"]) == 0
+    assert "Accumulation: 4 micro-batches per device" in capsys.readouterr().out
+    assert main(["verify", str(path), "--devices", "/cpu:0,/cpu:1", "--accumulate", "2",
+                 "--steps", "2"]) == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_cli_bad_values_exit_2_with_one_line(tmp_path, capsys, value):
+    path, out = _export(tmp_path, models.mlp("sgd")), tmp_path / "out.meta"
+    code = main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0",
+                 f"--accumulate={value}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--accumulate" in err, err
+    assert not out.exists()
+
+
+def test_cli_static_batch_smaller_than_k_exits_2(tmp_path, capsys):
+    path, out = _export(tmp_path, models.mlp("sgd", batch=4)), tmp_path / "out.meta"
+    code = main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0", "--accumulate", "5"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "accumulate=5" in err, err
+    assert not out.exists()
+
+
+def test_running_sums_wait_for_the_next_gate():
+    """Each add of the running sum (but the last) waits for the next micro-batch's gate, so
+    Grappler cannot fold the chain into one AddN holding every micro-batch's gradient."""
+    res = replicate.transform(models.mlp("sgd").graph, CPUS[:1], accumulate=4)
+    adds = {n.name: n for n in res.graph_def.node if "_parts/accumulate_0_" in n.name
+            and n.name.startswith("replicate/aggregate/")}
+    assert adds
+    for name, node in adds.items():
+        j = int(name.rsplit("_", 1)[1])
+        controls = [i for i in node.input if i.startswith("^")]
+        assert controls == ([f"^{SCOPE}/tower_{j + 1}/gate"] if j < 3 else []), (name, controls)
