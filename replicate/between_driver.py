@@ -106,7 +106,8 @@ def train_single(graph_or_meta, train_op: str, initial: dict[str, np.ndarray],
     if isinstance(graph_or_meta, tf.Graph):
         from tensorflow.python.framework import meta_graph
 
-        meta = v1.train.export_meta_graph(graph=graph_or_meta)
+        with graph_or_meta.as_default():
+            meta = v1.train.export_meta_graph(graph=graph_or_meta)
     else:
         meta = graph_or_meta
     graph = tf.Graph()

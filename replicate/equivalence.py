@@ -50,7 +50,8 @@ class Trainer:
 
         meta = source
         if isinstance(source, tf.Graph):
-            meta = tf.compat.v1.train.export_meta_graph(graph=source, clear_devices=False)
+            with source.as_default():
+                meta = tf.compat.v1.train.export_meta_graph(graph=source, clear_devices=False)
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)

@@ -68,7 +68,8 @@ def load(source: Any, tags: tuple[str, ...] = ("train",)) -> Loaded:
     import tensorflow as tf
 
     if isinstance(source, tf.Graph):
-        meta = tf.compat.v1.train.export_meta_graph(graph=source, clear_devices=False)
+        with source.as_default():     # works with eager execution on (TF2's default)
+            meta = tf.compat.v1.train.export_meta_graph(graph=source, clear_devices=False)
         return Loaded(meta.graph_def, meta, source, "tf.Graph", "graph")
     if isinstance(source, meta_graph_pb2.MetaGraphDef):
         return _checked(Loaded(source.graph_def, source, None, "MetaGraphDef", "meta_graph_def"))

@@ -246,3 +246,41 @@ def test_train_op_hint_prefers_the_option_then_the_saved_model_collection(mlp_me
     hinted.collection_def["saved_model_train_op"].node_list.value.append("else")
     assert train_op_hint(None, hinted) is None
     assert train_op_hint(None, None) is None
+
+
+EAGER_SCRIPT = r"""
+import numpy as np, tensorflow as tf
+import replicate
+v1 = tf.compat.v1
+assert tf.executing_eagerly()                      # TF2's default: the user never disabled it
+graph = tf.Graph()
+with graph.as_default():
+    x = v1.placeholder(tf.float32, [None, 3], name="x")
+    w = v1.get_variable("w", initializer=np.ones((3, 1), np.float32))
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
+    v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+feed = {"x:0": np.arange(12, dtype=np.float32).reshape(4, 3) / 10}
+out = []
+for g in (graph, res.graph):
+    with v1.Session(graph=g, config=v1.ConfigProto(device_count={"CPU": 2})) as s:
+        s.run(v1.global_variables_initializer())
+        s.run("train", feed)
+        out.append(s.run("loss:0", feed))          # after one step: reads the updated w
+print("exact", res.report.exact, "diff", float(np.abs(out[0] - out[1]).max()))
+"""
+
+
+def test_transform_of_a_tf_graph_with_eager_execution_on(tmp_path):
+    """TF2 users build a ``tf.Graph`` with eager execution still on (the tests turn it off):
+    exporting that graph must not need graph mode (it raised an InternalError)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "eager.py"
+    script.write_text(EAGER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    words = done.stdout.split()
+    assert words[:2] == ["exact", "True"] and float(words[3]) < 1e-6

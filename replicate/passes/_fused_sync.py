@@ -120,13 +120,17 @@ class FusedSync:
         node = ir.nodes[grad]
         eps = shared.const("epsilon", float(node.attr("epsilon", 1e-3)))
         rstd = shared("rstd", "Rsqrt", [shared("var_eps", "AddV2", [var, eps])])
+        # One copy of the scale feeds every tower's kernel and ``gamma_rstd``: the copy is a data
+        # ancestor of the scale's gradient, so it is taken before the optimizer updates the scale
+        # (a ref variable's read aliases its buffer; a control gate would not survive Grappler).
+        scale_copy = shared("scale", "Snapshot", [ir.nodes[grads[0]].inputs[2]])
         new = []
         for k in range(n):
             g = ir.nodes[grads[k]]
             fwd = ir.nodes[forward[k]]
             attrs = dict(g.attrs)
             attrs["is_training"] = _attr(False)
-            inputs = g.inputs[:3] + [fwd.inputs[3], fwd.inputs[4], f"{forward[k]}:5"]
+            inputs = g.inputs[:2] + [scale_copy, fwd.inputs[3], fwd.inputs[4], f"{forward[k]}:5"]
             new.append(ir.add_node(Node(f"{grads[k]}_inference", g.op, inputs, list(g.control),
                                         towers.devices[k], attrs)).name)
         scope = next(s for s in analysis.scopes if grad.startswith(s.prefix + "/"))
@@ -134,7 +138,7 @@ class FusedSync:
                      u.as_datatype_enum, self.controller, self.controller, scope.weights)
         s2 = combine(ir, towers, f"{shared.scope}/scale_grad", [f"{g}:1" for g in new], "dense",
                      u.as_datatype_enum, self.controller, self.controller, scope.weights)
-        gamma_r = shared("gamma_rstd", "Mul", [ir.nodes[grads[0]].inputs[2], rstd])
+        gamma_r = shared("gamma_rstd", "Mul", [scale_copy, rstd])
         s1_b, s2_b = self._broadcast(shared, s1, nchw, "s1_b"), self._broadcast(shared, s2, nchw, "s2_b")
         for k in range(n):
             ops = local[k] if not index else _Ops(ir, f"{local[k].scope}/grad_{index}", local[k].device, u)

@@ -1,0 +1,147 @@
+"""No read/update races in the graph TensorFlow actually runs.
+
+A train step must read each variable before the optimizer updates it, as the single-device
+graph does. The rewrite can lose that order in a way no numeric test sees reliably: an
+unordered read usually runs first, and only sometimes (a busy machine, another thread count)
+after the update. Found that way: ``batch_norm="sync"`` at one tower gave a parameter 8% off in
+one run of three, because the input gradient read ``gamma`` (a ref variable, whose reads alias
+its buffer) through a multiplication that Grappler had cut loose from the gradient gates.
+
+So these tests look at structure, after Grappler: for every variable, every read in the step
+must be an ancestor or a descendant of every update of that variable. The checker is tested on
+a deliberately racy graph first.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import breadth_models
+import models
+import replicate
+from corpus import resnet_layers
+
+v1 = tf.compat.v1
+
+FORWARDING = {"Identity", "RefIdentity"}
+WRITE_PREFIXES = ("Apply", "ResourceApply", "SparseApply", "ResourceSparseApply", "Assign",
+                  "Scatter", "ResourceScatter")
+METADATA = {"VariableShape", "IsVariableInitialized", "VarIsInitializedOp", "SaveV2"}
+
+
+def _unused(node, position: int, consumed: set[int]) -> bool:
+    """Inputs the kernel does not read for the outputs the step uses: a training-mode batch
+    norm ignores the moving statistics it is passed (exponential_avg_factor 1), and its
+    scale/offset only shape output 0 (the merged batch norm that feeds the moving averages
+    uses outputs 1 and 2 only)."""
+    op = node.op.lstrip("_")                  # Grappler's remapper makes _FusedBatchNormEx
+    if not op.startswith("FusedBatchNorm") or op.startswith("FusedBatchNormGrad"):
+        return False
+    training = node.attr["is_training"].b
+    factor = node.attr["exponential_avg_factor"].f if "exponential_avg_factor" in node.attr else 1.0
+    if position in (3, 4):
+        return training and factor == 1.0
+    return position in (1, 2) and 0 not in consumed
+
+
+def optimized(graph: tf.Graph, fetches: list[str]):
+    """The GraphDef after Grappler's default optimizations for running ``fetches``."""
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+
+    with graph.as_default():
+        meta = v1.train.export_meta_graph(graph=graph, clear_devices=False)
+    del meta.collection_def["train_op"]
+    meta.collection_def["train_op"].node_list.value.extend(fetches)
+    config = config_pb2.ConfigProto()
+    return tf_optimizer.OptimizeGraph(config, meta)
+
+
+def races(graph_def, fetches: list[str]) -> list[tuple[str, str, str]]:
+    """(variable, read, update) triples with neither ordered before the other, among the
+    ancestors of ``fetches``."""
+    dag = nx.DiGraph()
+    consumers: dict[str, list[tuple[str, int]]] = {}
+    used: dict[str, set[int]] = {}
+    nodes = {n.name: n for n in graph_def.node}
+    for n in graph_def.node:
+        dag.add_node(n.name)
+        for k, ref in enumerate(n.input):
+            src = ref.lstrip("^").split(":")[0]
+            dag.add_edge(src, n.name)
+            if not ref.startswith("^"):
+                consumers.setdefault(src, []).append((n.name, k))
+                used.setdefault(src, set()).add(int(ref.split(":")[1]) if ":" in ref else 0)
+    step = set()
+    for f in fetches:
+        step |= nx.ancestors(dag, f) | {f}
+    found = []
+    for var in (n for n in graph_def.node if n.op in ("VariableV2", "VarHandleOp")):
+        reads, writes, work = [], [], [var.name]
+        while work:
+            for name, position in consumers.get(work.pop(), []):
+                op = nodes[name].op
+                if name not in step or op in METADATA or _unused(nodes[name], position,
+                                                                  used.get(name, set())):
+                    continue
+                if op in FORWARDING:
+                    work.append(name)
+                elif op.startswith(WRITE_PREFIXES) and position == 0:
+                    writes.append(name)
+                elif op != "ReadVariableOp" or not all(   # a value only ignored inputs take
+                        _unused(nodes[c], k, used.get(c, set())) for c, k in consumers.get(name, [])):
+                    reads.append(name)
+        for w in writes:
+            before, after = nx.ancestors(dag, w), nx.descendants(dag, w)
+            found += [(var.name, r, w) for r in reads if r not in before and r not in after]
+    return found
+
+
+def test_checker_finds_an_unordered_read():
+    graph = tf.Graph()
+    with graph.as_default():
+        w = v1.get_variable("w", initializer=np.ones(3, np.float32), use_resource=False)
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        loss = tf.reduce_mean(tf.square(x * w), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        tf.identity(tf.reduce_sum(w * 2.0), name="doubled")        # read beside the update
+    found = races(optimized(graph, ["train", "doubled"]), ["train", "doubled"])
+    assert [(v, w) for v, _, w in found] == [("w", "train/update_w/ApplyGradientDescent")]
+    assert races(optimized(graph, ["train"]), ["train"]) == []
+
+
+def _resnet(ref: bool) -> tuple[tf.Graph, list[str]]:
+    graph = tf.Graph()
+    with graph.as_default(), v1.variable_scope(v1.get_variable_scope(), use_resource=not ref):
+        names = resnet_layers.build(6)
+    return graph, [names["train_op"].split(":")[0]] + [f.split(":")[0] for f in names["fetch"]]
+
+
+@pytest.mark.parametrize("towers", [1, 2])
+@pytest.mark.parametrize("ref", [True, False], ids=["ref", "resource"])
+@pytest.mark.parametrize("batch_norm", ["sync", "tower0"])
+def test_resnet_batch_norm_step_has_no_races(batch_norm, ref, towers):
+    graph, fetches = _resnet(ref)
+    assert races(optimized(graph, fetches), fetches) == []          # the original has none
+    res = replicate.transform(graph, [f"/cpu:{i}" for i in range(towers)], batch_norm=batch_norm)
+    assert races(optimized(res.graph, fetches), fetches) == []
+
+
+@pytest.mark.parametrize("build", [
+    lambda: breadth_models.batch_norm_cnn(fused=True),
+    lambda: breadth_models.batch_norm_cnn(fused=False),
+    lambda: breadth_models.embedding("adam"),
+    lambda: models.clipped(),
+    lambda: models.two_optimizers(resource=False),
+], ids=["bn_fused", "bn_unfused", "embedding", "clipped", "two_optimizers_ref"])
+@pytest.mark.parametrize("options", [{}, {"batch_norm": "sync"}, {"aggregation": "allreduce"},
+                                     {"accumulate": 2}], ids=["default", "sync", "allreduce",
+                                                              "accumulate"])
+def test_models_have_no_races(build, options):
+    model = build()
+    fetches = [model.train_op] + [f.split(":")[0] for f in model.fetch]
+    res = replicate.transform(model.graph, ["/cpu:0", "/cpu:1"], **options)
+    assert races(optimized(res.graph, fetches), fetches) == []
