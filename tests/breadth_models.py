@@ -90,17 +90,21 @@ def control_flow_v1():
         v1.enable_control_flow_v2()
 
 
-def lstm(version: int = 2) -> Model:
-    """dynamic_rnn over an LSTM cell; version 1 uses TF1 while-loop frames."""
+def lstm(version: int = 2, static_batch: int | None = None) -> Model:
+    """dynamic_rnn over an LSTM cell; version 1 uses TF1 while-loop frames. With
+    ``static_batch`` the input has that static batch and the initial state is the cell's
+    ``zero_state(static_batch)``, as legacy language models build it."""
     graph = tf.Graph()
     with contextlib.ExitStack() as stack:
         if version == 1:
             stack.enter_context(control_flow_v1())
         with graph.as_default():
             v1.set_random_seed(1)
-            x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
-            y = v1.placeholder(tf.int64, [None], name="y")
-            out, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.LSTMCell(6), x, dtype=tf.float32)
+            x = v1.placeholder(tf.float32, [static_batch, 5, 4], name="x")
+            y = v1.placeholder(tf.int64, [static_batch], name="y")
+            cell = v1.nn.rnn_cell.LSTMCell(6)
+            state = cell.zero_state(static_batch, tf.float32) if static_batch else None
+            out, _ = v1.nn.dynamic_rnn(cell, x, initial_state=state, dtype=tf.float32)
             logits = v1.layers.dense(out[:, -1], 3, name="logits")
             v1.train.AdamOptimizer(0.01).minimize(_xent(y, logits), name="train")
     return Model(graph, "train", _feed_images((5, 4)))

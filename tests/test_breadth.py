@@ -80,6 +80,20 @@ def test_moving_statistics_move_once_per_step(mode):
                                                        for n in reported), reported
 
 
+@pytest.mark.parametrize("towers", [2, 4])
+def test_static_batch_lstm_with_tf1_while_loops(towers):
+    """A static batch of 6 and ``zero_state(6)``: the towers' TensorArrays must not insist on
+    6 rows, and per-tower constants inside the gradient loop stay in its frame (both failed:
+    an InternalError at import, then a frame error at the first step). 4 towers: 2, 2, 1, 1."""
+    res, _ = check(bm.lstm(1, static_batch=6), towers=towers, batch=6)
+    assert res.report.exact, str(res.report)
+
+
+def test_static_batch_lstm_with_v2_while_loops_is_refused():
+    with pytest.raises(replicate.AnalysisError, match="batch semantics"):
+        replicate.transform(bm.lstm(2, static_batch=6).graph, CPUS[:2])
+
+
 @pytest.mark.parametrize("version", [1, 2], ids=["while_v1", "while_v2"])
 @pytest.mark.parametrize("towers,batch", [(2, 8), (3, 10)])
 def test_lstm_control_flow(version, towers, batch):

@@ -35,7 +35,11 @@ from replicate.errors import AnalysisError
 from replicate.ir import IR, node_of, parse_tensor
 from replicate.pipeline import PassResult
 
-__all__ = ["Rebatch"]
+__all__ = ["Rebatch", "RELAXED_SHAPE_ATTRS"]
+
+#: Shape attributes that only check values (never size anything): relaxed in the towers.
+RELAXED_SHAPE_ATTRS = {"TensorArrayV3": "element_shape", "TensorArrayGatherV3": "element_shape",
+                       "TensorArrayConcatV3": "element_shape_except0"}
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,7 @@ class Rebatch:
         for (name, attr), (dim, cls, factor) in sorted(plan.attrs.items()):
             self._attr(name, attr, dim, cls, factor)
             done.append(name)
+        done += self._relax_element_shapes({name for name, _ in plan.attrs})
         ir.facts["rebatched"] = list(dict.fromkeys(done))
         log.info("rebatch: %d constants, tensors and attributes made per-tower", len(done))
         return PassResult(ir, bool(done))
@@ -108,6 +113,7 @@ class Rebatch:
             if mine and any(r not in mine for r in readers):
                 target = ir.unique_name(f"{copy}/tower_value")
                 ir.const(target, np.asarray(new, dtype=value.dtype), device=ir.nodes[copy].device)
+                ir.set_control(target, ir.nodes[copy].control)     # same frame (a loop's pivot)
                 ir.replace_uses(f"{copy}:0", f"{target}:0", only=mine)
                 continue
             ir.set_const(copy, np.asarray(new, dtype=value.dtype))
@@ -179,6 +185,30 @@ class Rebatch:
                 value = ir.add(f"{name}/scaled", "Mul", [value, factor], device=ir.nodes[reader].device,
                                attrs={"T": dtype}).name
             ir.replace_uses(tensor, value, only=[reader])
+
+    def _relax_element_shapes(self, planned: set[str]) -> list[str]:
+        """A tower's TensorArray keeps its rank but not its element dimensions, unless the
+        analysis resized them: ``element_shape`` only checks the elements written, and a
+        static global batch in it (a ``dynamic_rnn`` over a static batch) would refuse the
+        tower's rows. Relaxing a check changes no value."""
+        relaxed = []
+        for name in sorted(n.name for n in self.ir if n.op in RELAXED_SHAPE_ATTRS):
+            if name in planned:
+                continue
+            for copies in self.copies:
+                copy = copies.get(name)
+                attr = RELAXED_SHAPE_ATTRS[self.ir.nodes[name].op]
+                if copy is None or attr not in self.ir.nodes[copy].attrs:
+                    continue
+                out = attr_value_pb2.AttrValue()
+                out.CopyFrom(self.ir.nodes[copy].attrs[attr])
+                if out.shape.unknown_rank or all(d.size < 0 for d in out.shape.dim):
+                    continue
+                for d in out.shape.dim:
+                    d.size = -1
+                self.ir.set_attr(copy, attr, out)
+                relaxed.append(copy)
+        return relaxed
 
     def _attr(self, name: str, attr: str, dim: int, cls: int, factor: int) -> None:
         counts = self._static(cls)
