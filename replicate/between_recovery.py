@@ -1,0 +1,176 @@
+"""Losing one worker of a between-graph job: notice it at once, and recover without the operator.
+
+Why the survivors cannot keep their TensorFlow runtime (TF 2.21, measured and read in the source):
+every server keeps a ``DeviceResolverDistributed`` (created once, in ``GrpcServer::Init``, with
+the server's ``RpcCollectiveExecutorMgr``) whose table of remote device attributes only grows.
+When a collective group forms, every member stores the other members' incarnations there; a
+worker process that restarts has new incarnations, and ``UpdateDeviceAttributes`` refuses them
+for good (``FAILED_PRECONDITION: /job:worker/replica:0/task:1/device:CPU:0exists in cache with a
+different incarnation. This usually means the remote worker has restarted``), *whatever the group
+key* (a fresh key, from a "generation" input, fails the same way). The failing op then calls
+``BaseCollectiveExecutor::StartAbort``, which poisons the server's param resolver: every later
+collective fails with ``Collective ops is aborted by: ... Restart your program to reset``.
+Meanwhile a survivor in the middle of an all-reduce waits for the dead peer until its step's
+timeout (no error arrives by itself). So after one worker restarts, every worker's server must be
+a new one too.
+
+What this module does instead of a hang:
+
+- :func:`incarnations` asks a worker's server for its devices' incarnations
+  (``WorkerService/GetStatus``, the RPC TensorFlow's own master uses; a millisecond on loopback,
+  ``None`` at once when nothing answers);
+- :class:`PeerWatch` polls every other worker; once this worker's collective group has formed
+  (:meth:`PeerWatch.arm`, after the session is created) a peer that stops answering or answers
+  with new incarnations is reported through ``on_failure`` with a message naming it;
+- :func:`restart_process` is the usual ``on_failure``: it re-executes this worker's own command
+  line in the same process (same pid, same port, a new TensorFlow runtime), so the survivors of a
+  lost worker restart themselves and only the lost worker needs starting again; the chief then
+  restores the newest checkpoint and every worker takes its values (``local_init_op``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from replicate.errors import ReplicateError
+
+__all__ = ["incarnations", "PeerWatch", "restart_process", "RESTARTS_ENV"]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable counting the self-restarts of a worker process.
+RESTARTS_ENV = "REPLICATE_BETWEEN_RESTARTS"
+_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
+
+
+def _device_attributes(buf: bytes) -> list:
+    """``GetStatusResponse`` (``repeated DeviceAttributes device_attributes = 1``) decoded by
+    hand: TensorFlow's wheel ships ``DeviceAttributes`` but not the worker service's messages."""
+    from tensorflow.core.framework import device_attributes_pb2
+
+    out, i = [], 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        if key & 7 != 2:
+            raise ValueError(f"GetStatusResponse: unexpected wire type {key & 7}")
+        size, i = _varint(buf, i)
+        if key >> 3 == 1:
+            out.append(device_attributes_pb2.DeviceAttributes.FromString(buf[i:i + size]))
+        i += size
+    return out
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, i
+
+
+def incarnations(address: str, timeout: float = 2.0) -> dict[str, int] | None:
+    """``{device name: incarnation}`` of the TensorFlow server at ``address`` (``host:port``),
+    or ``None`` when it does not answer within ``timeout`` seconds."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(_GET_STATUS, request_serializer=lambda raw: raw,
+                                   response_deserializer=_device_attributes)
+        try:
+            devices = call(b"", timeout=timeout)
+        except grpc.RpcError:
+            return None
+    return {d.name: d.incarnation for d in devices}
+
+
+class PeerWatch:
+    """Polls the other worker tasks of ``cluster`` every ``interval`` seconds in a daemon thread.
+
+    Until :meth:`arm` nothing is reported (peers may still be starting or restarting); ``arm``
+    records every peer's incarnations (the ones this worker's collective group was formed with)
+    and from then on the first peer that stops answering or answers with other incarnations is
+    reported once, by calling ``on_failure(message)`` from the watch thread.
+    """
+
+    def __init__(self, cluster, task_index: int, on_failure: Callable[[str], None],
+                 interval: float = 0.2, job: str = "worker"):
+        from replicate.cluster import load
+
+        spec = load(cluster)
+        self.peers = {task: address for task, address in sorted(spec.jobs[job].items())
+                      if task != task_index}
+        self.job = job
+        self.on_failure = on_failure
+        self.interval = interval
+        self.baseline: dict[int, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def arm(self) -> None:
+        """Record the peers' incarnations now and start watching them."""
+        for task, address in self.peers.items():
+            seen = incarnations(address)
+            if seen is None:
+                self._report(task, "stopped answering before training began")
+                return
+            self.baseline[task] = seen
+        self._thread = threading.Thread(target=self._run, name="replicate-peer-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self) -> str | None:
+        """One poll: a message naming the first peer lost or restarted, else ``None``."""
+        for task, address in self.peers.items():
+            seen = incarnations(address, timeout=max(1.0, 5 * self.interval))
+            if seen is None:
+                return self._describe(task, "stopped answering (its process died or hangs)")
+            if seen != self.baseline[task]:
+                return self._describe(task, "restarted (its devices have new incarnations)")
+        return None
+
+    def _describe(self, task: int, what: str) -> str:
+        return (f"between-graph: {self.job}:{task} ({self.peers[task]}) {what}; TensorFlow's "
+                "collectives cannot take a restarted member back into servers that formed a group "
+                "with its previous incarnation, so this worker's server must restart too")
+
+    def _report(self, task: int, what: str) -> None:
+        self._stop.set()
+        self.on_failure(self._describe(task, what))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            message = self.check()
+            if message is not None and not self._stop.is_set():
+                self._stop.set()
+                self.on_failure(message)
+                return
+
+
+def restart_process(reason: str, limit: int = 10, argv: list[str] | None = None) -> None:
+    """Re-execute this process's command line (``sys.argv``, or ``argv``) in place: same pid,
+    same arguments and environment (plus the restart count in :data:`RESTARTS_ENV`), a new
+    TensorFlow runtime. Logs ``reason`` first. After ``limit`` restarts it raises instead.
+
+    Raises:
+        ReplicateError: this process already restarted ``limit`` times.
+    """
+    count = int(os.environ.get(RESTARTS_ENV, "0"))
+    if count >= limit:
+        raise ReplicateError(f"{reason}; this worker already restarted {count} times, giving up")
+    os.environ[RESTARTS_ENV] = str(count + 1)
+    print(f"{reason}; restarting this worker process (restart {count + 1} of at most {limit}) "
+          "to resume from the chief's last checkpoint", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    args = argv if argv is not None else [sys.executable] + sys.argv
+    time.sleep(0.1)          # let the log line reach its pipe or file
+    os.execv(args[0], args)
