@@ -18,6 +18,7 @@ import replicate
 import replicate.demo
 from replicate import between_driver as drv
 from replicate.between import for_task, import_meta_graph, task_index_from_env, wait_for_cluster
+from replicate.between_recovery import PeerWatch, incarnations
 from replicate.cluster import Cluster
 from replicate.cluster_server import LocalCluster
 from replicate.errors import DeviceError, ReplicateError
@@ -326,11 +327,12 @@ def _log(tmp_path, name):
 
 @pytest.mark.timeout(400)
 def test_a_killed_worker_restarted_alone_resumes_from_the_last_checkpoint(tmp_path):
-    """Worker 1 dies after step 5 of 8 (checkpoints at 0, 3, 6) and only worker 1 is started
-    again. The chief notices (its peer watch), re-executes itself in place (TensorFlow's
-    collectives refuse a restarted member while the other servers live), and waits for worker 1;
-    the chief restores step 3, worker 1 takes its values, the batches of steps 3.. are replayed,
-    and the final parameters equal an uninterrupted run's bit for bit."""
+    """A worker dies after step 5 of 8 (checkpoints at 0, 3, 6) and only it is started again:
+    worker 1 first, then the chief. The survivor notices (its peer watch), re-executes itself in
+    place (TensorFlow's collectives refuse a restarted member while the other servers live) and
+    waits for the lost worker; the chief restores step 3, the other takes its values, the
+    batches of steps 3.. are replayed, and the final parameters equal an uninterrupted run's bit
+    for bit."""
     launch, spec, template = _job(tmp_path)
     procs = launch.Processes(str(tmp_path))
     try:
@@ -338,30 +340,36 @@ def test_a_killed_worker_restarted_alone_resumes_from_the_last_checkpoint(tmp_pa
                          str(tmp_path / "clean_ckpt"), name=f"clean-{t}") for t in range(2)]
         for p in clean:
             assert p.wait(timeout=180) == 0, procs.tail("clean-0") + procs.tail("clean-1")
-        ckpt = str(tmp_path / "ckpt")
-        w0 = _worker(launch, procs, spec, template, 0, str(tmp_path / "final_0.npz"), ckpt,
-                     name="first-0")
-        w1 = _worker(launch, procs, spec, template, 1, str(tmp_path / "final_1.npz"), ckpt,
-                     "--die-after", "5", name="first-1")
-        assert w1.wait(timeout=180) == 9, procs.tail("first-1")
-        again = _worker(launch, procs, spec, template, 1, str(tmp_path / "final_1.npz"), ckpt,
-                        name="again-1")
-        assert again.wait(timeout=180) == 0, procs.tail("again-1")
-        assert w0.wait(timeout=60) == 0, procs.tail("first-0")
+        for lost in (1, 0):
+            kept = 1 - lost
+            ckpt = str(tmp_path / f"ckpt_{lost}")
+            out = {t: str(tmp_path / f"final_{lost}_{t}.npz") for t in range(2)}
+            survivor = _worker(launch, procs, spec, template, kept, out[kept], ckpt,
+                               name=f"survivor-{kept}")
+            dying = _worker(launch, procs, spec, template, lost, out[lost], ckpt,
+                            "--die-after", "5", name=f"dying-{lost}")
+            assert dying.wait(timeout=180) == 9, procs.tail(f"dying-{lost}")
+            again = _worker(launch, procs, spec, template, lost, out[lost], ckpt,
+                            name=f"again-{lost}")
+            assert again.wait(timeout=180) == 0, procs.tail(f"again-{lost}")
+            assert survivor.wait(timeout=60) == 0, procs.tail(f"survivor-{kept}")
+            log = _log(tmp_path, f"survivor-{kept}")
+            assert (f"worker:{lost} (127.0.0.1:" in log
+                    and "restarting this worker process (restart 1 " in log), log
+            assert "restart 2 " not in log, log
+            assert f"worker {kept}: session at global step 3" in log, log
+            assert f"worker {lost}: session at global step 3" in _log(tmp_path, f"again-{lost}")
     finally:
         procs.stop()
-    chief = _log(tmp_path, "first-0")
-    assert "worker:1 (127.0.0.1:" in chief and "restarting this worker process (restart 1 " in chief
-    assert "restart 2 " not in chief, chief
-    assert "worker 0: session at global step 3" in chief
-    assert "worker 1: session at global step 3" in _log(tmp_path, "again-1")
     expected = _final(tmp_path / "clean_0.npz")
-    for t in range(2):
-        got = _final(tmp_path / f"final_{t}.npz")
-        assert set(got) == set(expected)
-        for name in expected:
-            np.testing.assert_array_equal(got[name], expected[name], err_msg=f"worker {t}: {name}")
     assert int(expected["global_step"]) == 8
+    for lost in (1, 0):
+        for t in range(2):
+            got = _final(tmp_path / f"final_{lost}_{t}.npz")
+            assert set(got) == set(expected)
+            for name in expected:
+                np.testing.assert_array_equal(got[name], expected[name],
+                                              err_msg=f"worker {lost} lost, worker {t}: {name}")
 
 
 @pytest.mark.timeout(200)
@@ -402,3 +410,37 @@ def test_a_worker_process_whose_peer_never_comes_up_fails_clearly(tmp_path):
     tail = procs.tail("worker-0")
     assert "worker:1" in tail and "did not come up within 3 s" in tail, tail
     assert time.monotonic() - start < 60
+
+
+def test_peer_watch_names_a_restarted_or_silent_peer(local):
+    """The watch reads each peer's device incarnations from its server (WorkerService/GetStatus):
+    stable while it lives, reported when they change (a restart) or nothing answers."""
+    address = local.cluster.jobs["worker"][1]
+    seen = incarnations(address)
+    assert seen and all(name.startswith("/job:worker/replica:0/task:1/") for name in seen), seen
+    assert incarnations(address) == seen
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    free = holder.getsockname()[1]
+    holder.close()
+    start = time.monotonic()
+    assert incarnations(f"127.0.0.1:{free}", timeout=2) is None
+    assert time.monotonic() - start < 2.5
+    reports = []
+    watch = PeerWatch(local.cluster, 0, reports.append, interval=0.05)
+    watch.arm()
+    try:
+        assert watch.check() is None
+        watch.baseline[1] = {name: value + 1 for name, value in watch.baseline[1].items()}
+        message = watch.check()
+        assert re.match(r"between-graph: worker:1 \(127\.0\.0\.1:\d+\) restarted", message)
+        deadline = time.monotonic() + 5
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reports and "restarted" in reports[0]
+    finally:
+        watch.stop()
+    lonely = PeerWatch({"worker": [local.cluster.jobs["worker"][0], f"127.0.0.1:{free}"]}, 0,
+                       reports.append)
+    lonely.arm()
+    assert "worker:1" in reports[-1] and "stopped answering before training began" in reports[-1]
