@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from replicate.errors import ReplicateError
 
-__all__ = ["incarnations", "PeerWatch", "restart_process", "RESTARTS_ENV"]
+__all__ = ["incarnations", "PeerWatch", "restart_process", "error_reason", "RESTARTS_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,19 @@ class PeerWatch:
                 self._stop.set()
                 self.on_failure(message)
                 return
+
+
+_NOISE = ("Graph execution error", "Detected at node", "Node:", "From /job:", "[[", "Original stack",
+          "Recent warning", "Additional GRPC", ":UNKNOWN:", "Traceback", "File ")
+
+
+def error_reason(exc: BaseException, limit: int = 300) -> str:
+    """The line of a TensorFlow error that says what went wrong (not its graph-execution
+    header, node names or stack lines), at most ``limit`` characters."""
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.startswith((" ", "\t"))]
+    useful = [line for line in lines if not line.startswith(_NOISE)]
+    return (useful or lines or [type(exc).__name__])[0][:limit]
 
 
 def restart_process(reason: str, limit: int = 10, argv: list[str] | None = None) -> None:

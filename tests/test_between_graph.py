@@ -18,7 +18,7 @@ import replicate
 import replicate.demo
 from replicate import between_driver as drv
 from replicate.between import for_task, import_meta_graph, task_index_from_env, wait_for_cluster
-from replicate.between_recovery import PeerWatch, incarnations
+from replicate.between_recovery import PeerWatch, error_reason, incarnations
 from replicate.cluster import Cluster
 from replicate.cluster_server import LocalCluster
 from replicate.errors import DeviceError, ReplicateError
@@ -444,3 +444,12 @@ def test_peer_watch_names_a_restarted_or_silent_peer(local):
                        reports.append)
     lonely.arm()
     assert "worker:1" in reports[-1] and "stopped answering before training began" in reports[-1]
+
+
+def test_error_reason_keeps_the_line_that_says_what_failed():
+    message = ("Graph execution error:\n\nDetected at node 'a' defined at (most recent call last):\n"
+               "  File \"w.py\", line 3, in <module>\nNode: 'CollectiveReduceV2'\n"
+               "From /job:worker/replica:0/task:0:\nCollective ops is aborted by: x\n"
+               "\t [[{{node CollectiveReduceV2}}]]\n")
+    assert error_reason(tf.errors.FailedPreconditionError(None, None, message)) == \
+        "Collective ops is aborted by: x"

@@ -36,7 +36,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import tensorflow as tf  # noqa: E402
 
 from replicate.between import import_meta_graph, server_config, wait_for_cluster  # noqa: E402
-from replicate.between_recovery import PeerWatch, restart_process  # noqa: E402
+from replicate.between_recovery import PeerWatch, error_reason, restart_process  # noqa: E402
 from replicate.cluster import load  # noqa: E402
 from replicate.errors import ReplicateError  # noqa: E402
 
@@ -88,9 +88,9 @@ class WatchPeers(v1.train.SessionRunHook):
     peer that exits right after the last (collective) step is not a failure: the report waits
     ``grace`` seconds and is dropped if this worker's last step has finished by then."""
 
-    def __init__(self, cluster, task: int, on_failure, grace: float = 1.0):
+    def __init__(self, cluster, task: int, on_failure, grace: float = 1.0, interval: float = 0.2):
         self.on_failure, self.grace, self.finished = on_failure, grace, False
-        self.watch = PeerWatch(cluster, task, self._lost)
+        self.watch = PeerWatch(cluster, task, self._lost, interval=interval)
 
     def _lost(self, message: str) -> None:
         time.sleep(self.grace)
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="when another worker dies or restarts, or a step fails: re-execute "
                              "this worker (resume from the chief's last checkpoint) or exit 75")
     parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument("--watch-interval", type=float, default=0.2,
+                        help="seconds between two looks at the other workers")
     args = parser.parse_args(argv)
     tf.compat.v1.disable_eager_execution()
     cluster = load(args.cluster)
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{message}; exiting (restart every worker to resume)", file=sys.stderr, flush=True)
         os._exit(75)
 
-    watch = WatchPeers(cluster, args.task, failed)
+    watch = WatchPeers(cluster, args.task, failed, interval=args.watch_interval)
     graph = tf.Graph()
     with graph.as_default():
         import_meta_graph(args.template, task_index=args.task)
@@ -174,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             train(args, server, config, hooks, train_op)
         except tf.errors.OpError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             failed(f"between-graph: worker {args.task}: a step failed ({type(exc).__name__}: "
-                   f"{first[:300]})")
+                   f"{error_reason(exc)})")
         watch.watch.stop()
     np.savez(args.out, **{k.replace("/", "|"): v for k, v in values.values.items()})
     print(f"worker {args.task}: done, global step {int(values.values.get('global_step', -1))}",
