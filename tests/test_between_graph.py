@@ -412,6 +412,29 @@ def test_a_worker_process_whose_peer_never_comes_up_fails_clearly(tmp_path):
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.timeout(200)
+def test_a_worker_whose_peer_serves_but_never_trains_fails_within_the_step_timeout(tmp_path):
+    """Worker 1's server is up (so wait_for_cluster passes) but no client ever joins: the chief's
+    session creation (the broadcast all-reduce) would wait forever; --step-timeout ends it with
+    a clear error instead."""
+    import sys
+
+    launch, spec, template = _job(tmp_path)
+    procs = launch.Processes(str(tmp_path))
+    try:
+        procs.start("server-1", [sys.executable, "-m", "replicate.cluster_server", "--cluster", spec,
+                                 "--job", "worker", "--task", "1", "--parent", str(os.getpid())])
+        w0 = _worker(launch, procs, spec, template, 0, str(tmp_path / "final_0.npz"),
+                     str(tmp_path / "ckpt"), "--on-peer-failure", "exit", "--step-timeout", "3",
+                     steps=2, name="w0")
+        code = w0.wait(timeout=120)
+    finally:
+        procs.stop()
+    tail = procs.tail("w0")
+    assert code == 75, tail
+    assert "worker 0: a step failed (DeadlineExceededError" in tail, tail
+
+
 def test_peer_watch_names_a_restarted_or_silent_peer(local):
     """The watch reads each peer's device incarnations from its server (WorkerService/GetStatus):
     stable while it lives, reported when they change (a restart) or nothing answers."""

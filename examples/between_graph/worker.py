@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=10)
     parser.add_argument("--watch-interval", type=float, default=0.2,
                         help="seconds between two looks at the other workers")
+    parser.add_argument("--step-timeout", type=float, default=600.0,
+                        help="seconds any one session run may take (0: no limit); the last "
+                             "resort for hangs the watch cannot see, e.g. a peer lost while the "
+                             "session is being created, or alive but stuck")
     args = parser.parse_args(argv)
     tf.compat.v1.disable_eager_execution()
     cluster = load(args.cluster)
@@ -187,11 +191,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args, server, config, hooks, train_op) -> None:
     """The training loop of ``MonitoredTrainingSession`` (chief: task 0)."""
+    session_config = v1.ConfigProto()
+    session_config.CopyFrom(config)
+    # A timed-out run is cancelled by the session: unlike CollectiveReduceV2's timeout_seconds,
+    # that does not poison the server's collectives (measured), and the step fails clearly.
+    session_config.operation_timeout_in_ms = int(args.step_timeout * 1000)
     with v1.train.MonitoredTrainingSession(
             master=server.target, is_chief=args.task == 0, checkpoint_dir=args.checkpoint_dir,
             save_checkpoint_steps=args.save_steps if args.checkpoint_dir else None,
             save_checkpoint_secs=None, save_summaries_steps=None, save_summaries_secs=None,
-            log_step_count_steps=None, hooks=hooks, config=config) as sess:
+            log_step_count_steps=None, hooks=hooks, config=session_config) as sess:
         while not sess.should_stop():
             sess.run(train_op)
 
