@@ -76,18 +76,21 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
             return value, i
 
 
-def incarnations(address: str, timeout: float = 2.0) -> dict[str, int] | None:
+def incarnations(address: str, timeout: float = 2.0, channel=None) -> dict[str, int] | None:
     """``{device name: incarnation}`` of the TensorFlow server at ``address`` (``host:port``),
-    or ``None`` when it does not answer within ``timeout`` seconds."""
+    or ``None`` when it does not answer within ``timeout`` seconds. ``channel``: an open
+    ``grpc`` channel to ``address`` to reuse (otherwise one is opened and closed)."""
     import grpc
 
-    with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary(_GET_STATUS, request_serializer=lambda raw: raw,
-                                   response_deserializer=_device_attributes)
-        try:
-            devices = call(b"", timeout=timeout)
-        except grpc.RpcError:
-            return None
+    if channel is None:
+        with grpc.insecure_channel(address) as own:
+            return incarnations(address, timeout, own)
+    call = channel.unary_unary(_GET_STATUS, request_serializer=lambda raw: raw,
+                               response_deserializer=_device_attributes)
+    try:
+        devices = call(b"", timeout=timeout)
+    except grpc.RpcError:
+        return None
     return {d.name: d.incarnation for d in devices}
 
 
@@ -96,12 +99,14 @@ class PeerWatch:
 
     Until :meth:`arm` nothing is reported (peers may still be starting or restarting); ``arm``
     records every peer's incarnations (the ones this worker's collective group was formed with)
-    and from then on the first peer that stops answering or answers with other incarnations is
-    reported once, by calling ``on_failure(message)`` from the watch thread.
+    and from then on the first peer that answers with other incarnations, or does not answer
+    ``misses`` polls in a row (a dead server refuses at once; a busy one may be slow), is
+    reported once, by calling ``on_failure(message)`` from the watch thread. Each poll is one
+    small RPC per peer on a kept channel.
     """
 
     def __init__(self, cluster, task_index: int, on_failure: Callable[[str], None],
-                 interval: float = 0.2, job: str = "worker"):
+                 interval: float = 0.2, job: str = "worker", misses: int = 3):
         from replicate.cluster import load
 
         spec = load(cluster)
@@ -110,14 +115,25 @@ class PeerWatch:
         self.job = job
         self.on_failure = on_failure
         self.interval = interval
+        self.misses = misses
         self.baseline: dict[int, dict[str, int]] = {}
+        self._missed = {task: 0 for task in self.peers}
+        self._channels: dict[int, object] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _ask(self, task: int) -> dict[str, int] | None:
+        import grpc
+
+        if task not in self._channels:
+            self._channels[task] = grpc.insecure_channel(self.peers[task])
+        return incarnations(self.peers[task], timeout=max(2.0, 5 * self.interval),
+                            channel=self._channels[task])
+
     def arm(self) -> None:
         """Record the peers' incarnations now and start watching them."""
-        for task, address in self.peers.items():
-            seen = incarnations(address)
+        for task in self.peers:
+            seen = self._ask(task)
             if seen is None:
                 self._report(task, "stopped answering before training began")
                 return
@@ -130,10 +146,14 @@ class PeerWatch:
 
     def check(self) -> str | None:
         """One poll: a message naming the first peer lost or restarted, else ``None``."""
-        for task, address in self.peers.items():
-            seen = incarnations(address, timeout=max(1.0, 5 * self.interval))
+        for task in self.peers:
+            seen = self._ask(task)
             if seen is None:
-                return self._describe(task, "stopped answering (its process died or hangs)")
+                self._missed[task] += 1
+                if self._missed[task] >= self.misses:
+                    return self._describe(task, "stopped answering (its process died or hangs)")
+                continue
+            self._missed[task] = 0
             if seen != self.baseline[task]:
                 return self._describe(task, "restarted (its devices have new incarnations)")
         return None
@@ -170,7 +190,7 @@ def error_reason(exc: BaseException, limit: int = 300) -> str:
 
 
 def restart_process(reason: str, limit: int = 10, argv: list[str] | None = None) -> None:
-    """Re-execute this process's command line (``sys.argv``, or ``argv``) in place: same pid,
+    """Re-execute this process's command line (``sys.orig_argv``, or ``argv``) in place: same pid,
     same arguments and environment (plus the restart count in :data:`RESTARTS_ENV`), a new
     TensorFlow runtime. Logs ``reason`` first. After ``limit`` restarts it raises instead.
 
@@ -184,6 +204,9 @@ def restart_process(reason: str, limit: int = 10, argv: list[str] | None = None)
     print(f"{reason}; restarting this worker process (restart {count + 1} of at most {limit}) "
           "to resume from the chief's last checkpoint", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    args = argv if argv is not None else [sys.executable] + sys.argv
+    if argv is not None:
+        args = argv
+    else:       # the interpreter's own arguments too (``-m module``), where Python keeps them
+        args = [sys.executable] + list(getattr(sys, "orig_argv", [None] + sys.argv)[1:])
     time.sleep(0.1)          # let the log line reach its pipe or file
     os.execv(args[0], args)
