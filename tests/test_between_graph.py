@@ -327,12 +327,12 @@ def _log(tmp_path, name):
 
 @pytest.mark.timeout(400)
 def test_a_killed_worker_restarted_alone_resumes_from_the_last_checkpoint(tmp_path):
-    """A worker dies after step 5 of 8 (checkpoints at 0, 3, 6) and only it is started again:
-    worker 1 first, then the chief. The survivor notices (its peer watch), re-executes itself in
+    """The chief (also the collective group leader) dies after step 5 of 8 (checkpoints at 0,
+    3, 6) and only it is started again. Worker 1 notices (its peer watch), re-executes itself in
     place (TensorFlow's collectives refuse a restarted member while the other servers live) and
-    waits for the lost worker; the chief restores step 3, the other takes its values, the
-    batches of steps 3.. are replayed, and the final parameters equal an uninterrupted run's bit
-    for bit."""
+    waits for the chief; the new chief restores step 3, worker 1 takes its values, the batches of
+    steps 3.. are replayed, and the final parameters equal an uninterrupted run's bit for bit.
+    (Losing worker 1 instead is the fault drill of examples/between_graph/run.sh.)"""
     launch, spec, template = _job(tmp_path)
     procs = launch.Processes(str(tmp_path))
     try:
@@ -340,7 +340,7 @@ def test_a_killed_worker_restarted_alone_resumes_from_the_last_checkpoint(tmp_pa
                          str(tmp_path / "clean_ckpt"), name=f"clean-{t}") for t in range(2)]
         for p in clean:
             assert p.wait(timeout=180) == 0, procs.tail("clean-0") + procs.tail("clean-1")
-        for lost in (1, 0):
+        for lost in (0,):
             kept = 1 - lost
             ckpt = str(tmp_path / f"ckpt_{lost}")
             out = {t: str(tmp_path / f"final_{lost}_{t}.npz") for t in range(2)}
@@ -363,7 +363,7 @@ def test_a_killed_worker_restarted_alone_resumes_from_the_last_checkpoint(tmp_pa
         procs.stop()
     expected = _final(tmp_path / "clean_0.npz")
     assert int(expected["global_step"]) == 8
-    for lost in (1, 0):
+    for lost in (0,):
         for t in range(2):
             got = _final(tmp_path / f"final_{lost}_{t}.npz")
             assert set(got) == set(expected)
