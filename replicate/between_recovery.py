@@ -22,10 +22,22 @@ What this module does instead of a hang:
 - :class:`PeerWatch` polls every other worker; once this worker's collective group has formed
   (:meth:`PeerWatch.arm`, after the session is created) a peer that stops answering or answers
   with new incarnations is reported through ``on_failure`` with a message naming it;
-- :func:`restart_process` is the usual ``on_failure``: it re-executes this worker's own command
-  line in the same process (same pid, same port, a new TensorFlow runtime), so the survivors of a
-  lost worker restart themselves and only the lost worker needs starting again; the chief then
-  restores the newest checkpoint and every worker takes its values (``local_init_op``).
+- :func:`restart_process` re-executes this worker's own command line in the same process (same
+  pid, same port, a new TensorFlow runtime), so the survivors of a lost worker restart themselves
+  and only the lost worker needs starting again; the chief then restores the newest checkpoint
+  and every worker takes its values (``local_init_op``). :func:`recover` is the usual
+  ``on_failure``: restart, or exit with :data:`EXIT_CODE` and the reason;
+- :func:`peer_watch_hook` is the ``MonitoredTrainingSession`` hook that arms a watch when the
+  session exists and stops it after the last step.
+
+A driver::
+
+    hooks = [..., peer_watch_hook(cluster, task, recover)]
+    try:
+        with tf.compat.v1.train.MonitoredTrainingSession(..., hooks=hooks) as sess:
+            ...
+    except tf.errors.OpError as exc:
+        recover(f"worker {task}: a step failed ({error_reason(exc)})")
 """
 
 from __future__ import annotations
@@ -39,12 +51,15 @@ from collections.abc import Callable
 
 from replicate.errors import ReplicateError
 
-__all__ = ["incarnations", "PeerWatch", "restart_process", "error_reason", "RESTARTS_ENV"]
+__all__ = ["incarnations", "PeerWatch", "peer_watch_hook", "recover", "restart_process",
+           "error_reason", "RESTARTS_ENV", "EXIT_CODE"]
 
 log = logging.getLogger(__name__)
 
 #: Environment variable counting the self-restarts of a worker process.
 RESTARTS_ENV = "REPLICATE_BETWEEN_RESTARTS"
+#: Exit status of :func:`recover` when it does not (or may no longer) restart the process.
+EXIT_CODE = 75
 _GET_STATUS = "/tensorflow.WorkerService/GetStatus"
 
 
@@ -210,3 +225,49 @@ def restart_process(reason: str, limit: int = 10, argv: list[str] | None = None)
         args = [sys.executable] + list(getattr(sys, "orig_argv", [None] + sys.argv)[1:])
     time.sleep(0.1)          # let the log line reach its pipe or file
     os.execv(args[0], args)
+
+
+def recover(reason: str, restart: bool = True, limit: int = 10) -> None:
+    """What a worker does when a peer is lost or a step fails: :func:`restart_process` (with
+    ``restart``), else, or once ``limit`` restarts are spent, print ``reason`` and exit the
+    process at once with :data:`EXIT_CODE` (from any thread; a supervisor's cue)."""
+    if restart:
+        try:
+            restart_process(reason, limit=limit)        # does not return
+        except ReplicateError as exc:
+            reason = str(exc)
+    print(f"{reason}; exiting (restart every worker to resume)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_CODE)
+
+
+def peer_watch_hook(cluster, task_index: int, on_failure: Callable[[str], None] = recover,
+                    interval: float = 0.2, grace: float = 1.0):
+    """A ``SessionRunHook`` watching the other workers (:class:`PeerWatch`) from the moment the
+    session exists (its collective group has formed) until a run requests stop (the last step).
+    A peer that exits right after the last, collective, step is not a failure: each report waits
+    ``grace`` seconds and is dropped if this worker's last step has finished by then."""
+    import tensorflow as tf
+
+    class _PeerWatchHook(tf.compat.v1.train.SessionRunHook):
+        def __init__(self):
+            self.finished = False
+            self.watch = PeerWatch(cluster, task_index, self._lost, interval=interval)
+
+        def _lost(self, message: str) -> None:
+            time.sleep(grace)
+            if not self.finished:
+                on_failure(message)
+
+        def after_create_session(self, session, coord) -> None:
+            self.watch.arm()
+
+        def after_run(self, run_context, run_values) -> None:
+            if run_context.stop_requested:
+                self.finished = True
+                self.watch.stop()
+
+        def end(self, session) -> None:
+            self.watch.stop()
+
+    return _PeerWatchHook()

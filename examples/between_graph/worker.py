@@ -14,7 +14,7 @@ restarted job replays exactly the batches of the steps it lost. At the end it wr
 variables to ``--out``.
 
 Losing a worker: from the moment its session exists, each worker watches the others
-(``replicate.between_recovery.PeerWatch``). When one dies or restarts, or a step fails, the
+(``replicate.between_recovery.peer_watch_hook``). When one dies or restarts, or a step fails, the
 survivors re-execute themselves in place (same pid and port, a new TensorFlow runtime:
 TensorFlow's collectives refuse a restarted member otherwise) and wait for every task again; so
 after a crash only the lost worker needs starting again, and the job resumes from the chief's
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -36,9 +35,8 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import tensorflow as tf  # noqa: E402
 
 from replicate.between import import_meta_graph, server_config, wait_for_cluster  # noqa: E402
-from replicate.between_recovery import PeerWatch, error_reason, restart_process  # noqa: E402
+from replicate.between_recovery import error_reason, peer_watch_hook, recover  # noqa: E402
 from replicate.cluster import load  # noqa: E402
-from replicate.errors import ReplicateError  # noqa: E402
 
 v1 = tf.compat.v1
 
@@ -80,30 +78,6 @@ class StepFeeder(v1.train.SessionRunHook):
             self.on_step(self.step)
         if self.step >= self.last:
             run_context.request_stop()
-
-
-class WatchPeers(v1.train.SessionRunHook):
-    """Watches the other workers from the moment the session exists (the collective group has
-    formed) until the last step is done: a peer that dies or restarts calls ``on_failure``. A
-    peer that exits right after the last (collective) step is not a failure: the report waits
-    ``grace`` seconds and is dropped if this worker's last step has finished by then."""
-
-    def __init__(self, cluster, task: int, on_failure, grace: float = 1.0, interval: float = 0.2):
-        self.on_failure, self.grace, self.finished = on_failure, grace, False
-        self.watch = PeerWatch(cluster, task, self._lost, interval=interval)
-
-    def _lost(self, message: str) -> None:
-        time.sleep(self.grace)
-        if not self.finished:
-            self.on_failure(message)
-
-    def after_create_session(self, session, coord) -> None:
-        self.watch.arm()
-
-    def after_run(self, run_context, run_values) -> None:
-        if run_context.stop_requested:
-            self.finished = True
-            self.watch.stop()
 
 
 class Values(v1.train.SessionRunHook):
@@ -156,15 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     wait_for_cluster(cluster, timeout=args.wait)
 
     def failed(message: str) -> None:
-        if args.on_peer_failure == "restart":
-            try:
-                restart_process(message, limit=args.max_restarts)     # does not return
-            except ReplicateError as exc:
-                message = str(exc)
-        print(f"{message}; exiting (restart every worker to resume)", file=sys.stderr, flush=True)
-        os._exit(75)
+        recover(message, restart=args.on_peer_failure == "restart", limit=args.max_restarts)
 
-    watch = WatchPeers(cluster, args.task, failed, interval=args.watch_interval)
+    watch = peer_watch_hook(cluster, args.task, failed, interval=args.watch_interval)
     graph = tf.Graph()
     with graph.as_default():
         import_meta_graph(args.template, task_index=args.task)
@@ -182,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         except tf.errors.OpError as exc:
             failed(f"between-graph: worker {args.task}: a step failed ({type(exc).__name__}: "
                    f"{error_reason(exc)})")
-        watch.watch.stop()
     np.savez(args.out, **{k.replace("/", "|"): v for k, v in values.values.items()})
     print(f"worker {args.task}: done, global step {int(values.values.get('global_step', -1))}",
           flush=True)
