@@ -11,6 +11,10 @@ with its own server and client, against one device trained on the concatenated b
 4. trains ``model.meta`` on one device, from the chief's step-0 checkpoint, on the workers'
    batches concatenated in task order, and prints ``max rel param diff vs single device: X``.
 
+With ``--lose-worker T --lose-after K --save-steps N`` worker ``T`` dies after step ``K`` and
+only it is started again; the other worker restarts itself and both resume from the chief's
+last checkpoint, so the result must still match one device.
+
 Every process it starts is stopped on exit, on error and on Ctrl-C. Exit code 0 when the
 difference is at most ``--rtol``.
 """
@@ -142,19 +146,33 @@ def run(args) -> int:
         if args.sparse:
             procs.start("ps-0", [sys.executable, "-m", "replicate.cluster_server", "--cluster", spec,
                                  "--job", "ps", "--task", "0", "--parent", str(os.getpid())])
+        def command(t: int, *extra: str) -> list[str]:
+            return [sys.executable, os.path.join(HERE, "worker.py"), "--cluster", spec,
+                    "--task", str(t), "--template", template, "--kind", kind,
+                    "--steps", str(args.steps), "--batch", args.batch,
+                    "--out", os.path.join(work, f"final_{t}.npz"), "--checkpoint-dir", ckpt,
+                    "--save-steps", str(args.save_steps or args.steps), "--wait", str(args.wait),
+                    *extra]
+
         for t in range(2):
-            procs.start(f"worker-{t}", [sys.executable, os.path.join(HERE, "worker.py"),
-                                        "--cluster", spec, "--task", str(t), "--template", template,
-                                        "--kind", kind, "--steps", str(args.steps),
-                                        "--batch", args.batch, "--out", os.path.join(work, f"final_{t}.npz"),
-                                        "--checkpoint-dir", ckpt, "--save-steps", str(args.steps),
-                                        "--wait", str(args.wait)])
+            lost = args.lose_worker == t
+            procs.start(f"worker-{t}", command(t, *(["--die-after", str(args.lose_after)]
+                                                    if lost else [])))
         start = time.monotonic()
+        logs = {t: f"worker-{t}" for t in range(2)}
+        if args.lose_worker is not None:
+            # The drill: that worker dies after --lose-after steps; only it is started again.
+            t = args.lose_worker
+            code = procs.procs[f"worker-{t}"].wait(timeout=args.timeout)
+            print(f"worker {t} died (exit {code}) after step {args.lose_after}; starting only it "
+                  "again", flush=True)
+            logs[t] = f"worker-{t}-again"
+            procs.procs[f"worker-{t}"] = procs.start(logs[t], command(t))
         for t in range(2):
             p = procs.procs[f"worker-{t}"]
             p.wait(timeout=args.timeout)
             if p.returncode != 0:
-                print(f"worker {t} failed (exit {p.returncode}):\n{procs.tail(f'worker-{t}')}",
+                print(f"worker {t} failed (exit {p.returncode}):\n{procs.tail(logs[t])}",
                       file=sys.stderr)
                 return 1
         print(f"2 workers trained {args.steps} steps on local batches {batches} in "
@@ -195,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtol", type=float, default=1e-5)
     parser.add_argument("--wait", type=float, default=60.0, help="seconds to wait for every task")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for training")
+    parser.add_argument("--save-steps", type=int, default=None,
+                        help="checkpoint every N steps (default: at the start and the end)")
+    parser.add_argument("--lose-worker", type=int, choices=(0, 1), default=None,
+                        help="fault drill: this worker dies after --lose-after steps and only it "
+                             "is started again (the other restarts itself, see worker.py)")
+    parser.add_argument("--lose-after", type=int, default=3)
     args = parser.parse_args(argv)
     v1.disable_eager_execution()
 

@@ -12,6 +12,13 @@ chief's values (the template's ``local_init_op`` broadcasts them). Each worker f
 batches: batch ``s`` of task ``t`` is ``local_batch(t, s)``, chosen by the global step, so a
 restarted job replays exactly the batches of the steps it lost. At the end it writes its
 variables to ``--out``.
+
+Losing a worker: from the moment its session exists, each worker watches the others
+(``replicate.between_recovery.peer_watch_hook``). When one dies or restarts, or a step fails, the
+survivors re-execute themselves in place (same pid and port, a new TensorFlow runtime:
+TensorFlow's collectives refuse a restarted member otherwise) and wait for every task again; so
+after a crash only the lost worker needs starting again, and the job resumes from the chief's
+last checkpoint. ``--on-peer-failure exit`` exits with status 75 and the reason instead.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import tensorflow as tf  # noqa: E402
 
 from replicate.between import import_meta_graph, server_config, wait_for_cluster  # noqa: E402
+from replicate.between_recovery import error_reason, peer_watch_hook, recover  # noqa: E402
 from replicate.cluster import load  # noqa: E402
 
 v1 = tf.compat.v1
@@ -58,6 +66,7 @@ class StepFeeder(v1.train.SessionRunHook):
 
     def after_create_session(self, session, coord) -> None:
         self.step = int(session.run(self._global_step))
+        print(f"worker {self.task}: session at global step {self.step}", flush=True)
 
     def before_run(self, run_context):
         size = self.sizes[self.step % len(self.sizes)]
@@ -100,6 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--die-after", type=int, default=None,
                         help="(fault drills) exit abruptly after this many local steps")
+    parser.add_argument("--on-peer-failure", choices=("restart", "exit"), default="restart",
+                        help="when another worker dies or restarts, or a step fails: re-execute "
+                             "this worker (resume from the chief's last checkpoint) or exit 75")
+    parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument("--watch-interval", type=float, default=0.2,
+                        help="seconds between two looks at the other workers")
+    parser.add_argument("--step-timeout", type=float, default=600.0,
+                        help="seconds any one session run may take (0: no limit); the last "
+                             "resort for hangs the watch cannot see, e.g. a peer lost while the "
+                             "session is being created, or alive but stuck")
     args = parser.parse_args(argv)
     tf.compat.v1.disable_eager_execution()
     cluster = load(args.cluster)
@@ -109,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     server = tf.distribute.Server(cluster.cluster_spec(), job_name="worker", task_index=args.task,
                                   config=config, start=True)
     wait_for_cluster(cluster, timeout=args.wait)
+
+    def failed(message: str) -> None:
+        recover(message, restart=args.on_peer_failure == "restart", limit=args.max_restarts)
+
+    watch = peer_watch_hook(cluster, args.task, failed, interval=args.watch_interval)
     graph = tf.Graph()
     with graph.as_default():
         import_meta_graph(args.template, task_index=args.task)
@@ -120,18 +144,32 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"worker {args.task}: dying after step {step}", flush=True)
                 os._exit(9)
 
-        hooks = [StepFeeder(args.kind, args.task, [size], args.steps, die), values]
-        with v1.train.MonitoredTrainingSession(
-                master=server.target, is_chief=args.task == 0, checkpoint_dir=args.checkpoint_dir,
-                save_checkpoint_steps=args.save_steps if args.checkpoint_dir else None,
-                save_checkpoint_secs=None, save_summaries_steps=None, save_summaries_secs=None,
-                log_step_count_steps=None, hooks=hooks, config=config) as sess:
-            while not sess.should_stop():
-                sess.run(train_op)
+        hooks = [StepFeeder(args.kind, args.task, [size], args.steps, die), values, watch]
+        try:
+            train(args, server, config, hooks, train_op)
+        except tf.errors.OpError as exc:
+            failed(f"between-graph: worker {args.task}: a step failed ({type(exc).__name__}: "
+                   f"{error_reason(exc)})")
     np.savez(args.out, **{k.replace("/", "|"): v for k, v in values.values.items()})
     print(f"worker {args.task}: done, global step {int(values.values.get('global_step', -1))}",
           flush=True)
     return 0
+
+
+def train(args, server, config, hooks, train_op) -> None:
+    """The training loop of ``MonitoredTrainingSession`` (chief: task 0)."""
+    session_config = v1.ConfigProto()
+    session_config.CopyFrom(config)
+    # A timed-out run is cancelled by the session: unlike CollectiveReduceV2's timeout_seconds,
+    # that does not poison the server's collectives (measured), and the step fails clearly.
+    session_config.operation_timeout_in_ms = int(args.step_timeout * 1000)
+    with v1.train.MonitoredTrainingSession(
+            master=server.target, is_chief=args.task == 0, checkpoint_dir=args.checkpoint_dir,
+            save_checkpoint_steps=args.save_steps if args.checkpoint_dir else None,
+            save_checkpoint_secs=None, save_summaries_steps=None, save_summaries_secs=None,
+            log_step_count_steps=None, hooks=hooks, config=session_config) as sess:
+        while not sess.should_stop():
+            sess.run(train_op)
 
 
 if __name__ == "__main__":
