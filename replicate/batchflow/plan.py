@@ -58,6 +58,9 @@ class Plan:
     promote: dict[str, Demand] = dataclasses.field(default_factory=dict)
     resized: dict[str, tuple] = dataclasses.field(default_factory=dict)
     reasons: list[Reason] = dataclasses.field(default_factory=list)
+    #: Reasons that rule out any split (a variable with one row per example of the batch):
+    #: one tower still runs the single-device step, two or more are refused.
+    unsplittable: list[Reason] = dataclasses.field(default_factory=list)
 
     def absorb(self, other: Plan) -> None:
         """Add what an earlier round planned (later rounds see those tensors resized and do
@@ -70,9 +73,8 @@ class Plan:
                     mine[key].extend(p for p in value if all(q.via != p.via for q in mine[key]))
                 else:
                     mine.setdefault(key, value)
-        for reason in other.reasons:
-            if reason not in self.reasons:
-                self.reasons.append(reason)
+        for mine, theirs in ((self.reasons, other.reasons), (self.unsplittable, other.unsplittable)):
+            mine.extend(r for r in theirs if r not in mine)
 
     @property
     def empty(self) -> bool:
@@ -105,6 +107,11 @@ class _Resolver:
         if not any(r.node == node and r.what == what for r in self.plan.reasons):
             self.plan.reasons.append(Reason(node, what, fix))
 
+    def unsplittable(self, node: str, what: str, fix: str) -> None:
+        self.reason(node, what, fix)
+        if not any(r.node == node and r.what == what for r in self.plan.unsplittable):
+            self.plan.unsplittable.append(Reason(node, what, fix))
+
     def resized(self, ref: str, d: Demand, index: bool = False) -> None:
         self.plan.resized.setdefault(ref, (d.dim, d.cls, d.block, d.outer, index))
 
@@ -124,7 +131,7 @@ class _Resolver:
             if node.op in ops.BATCH_SOURCE_OPS:
                 self.plan.promote.setdefault(d.tensor, d)
             elif node.op in ops.VARIABLE_OPS:
-                self.reason(name, f"variable '{name}' has the batch size in its shape (dimension "
+                self.unsplittable(name, f"variable '{name}' has the batch size in its shape (dimension "
                             f"{d.dim}) and is used per example", "keep per-example state in a "
                             "tensor fed each step, or give the variable one row per tower")
             else:
@@ -132,7 +139,7 @@ class _Resolver:
             return
         if node.op in ("ReadVariableOp",) or (node.op in ("Identity",) and node.inputs
                                               and ir.nodes[node_of(node.inputs[0])].op in ops.VARIABLE_OPS):
-            self.reason(name, f"variable read '{name}' has the batch size in its shape and is "
+            self.unsplittable(name, f"variable read '{name}' has the batch size in its shape and is "
                         "used per example", "keep per-example state in a tensor fed each step")
             return
         forward = not ctx.in_gradient(node) and self.depths.get(name, 0) == 0
