@@ -16,8 +16,23 @@ __all__ = [
 class ReplicateError(Exception):
     """Base class of every error replicate raises on purpose.
 
-    The message is one sentence that names the file, node or option at fault.
+    The message is one sentence that names the file, node or option at fault. It is kept on
+    one line: names read from a damaged graph may hold line breaks or other control
+    characters, which are shown escaped (``\\n``) instead.
     """
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (_one_line(args[0]),)
+        super().__init__(*args)
+
+
+def _one_line(message: str) -> str:
+    """``message`` with every control character written as its escape sequence."""
+    if message.isprintable():
+        return message
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode("ascii")
+                   for c in message)
 
 
 class InputError(ReplicateError):

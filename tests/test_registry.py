@@ -89,7 +89,16 @@ def _recursive(gd):
 
 
 # (mutation of the first base graph, or of the function model's for index 4; message fragment)
+def _broken_attr_name(gd):
+    """An attribute name with a line break (a corrupted file: soak seed 1795464586)."""
+    node = _node(gd, "y")
+    node.attr["\nhape"].CopyFrom(node.attr["shape"])
+
+
 CASES = {
+    "line break in a name": (0, _broken_attr_name,
+                             "node 'y' (Placeholder) has attribute '\\nhape', which Placeholder does "
+                             "not define"),
     "unknown op": (0, lambda gd: setattr(_node(gd, "logits"), "op", "NoSuchOp"),
                    "node 'logits' (NoSuchOp) has unknown op type 'NoSuchOp'"),
     "missing attr": (0, lambda gd: _node(gd, "loss").attr.pop("T"),
