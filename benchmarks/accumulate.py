@@ -3,10 +3,16 @@
 For each model (``models.SPECS``) and each variant, a fresh worker process builds the graph,
 runs warm-up steps, and then measures
 
-* **allocator peak** (the primary figure): from ``RunMetadata`` step statistics of one traced
-  step (``FULL_TRACE``): the largest ``allocator_bytes_in_use`` that TensorFlow's CPU allocator
-  (``mklcpu`` with oneDNN on) reports at any node of the step -- live bytes, including
-  variables and optimizer slots, which every variant holds alike;
+* **activation peak** (the primary figure) and its parts, from the ``RunMetadata`` of one
+  traced step (``FULL_TRACE`` with the partition graphs), by :mod:`memtrace`: every buffer the
+  step allocates is replayed in time from the nodes' allocation records and charged to the node
+  that allocated it; buffers of nodes that produce or accumulate the gradients an optimizer
+  update reads are *gradient buffers*, all others *activations*; what was live before the step
+  is *persistent*. Reported: the activation peak, the gradient-buffer peak, the step's peak
+  (both together), persistent bytes;
+* **allocator peak** (the whole step): the largest ``allocator_bytes_in_use`` that TensorFlow's
+  CPU allocator (``mklcpu`` with oneDNN on) reports at any node of the step -- live bytes,
+  including variables and optimizer slots, which every variant holds alike;
 * **process peak RSS**: ``VmHWM`` of the fresh worker at its end, and the same minus the RSS
   after the variables were initialized (before the first step). The CPU allocator keeps freed
   memory for reuse instead of returning it to the kernel, so RSS only shows the high-water
@@ -20,6 +26,11 @@ Variants, all one device (``/cpu:0``) on the same global batch and Adam:
 * ``hand loop k=K``: a hand-written in-graph ``tf.while_loop`` over K micro-batches that adds
   each micro-batch's gradients (weighted by its share of the batch) into loop variables, then
   one ``apply_gradients`` -- the common hand-written accumulation;
+* ``hand unrolled k=K``: a hand-written graph that runs the forward and backward pass on batch
+  B/K K times in one step (slices of the fed batch, each micro-batch's input gated on the
+  previous one's gradients, gradients summed by ``add``, one ``apply_gradients``) -- the least
+  machinery accumulation can have, so it isolates the inherent cost of K smaller micro-batches
+  on this CPU from replicate's own (split, weights, guards).
 
 Usage::
 
@@ -92,11 +103,48 @@ def _hand_loop(spec, k: int):
     return Built(graph, "train", "loss:0")
 
 
+def _hand_unrolled(spec, k: int):
+    """K forward+backward passes on B/K examples in one step, chained, gradients summed."""
+    import tensorflow as tf
+
+    from models import LEARNING_RATE, Built, _get_params
+
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, spec.features], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        with v1.variable_scope("model"):
+            params = _get_params(spec)
+        variables = [params[n] for n, _ in spec.variables]
+        batch = tf.shape(x)[0]
+        total = tf.cast(batch, tf.float32)
+        acc, losses, gate = None, [], []
+        for j in range(k):
+            with v1.name_scope(f"micro_{j}"), tf.control_dependencies(gate):
+                start, end = j * batch // k, (j + 1) * batch // k
+                xs, ys = tf.identity(x[start:end]), tf.identity(y[start:end])
+            with v1.name_scope(f"micro_{j}"):
+                logits = spec.forward(params, xs)
+                loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=ys, logits=logits)) / total
+                grads = tf.gradients(loss, variables)
+                acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+            losses.append(loss)
+            gate = grads
+        tf.identity(tf.add_n(losses), name="loss")
+        step = v1.train.get_or_create_global_step()
+        v1.train.AdamOptimizer(LEARNING_RATE).apply_gradients(
+            list(zip(acc, variables)), global_step=step, name="train")
+    return Built(graph, "train", "loss:0")
+
+
 def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
     """Build one variant and measure it (runs in a fresh process)."""
     import numpy as np
     import tensorflow as tf
 
+    import memtrace
     import replicate
     from models import SPECS, feeds, single_graph
 
@@ -107,6 +155,9 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
     transform_s = None
     if variant == "hand_loop":
         built = _hand_loop(spec, k)
+        graph = built.graph
+    elif variant == "hand_unrolled":
+        built = _hand_unrolled(spec, k)
         graph = built.graph
     else:
         built = single_graph(spec)
@@ -134,8 +185,10 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
         step(i)
     meta = v1.RunMetadata()
     xs, ys = data[0]
-    sess.run(fetch, {"x:0": xs, "y:0": ys}, options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE),
+    sess.run(fetch, {"x:0": xs, "y:0": ys},
+             options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE, output_partition_graphs=True),
              run_metadata=meta)
+    parts = memtrace.breakdown(meta)
     in_use = [m.allocator_bytes_in_use for d in meta.step_stats.dev_stats for n in d.node_stats
               for m in n.memory]
     node_peak = [m.peak_bytes for d in meta.step_stats.dev_stats for n in d.node_stats for m in n.memory]
@@ -150,6 +203,9 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
             "transform_s": transform_s, "loss": float(value),
             "process_peak_rss": hwm, "peak_rss_above_init": hwm - rss_init,
             "allocator_peak_in_use": max(in_use, default=0), "largest_node_peak": max(node_peak, default=0),
+            "activation_peak": parts.activation_peak, "gradient_peak": parts.gradient_peak,
+            "step_alloc_peak": parts.step_peak, "persistent": parts.persistent,
+            "gradient_nodes": parts.gradient_nodes,
             "step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
             "parameters": spec.parameters()}
 
@@ -163,27 +219,29 @@ def _run(model, variant, k, batch, steps) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _mib(n) -> str:
-    return f"{n / 2 ** 20:.0f}"
+def _mib(n, digits: int = 0) -> str:
+    return f"{n / 2 ** 20:.{digits}f}"
 
 
 def table(rows: list[dict]) -> str:
     """RESULTS.md table of one model's rows."""
     single = next((r for r in rows if r["variant"] == "single"), None)
-    lines = ["| variant | k | allocator peak MiB | /single | peak RSS above init MiB | /single "
-             "| process peak RSS MiB | step ms | /single | nodes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    unrolled = {r["k"]: r for r in rows if r["variant"] == "hand_unrolled" and "error" not in r}
+    lines = ["| variant | k | activation peak MiB | /single | gradient buffers MiB | step alloc. peak MiB "
+             "| persistent MiB | allocator peak MiB | /single | step ms | /single | /hand unrolled | nodes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['k']} | error: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['variant']} | {r['k']} | error: {r['error']} |" + " |" * 11)
             continue
 
-        def ratio(key):
-            return f"{r[key] / single[key]:.2f}" if single and single.get(key) else "-"
-        alloc = _mib(r["allocator_peak_in_use"]) if r["allocator_peak_in_use"] else "n/a"
-        lines.append(f"| {r['variant']} | {r['k']} | {alloc} | {ratio('allocator_peak_in_use')} "
-                     f"| {_mib(r['peak_rss_above_init'])} | {ratio('peak_rss_above_init')} "
-                     f"| {_mib(r['process_peak_rss'])} | {r['step_ms']:.0f} | {ratio('step_ms')} "
+        def ratio(key, base=single):
+            return f"{r[key] / base[key]:.2f}" if base and base.get(key) else "-"
+        lines.append(f"| {r['variant']} | {r['k']} | {_mib(r['activation_peak'], 1)} "
+                     f"| {ratio('activation_peak')} | {_mib(r['gradient_peak'], 1)} "
+                     f"| {_mib(r['step_alloc_peak'], 1)} | {_mib(r['persistent'])} "
+                     f"| {_mib(r['allocator_peak_in_use'])} | {ratio('allocator_peak_in_use')} "
+                     f"| {r['step_ms']:.0f} | {ratio('step_ms')} | {ratio('step_ms', unrolled.get(r['k']))} "
                      f"| {r['nodes']} |")
     return "\n".join(lines)
 
@@ -198,6 +256,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="repeat the whole list; each variant's figures are the medians over rounds")
     parser.add_argument("--out", default="accumulate.json", help="results file under results/")
+    parser.add_argument("--skip", default="", help="variants to leave out, comma-separated")
     args = parser.parse_args()
     if args.worker:
         model, variant, k, batch, steps = json.loads(args.worker)
@@ -206,16 +265,19 @@ def main() -> int:
     from common import machine, write_json
 
     ks = [int(k) for k in args.ks.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
     results = []
     for model in args.models.split(","):
         batch = args.batch or DEFAULT_BATCH[model]
-        plan = [("single", 1)] + [("replicate", k) for k in ks] + [("hand_loop", k) for k in ks if k > 1]
+        plan = ([("single", 1)] + [("replicate", k) for k in ks] + [("hand_loop", k) for k in ks if k > 1]
+                + [("hand_unrolled", k) for k in ks if k > 1])
+        plan = [(variant, k) for variant, k in plan if variant not in skip]
         got: dict[tuple, list[dict]] = {}
         for r in range(args.rounds):
             for variant, k in (plan if r % 2 == 0 else plan[::-1]):
                 row = _run(model, variant, k, batch, args.steps)
                 got.setdefault((variant, k), []).append(row)
-                print(json.dumps({key: row.get(key) for key in ("model", "variant", "k", "peak_rss_above_init",
+                print(json.dumps({key: row.get(key) for key in ("model", "variant", "k", "activation_peak",
                                                                  "allocator_peak_in_use", "step_ms", "error")}),
                       flush=True)
         rows = []
@@ -225,10 +287,11 @@ def main() -> int:
                 rows.append(runs[0])
                 continue
             row = dict(ok[0])
-            for key in ("peak_rss_above_init", "process_peak_rss", "allocator_peak_in_use", "step_ms"):
+            for key in ("peak_rss_above_init", "process_peak_rss", "allocator_peak_in_use", "step_ms",
+                        "activation_peak", "gradient_peak", "step_alloc_peak", "persistent"):
                 row[key] = statistics.median(x[key] for x in ok)
             row["rounds"] = [{key: x[key] for key in ("allocator_peak_in_use", "peak_rss_above_init",
-                                                      "step_ms")} for x in ok]
+                                                      "activation_peak", "step_ms")} for x in ok]
             rows.append(row)
         results.extend(rows)
         print(f"\n{model}, global batch {batch}\n{table(rows)}\n", flush=True)

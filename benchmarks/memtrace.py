@@ -15,7 +15,9 @@ time order, each buffer charged to the node that allocated it, and classifies th
   ``ResourceApply*`` op's inputs (in the executed, post-Grappler partition graphs) through
   nodes whose traced output has the shape of the updated variable; variable reads stop the
   walk. This covers one device's gradients, replicate's per-micro-batch gradients and their
-  running sums, and a hand-written loop's accumulators;
+  running sums, and a hand-written loop's accumulators. The update ops' own allocations are
+  counted here too: an ``Apply*`` op copies its variable when a read of it is still live (a
+  micro-batch's backward pass still using the weights), a parameter-sized buffer;
 * **activations**: every other buffer allocated during the step: forward outputs,
   backward intermediates (gradients with respect to activations), kernels' scratch space,
   input slices -- everything whose size scales with the (micro-)batch;
@@ -119,11 +121,13 @@ def breakdown(run_metadata) -> Breakdown:
     """Persistent, gradient-buffer and activation peaks of the traced step (see module doc)."""
     stats = run_metadata.step_stats
     grads = gradient_nodes(run_metadata.partition_graphs, stats)
+    updates = {n.name for g in run_metadata.partition_graphs for n in g.node
+               if n.op.startswith(("Apply", "ResourceApply"))}
     events = []        # (micros, bytes, is_gradient)
     ends = []          # (node end micros, allocator_bytes_in_use)
     for dev in stats.dev_stats:
         for n in dev.node_stats:
-            is_grad = n.node_name in grads
+            is_grad = n.node_name in grads or n.node_name in updates
             for m in n.memory:
                 for r in m.allocation_records:
                     events.append((r.alloc_micros, r.alloc_bytes, is_grad))
