@@ -128,7 +128,9 @@ def _hand_unrolled(spec, k: int):
                 logits = spec.forward(params, xs)
                 loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
                     labels=ys, logits=logits)) / total
-                grads = tf.gradients(loss, variables)
+                # gated like compute_gradients (the single graph's minimize), so the kernels and
+                # Grappler's fusions are those of replicate's towers
+                grads = tf.gradients(loss, variables, gate_gradients=True)
                 acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
             losses.append(loss)
             gate = grads
@@ -139,34 +141,66 @@ def _hand_unrolled(spec, k: int):
     return Built(graph, "train", "loss:0")
 
 
+def _build(model: str, variant: str, k: int):
+    """(graph, seconds replicate.transform took or None) of one variant."""
+    import replicate
+    from models import SPECS, single_graph
+
+    spec = SPECS[model]
+    if variant == "hand_loop":
+        return _hand_loop(spec, k).graph, None
+    if variant == "hand_unrolled":
+        return _hand_unrolled(spec, k).graph, None
+    graph = single_graph(spec).graph
+    if variant != "replicate":
+        return graph, None
+    start = time.perf_counter()
+    res = replicate.transform(graph, ["/cpu:0"], accumulate=k)
+    return res.graph, time.perf_counter() - start
+
+
+def timing_worker(model: str, plan: list, batch: int, rounds: int, per_round: int) -> dict:
+    """Step times of every variant in ``plan`` built in one process, timed in interleaved rounds.
+
+    All variants see the same load over the run (the machine is shared), so their ratios are
+    steadier than those of separate processes run one after another.
+    """
+    import tensorflow as tf
+
+    from common import interleaved
+    from models import SPECS, feeds
+
+    tf.compat.v1.disable_eager_execution()
+    v1 = tf.compat.v1
+    data = feeds(SPECS[model], batch, 4)
+    steps = {}
+    for variant, k in plan:
+        graph, _ = _build(model, variant, k)
+        with graph.as_default():
+            init = v1.global_variables_initializer()
+        sess = v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": 1}))
+        sess.run(init)
+        fetch = [graph.get_operation_by_name("train"), graph.get_tensor_by_name("loss:0")]
+
+        def step(i, sess=sess, fetch=fetch):
+            xs, ys = data[i % len(data)]
+            sess.run(fetch, {"x:0": xs, "y:0": ys})
+        steps[f"{variant}:{k}"] = step
+    return interleaved(steps, rounds=rounds, per_round=per_round, warmup=2)
+
+
 def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
     """Build one variant and measure it (runs in a fresh process)."""
-    import numpy as np
     import tensorflow as tf
 
     import memtrace
-    import replicate
-    from models import SPECS, feeds, single_graph
+    from models import SPECS, feeds
 
     tf.compat.v1.disable_eager_execution()
     v1 = tf.compat.v1
     spec = SPECS[model]
-    graph, train, loss = None, "train", "loss:0"
-    transform_s = None
-    if variant == "hand_loop":
-        built = _hand_loop(spec, k)
-        graph = built.graph
-    elif variant == "hand_unrolled":
-        built = _hand_unrolled(spec, k)
-        graph = built.graph
-    else:
-        built = single_graph(spec)
-        graph = built.graph
-        if variant == "replicate":
-            start = time.perf_counter()
-            res = replicate.transform(graph, ["/cpu:0"], accumulate=k)
-            transform_s = time.perf_counter() - start
-            graph = res.graph
+    train, loss = "train", "loss:0"
+    graph, transform_s = _build(model, variant, k)
     nodes = len(graph.as_graph_def().node)
     config = v1.ConfigProto(device_count={"CPU": 1})
     with graph.as_default():
@@ -189,6 +223,11 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
              options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE, output_partition_graphs=True),
              run_metadata=meta)
     parts = memtrace.breakdown(meta)
+    op_us: dict[str, float] = {}      # traced op time (sum over ops, us) by who added the op
+    for d in meta.step_stats.dev_stats:
+        for n in d.node_stats:
+            who = "replicate" if "replicate/" in n.node_name else "model"
+            op_us[who] = op_us.get(who, 0) + n.all_end_rel_micros
     in_use = [m.allocator_bytes_in_use for d in meta.step_stats.dev_stats for n in d.node_stats
               for m in n.memory]
     node_peak = [m.peak_bytes for d in meta.step_stats.dev_stats for n in d.node_stats for m in n.memory]
@@ -205,17 +244,23 @@ def worker(model: str, variant: str, k: int, batch: int, steps: int) -> dict:
             "allocator_peak_in_use": max(in_use, default=0), "largest_node_peak": max(node_peak, default=0),
             "activation_peak": parts.activation_peak, "gradient_peak": parts.gradient_peak,
             "step_alloc_peak": parts.step_peak, "persistent": parts.persistent,
-            "gradient_nodes": parts.gradient_nodes,
+            "gradient_nodes": parts.gradient_nodes, "untracked": parts.untracked,
+            "traced_op_ms": {k: v / 1e3 for k, v in op_us.items()},
             "step_ms": statistics.median(times) * 1e3, "step_ms_all": [t * 1e3 for t in times],
             "parameters": spec.parameters()}
 
 
 def _run(model, variant, k, batch, steps) -> dict:
+    return _child("--worker", [model, variant, k, batch, steps],
+                  {"model": model, "variant": variant, "k": k})
+
+
+def _child(flag: str, args: list, on_error: dict) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps([model, variant, k, batch, steps])]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    cmd = [sys.executable, os.path.abspath(__file__), flag, json.dumps(args)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
-        return {"model": model, "variant": variant, "k": k, "error": out.stderr.strip().splitlines()[-1:]}
+        return dict(on_error, error=out.stderr.strip().splitlines()[-1:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -228,27 +273,35 @@ def table(rows: list[dict]) -> str:
     single = next((r for r in rows if r["variant"] == "single"), None)
     unrolled = {r["k"]: r for r in rows if r["variant"] == "hand_unrolled" and "error" not in r}
     lines = ["| variant | k | activation peak MiB | /single | gradient buffers MiB | step alloc. peak MiB "
-             "| persistent MiB | allocator peak MiB | /single | step ms | /single | /hand unrolled | nodes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| persistent MiB | untracked MiB | allocator peak MiB | /single | step ms | /single | /hand unrolled "
+             "| replicate ops % | nodes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['k']} | error: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['variant']} | {r['k']} | error: {r['error']} |" + " |" * 13)
             continue
+
+        ops = r.get("traced_op_ms", {})
+        share = f"{100 * ops.get('replicate', 0) / sum(ops.values()):.1f}" if r["variant"] == "replicate" else "-"
 
         def ratio(key, base=single):
             return f"{r[key] / base[key]:.2f}" if base and base.get(key) else "-"
         lines.append(f"| {r['variant']} | {r['k']} | {_mib(r['activation_peak'], 1)} "
                      f"| {ratio('activation_peak')} | {_mib(r['gradient_peak'], 1)} "
-                     f"| {_mib(r['step_alloc_peak'], 1)} | {_mib(r['persistent'])} "
+                     f"| {_mib(r['step_alloc_peak'], 1)} | {_mib(r['persistent'])} | {_mib(r['untracked'])} "
                      f"| {_mib(r['allocator_peak_in_use'])} | {ratio('allocator_peak_in_use')} "
                      f"| {r['step_ms']:.0f} | {ratio('step_ms')} | {ratio('step_ms', unrolled.get(r['k']))} "
-                     f"| {r['nodes']} |")
+                     f"| {share} | {r['nodes']} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--timing-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--timing-rounds", type=int, default=8,
+                        help="interleaved timing: rounds (0: only the per-process step times)")
+    parser.add_argument("--per-round", type=int, default=2, help="interleaved timing: steps per round")
     parser.add_argument("--models", default="mnist_cnn,mlp_20m")
     parser.add_argument("--ks", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=5)
@@ -261,6 +314,10 @@ def main() -> int:
     if args.worker:
         model, variant, k, batch, steps = json.loads(args.worker)
         print(json.dumps(worker(model, variant, k, batch, steps)))
+        return 0
+    if args.timing_worker:
+        model, plan, batch, rounds, per_round = json.loads(args.timing_worker)
+        print(json.dumps(timing_worker(model, [tuple(p) for p in plan], batch, rounds, per_round)))
         return 0
     from common import machine, write_json
 
@@ -280,6 +337,12 @@ def main() -> int:
                 print(json.dumps({key: row.get(key) for key in ("model", "variant", "k", "activation_peak",
                                                                  "allocator_peak_in_use", "step_ms", "error")}),
                       flush=True)
+        timed = {}
+        if args.timing_rounds:
+            timed = _child("--timing-worker", [model, plan, batch, args.timing_rounds, args.per_round], {})
+            if "error" in timed:
+                print(f"interleaved timing failed: {timed['error']}", flush=True)
+                timed = {}
         rows = []
         for (variant, k), runs in got.items():
             ok = [x for x in runs if "error" not in x]
@@ -288,10 +351,15 @@ def main() -> int:
                 continue
             row = dict(ok[0])
             for key in ("peak_rss_above_init", "process_peak_rss", "allocator_peak_in_use", "step_ms",
-                        "activation_peak", "gradient_peak", "step_alloc_peak", "persistent"):
+                        "activation_peak", "gradient_peak", "step_alloc_peak", "persistent", "untracked"):
                 row[key] = statistics.median(x[key] for x in ok)
             row["rounds"] = [{key: x[key] for key in ("allocator_peak_in_use", "peak_rss_above_init",
                                                       "activation_peak", "step_ms")} for x in ok]
+            row["process_step_ms"] = row["step_ms"]
+            t = timed.get(f"{variant}:{k}")
+            if t:
+                row["step_ms"] = t["median"] * 1e3
+                row["interleaved_rounds_ms"] = [v * 1e3 for v in t["rounds"]]
             rows.append(row)
         results.extend(rows)
         print(f"\n{model}, global batch {batch}\n{table(rows)}\n", flush=True)

@@ -13,17 +13,19 @@ time order, each buffer charged to the node that allocated it, and classifies th
 * **gradient buffers**: nodes whose output is (or is summed, scaled, cast, forwarded into)
   the gradient an optimizer update reads -- found by walking back from every ``Apply*`` /
   ``ResourceApply*`` op's inputs (in the executed, post-Grappler partition graphs) through
-  nodes whose traced output has the shape of the updated variable; variable reads stop the
-  walk. This covers one device's gradients, replicate's per-micro-batch gradients and their
+  nodes whose traced output has the shape of the updated variable (data or control inputs:
+  Grappler turns a large ``AddN`` into ``AssignAdd`` ops on a temporary variable that only
+  control edges connect to the sum); variable reads stop the walk. This covers one device's gradients, replicate's per-micro-batch gradients and their
   running sums, and a hand-written loop's accumulators. The update ops' own allocations are
   counted here too: an ``Apply*`` op copies its variable when a read of it is still live (a
   micro-batch's backward pass still using the weights), a parameter-sized buffer;
 * **activations**: every other buffer allocated during the step: forward outputs,
   backward intermediates (gradients with respect to activations), kernels' scratch space,
   input slices -- everything whose size scales with the (micro-)batch;
-* **persistent**: what was already live when the step began (variables, optimizer slots,
-  the fed batch, cached constants): ``allocator_bytes_in_use`` at a node minus the replayed
-  step bytes live at that node's end, taken at the first allocating node.
+* **persistent**: what was live throughout the step (variables, optimizer slots, the fed
+  batch, cached constants): the smallest, over the nodes, of ``allocator_bytes_in_use`` at a
+  node's end minus the replayed step bytes live then; how far that difference rises above its
+  minimum is reported as ``untracked`` (the records do not explain those bytes).
 
 Peaks are maxima of the replayed curves (at equal timestamps frees are applied before
 allocations). The whole-step peak is also reported directly as the largest
@@ -51,6 +53,9 @@ class Breakdown:
         whole_peak: ``persistent + step_peak`` (replayed).
         allocator_peak: largest ``allocator_bytes_in_use`` reported by any node (measured).
         gradient_nodes: how many executed nodes were classed as gradient buffers.
+        untracked: how far the allocator's live bytes rose above ``persistent`` + the replayed
+            buffers at some node end: bytes the records do not explain (buffers allocated outside
+            a node's tracking allocator, or freed late from an earlier step); 0 when they all do.
     """
 
     persistent: int
@@ -60,6 +65,7 @@ class Breakdown:
     whole_peak: int
     allocator_peak: int
     gradient_nodes: int
+    untracked: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,10 +114,8 @@ def gradient_nodes(partition_graphs, step_stats) -> set[str]:
         if name in found or name not in nodes:
             continue
         found.add(name)
-        for inp in nodes[name].input:
-            if inp.startswith("^"):
-                continue
-            src, idx = source(inp)
+        for inp in nodes[name].input:     # control inputs too: Grappler's AddN -> AssignAdd
+            src, idx = source(inp)           # rewrite feeds its sum through control edges
             if src in nodes and nodes[src].op not in _PASS_THROUGH_STOP and shape(src, idx) == want:
                 todo.append((src, want))
     return found
@@ -143,18 +147,20 @@ def breakdown(run_metadata) -> Breakdown:
         peaks[is_grad] = max(peaks[is_grad], live[is_grad])
         peaks["all"] = max(peaks["all"], total)
         curve.append((micros, total))
-    persistent = 0
+    # allocator bytes not explained by the replayed step buffers, at every node end
+    unexplained = []
     if ends and curve:
         ends.sort()
-        at, in_use = ends[0]
-        live_then = 0
-        for micros, total in curve:
-            if micros > at:
-                break
-            live_then = total
-        persistent = in_use - live_then
+        i, live_then = 0, 0
+        for at, in_use in ends:
+            while i < len(curve) and curve[i][0] <= at:
+                live_then = curve[i][1]
+                i += 1
+            unexplained.append(in_use - live_then)
+    persistent = min(unexplained, default=0)
     allocator_peak = max((m.allocator_bytes_in_use for d in stats.dev_stats for n in d.node_stats
                           for m in n.memory), default=0)
     return Breakdown(persistent=persistent, activation_peak=peaks[False], gradient_peak=peaks[True],
                      step_peak=peaks["all"], whole_peak=persistent + peaks["all"],
-                     allocator_peak=allocator_peak, gradient_nodes=len(grads))
+                     allocator_peak=allocator_peak, gradient_nodes=len(grads),
+                     untracked=max(unexplained, default=0) - persistent)
