@@ -229,3 +229,39 @@ def test_running_sums_wait_for_the_next_gate():
         j = int(name.rsplit("_", 1)[1])
         controls = [i for i in node.input if i.startswith("^")]
         assert controls == ([f"^{SCOPE}/tower_{j + 1}/gate"] if j < 3 else []), (name, controls)
+
+
+def _activation_peak(graph: tf.Graph, train_op: str, feed: dict) -> int:
+    """Activation bytes at the busiest moment of one traced step (``benchmarks/memtrace.py``)."""
+    import importlib.util
+    import os
+    import sys
+    memtrace = sys.modules.get("memtrace")
+    if memtrace is None:
+        path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "memtrace.py")
+        spec = importlib.util.spec_from_file_location("memtrace", path)
+        memtrace = sys.modules["memtrace"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(memtrace)
+    with graph.as_default():
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": 1})) as sess:
+        sess.run(init)
+        train = graph.get_operation_by_name(train_op)
+        sess.run(train, feed)
+        meta = v1.RunMetadata()
+        sess.run(train, feed, run_metadata=meta,
+                 options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE, output_partition_graphs=True))
+    return memtrace.breakdown(meta).activation_peak
+
+
+def test_micro_batch_activations_peak_at_one_kth():
+    """Memory, not time (deterministic): with k chained micro-batches one micro-batch's forward
+    and backward buffers are live at a time, and replicate's own ops (the empty-batch guard
+    around max pooling included) add no activation memory at k = 1."""
+    model = models.cnn(filters=(8, 16), dense=64)
+    feed = model.feeds(64, 1)[0]
+    single = _activation_peak(model.graph, "train", feed)
+    peaks = {k: _activation_peak(replicate.transform(model.graph, ["/cpu:0"], accumulate=k).graph,
+                                 "train", feed) for k in (1, 4)}
+    assert peaks[1] <= 1.02 * single, (peaks, single)
+    assert peaks[4] <= 0.3 * peaks[1], (peaks, single)
