@@ -13,7 +13,8 @@ time order, each buffer charged to the node that allocated it, and classifies th
 * **gradient buffers**: nodes whose output is (or is summed, scaled, cast, forwarded into)
   the gradient an optimizer update reads -- found by walking back from every ``Apply*`` /
   ``ResourceApply*`` op's inputs (in the executed, post-Grappler partition graphs) through
-  nodes whose traced output has the shape of the updated variable (data or control inputs:
+  forwarding, scaling and summing ops (the walk stops at the op that computed a gradient from
+  activations) whose traced output has the shape of the updated variable (data or control inputs:
   Grappler turns a large ``AddN`` into ``AssignAdd`` ops on a temporary variable that only
   control edges connect to the sum); variable reads stop the walk. This covers one device's gradients, replicate's per-micro-batch gradients and their
   running sums, and a hand-written loop's accumulators. The update ops' own allocations are
@@ -39,6 +40,16 @@ import dataclasses
 __all__ = ["Breakdown", "breakdown", "gradient_nodes"]
 
 _PASS_THROUGH_STOP = {"ReadVariableOp", "VarHandleOp", "VariableV2", "Variable", "Const", "_Arg"}
+
+#: Ops that forward, scale or sum gradients: the walk goes on through their inputs. Any other op
+#: (``MatMul``, ``Conv2DBackpropFilter``, ``BiasAddGrad``, ...) produced a gradient from
+#: activations and ends the walk, so activations that happen to have a variable's shape (a
+#: [4096, 4096] layer output at batch 4096) are not taken for gradients.
+_ACCUMULATING = {"Identity", "IdentityN", "Snapshot", "AddV2", "Add", "AddN", "AccumulateNV2",
+                 "Mul", "MulNoNan", "RealDiv", "DivNoNan", "Cast", "Neg", "Switch", "Merge",
+                 "Enter", "Exit", "NextIteration", "RefSwitch", "RefMerge", "RefEnter", "RefExit",
+                 "RefNextIteration", "TemporaryVariable", "DestroyTemporaryVariable", "Assign",
+                 "AssignAdd", "ClipByValue", "Maximum", "Minimum", "Select", "SelectV2"}
 
 
 @dataclasses.dataclass
@@ -114,6 +125,8 @@ def gradient_nodes(partition_graphs, step_stats) -> set[str]:
         if name in found or name not in nodes:
             continue
         found.add(name)
+        if nodes[name].op not in _ACCUMULATING:
+            continue
         for inp in nodes[name].input:     # control inputs too: Grappler's AddN -> AssignAdd
             src, idx = source(inp)           # rewrite feeds its sum through control edges
             if src in nodes and nodes[src].op not in _PASS_THROUGH_STOP and shape(src, idx) == want:
