@@ -46,7 +46,7 @@ def test_micro_batches_run_in_a_chain():
     nodes = {n.name: n for n in res.graph_def.node}
     for tower in ("tower_1", "tower_2", "tower_4", "tower_5"):
         held = [n for n in nodes.values() if n.name.startswith(f"{tower}/{SCOPE}/input_")]
-        assert len(held) == 2 and all(n.input[-1] == f"^{SCOPE}/{tower}/gate" for n in held)
+        assert len(held) == 2 and all(f"^{SCOPE}/{tower}/gate" in n.input for n in held)
         gate = nodes[f"{SCOPE}/{tower}/gate"]
         previous = f"tower_{int(tower[-1]) - 1}/"
         assert gate.input and all(i.startswith("^" + previous) for i in gate.input)
@@ -229,6 +229,23 @@ def test_running_sums_wait_for_the_next_gate():
         j = int(name.rsplit("_", 1)[1])
         controls = [i for i in node.input if i.startswith("^")]
         assert controls == ([f"^{SCOPE}/tower_{j + 1}/gate"] if j < 3 else []), (name, controls)
+
+
+def test_next_micro_batch_waits_for_the_running_sums():
+    """Micro-batch j+1's inputs wait for every add of micro-batch j's gradient into the running
+    sum, so at most the sum and one micro-batch's gradient are live."""
+    res = replicate.transform(models.mlp("sgd").graph, CPUS[:1], accumulate=4)
+    nodes = {n.name: n for n in res.graph_def.node}
+    adds = {}
+    for name in nodes:
+        if name.startswith("replicate/aggregate/") and "_parts/accumulate_0_" in name:
+            adds.setdefault(int(name.rsplit("_", 1)[1]), set()).add(name)
+    assert sorted(adds) == [1, 2, 3]
+    for j in (1, 2):
+        held = [n for name, n in nodes.items() if name.startswith(f"tower_{j + 1}/{SCOPE}/input_")]
+        assert held
+        for n in held:
+            assert adds[j] <= {i[1:] for i in n.input if i.startswith("^")}, (n.name, n.input)
 
 
 def _activation_peak(graph: tf.Graph, train_op: str, feed: dict) -> int:
