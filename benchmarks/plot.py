@@ -6,6 +6,9 @@
 single-device graph (1.0 = the same; the dashed line is the 1.05 target).
 ``compile_time.png``: transform time and TensorFlow's import time of the output against
 input nodes x towers (log-log, with a slope-1 guide: linear scaling), and peak memory.
+``accumulate.png``: per model, the activation peak and the step time of each accumulation
+variant relative to one device on the whole batch, against k (the dotted line is 1/k, the
+dashed one the 1.10 step-time target).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 
-__all__ = ["plot_step_time", "plot_compile_time", "main"]
+__all__ = ["plot_step_time", "plot_compile_time", "plot_accumulate", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +98,45 @@ def plot_compile_time(data: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_accumulate(data: dict, path: str) -> None:
+    """Activation peak / single and step time / single against k, one column per model."""
+    rows = [r for r in data["results"] if "error" not in r]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(2, len(models), figsize=(5 * len(models), 7), squeeze=False)
+    for col, model in enumerate(models):
+        mine = [r for r in rows if r["model"] == model]
+        single = next(r for r in mine if r["variant"] == "single")
+        ks = sorted({r["k"] for r in mine if r["variant"] != "single"})
+        for row, (key, label) in enumerate((("activation_peak", "activation peak / single"),
+                                             ("step_ms", "step time / single"))):
+            ax = axes[row][col]
+            for variant in ("replicate", "hand_unrolled", "hand_loop"):
+                pts = sorted((r["k"], r[key] / single[key]) for r in mine if r["variant"] == variant)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=variant.replace("_", " "))
+            if key == "activation_peak":
+                ax.plot(ks, [1 / k for k in ks], ":", color="grey", label="1/k")
+                ax.set_yscale("log", base=2)
+            else:
+                ax.axhline(1.10, ls="--", color="grey", label="1.10 target")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ks, [str(k) for k in ks])
+            ax.set_xlabel("k (micro-batches)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{model}, global batch {single['batch']}")
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Plot whichever results exist."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=common.RESULTS_DIR)
     args = parser.parse_args(argv)
-    for name, fn in (("step_time", plot_step_time), ("compile_time", plot_compile_time)):
+    for name, fn in (("step_time", plot_step_time), ("compile_time", plot_compile_time),
+                     ("accumulate", plot_accumulate)):
         src = os.path.join(args.results, f"{name}.json")
         if not os.path.exists(src):
             print(f"no {src}; run benchmarks/{name}.py first")

@@ -46,7 +46,7 @@ def test_micro_batches_run_in_a_chain():
     nodes = {n.name: n for n in res.graph_def.node}
     for tower in ("tower_1", "tower_2", "tower_4", "tower_5"):
         held = [n for n in nodes.values() if n.name.startswith(f"{tower}/{SCOPE}/input_")]
-        assert len(held) == 2 and all(n.input[-1] == f"^{SCOPE}/{tower}/gate" for n in held)
+        assert len(held) == 2 and all(f"^{SCOPE}/{tower}/gate" in n.input for n in held)
         gate = nodes[f"{SCOPE}/{tower}/gate"]
         previous = f"tower_{int(tower[-1]) - 1}/"
         assert gate.input and all(i.startswith("^" + previous) for i in gate.input)
@@ -229,3 +229,56 @@ def test_running_sums_wait_for_the_next_gate():
         j = int(name.rsplit("_", 1)[1])
         controls = [i for i in node.input if i.startswith("^")]
         assert controls == ([f"^{SCOPE}/tower_{j + 1}/gate"] if j < 3 else []), (name, controls)
+
+
+def test_next_micro_batch_waits_for_the_running_sums():
+    """Micro-batch j+1's inputs wait for every add of micro-batch j's gradient into the running
+    sum, so at most the sum and one micro-batch's gradient are live."""
+    res = replicate.transform(models.mlp("sgd").graph, CPUS[:1], accumulate=4)
+    nodes = {n.name: n for n in res.graph_def.node}
+    adds = {}
+    for name in nodes:
+        if name.startswith("replicate/aggregate/") and "_parts/accumulate_0_" in name:
+            adds.setdefault(int(name.rsplit("_", 1)[1]), set()).add(name)
+    assert sorted(adds) == [1, 2, 3]
+    for j in (1, 2):
+        held = [n for name, n in nodes.items() if name.startswith(f"tower_{j + 1}/{SCOPE}/input_")]
+        assert held
+        for n in held:
+            assert adds[j] <= {i[1:] for i in n.input if i.startswith("^")}, (n.name, n.input)
+
+
+def _activation_peak(graph: tf.Graph, train_op: str, feed: dict) -> int:
+    """Activation bytes at the busiest moment of one traced step (``benchmarks/memtrace.py``)."""
+    import importlib.util
+    import os
+    import sys
+    memtrace = sys.modules.get("memtrace")
+    if memtrace is None:
+        path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "memtrace.py")
+        spec = importlib.util.spec_from_file_location("memtrace", path)
+        memtrace = sys.modules["memtrace"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(memtrace)
+    with graph.as_default():
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": 1})) as sess:
+        sess.run(init)
+        train = graph.get_operation_by_name(train_op)
+        sess.run(train, feed)
+        meta = v1.RunMetadata()
+        sess.run(train, feed, run_metadata=meta,
+                 options=v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE, output_partition_graphs=True))
+    return memtrace.breakdown(meta).activation_peak
+
+
+def test_micro_batch_activations_peak_at_one_kth():
+    """Memory, not time (deterministic): with k chained micro-batches one micro-batch's forward
+    and backward buffers are live at a time, and replicate's own ops (the empty-batch guard
+    around max pooling included) add no activation memory at k = 1."""
+    model = models.cnn(filters=(8, 16), dense=64)
+    feed = model.feeds(64, 1)[0]
+    single = _activation_peak(model.graph, "train", feed)
+    peaks = {k: _activation_peak(replicate.transform(model.graph, ["/cpu:0"], accumulate=k).graph,
+                                 "train", feed) for k in (1, 4)}
+    assert peaks[1] <= 1.02 * single, (peaks, single)
+    assert peaks[4] <= 0.3 * peaks[1], (peaks, single)

@@ -8,6 +8,17 @@ batch is empty, and its result is sliced back to the tower's batch size. With ex
 padding is zero and the slice is the whole tensor, so the values are the same bits; with none,
 the kernel sees one example instead of zero.
 
+When the gradient's ``orig_output`` is the forward pooling op's output (``MaxPool``,
+``MaxPoolV2``, ``MaxPool3D`` in the same tower, reading the same ``orig_input``) -- the usual
+case -- the padding is put *before the forward op* instead: the forward op pools the padded
+input, its other readers get its output sliced back to the tower's batch, and the gradient
+reads the padded input, the forward output itself and its padded incoming gradient. Keeping the
+forward op's output a direct input of the gradient is what lets TensorFlow's oneDNN rewrite pair
+the two (the gradient then reuses the forward op's workspace); with a ``Pad`` in between the
+gradient falls back to the Eigen kernel, which recomputes the pooling and allocates an int64
+argmax buffer the size of the pooled output (the seeds' CNN at batch 256: 12 MiB more live
+memory and 5x the kernel time, measured in ``benchmarks/accumulate.py``'s traces).
+
 Why: TensorFlow's oneDNN ``MaxPoolGrad`` kernel (CPU builds, the default) aborts the whole
 process on an empty batch with ``Check failed: dtype() == expected_dtype (1 vs. 3) int32
 expected, got float`` -- even on one device, without replicate. A tower gets an empty slice when
@@ -51,6 +62,20 @@ class Guard:
         return PassResult(ir, done > 0)
 
     @staticmethod
+    def _forward(ir: IR, node):
+        """The forward pooling op whose output 0 ``node`` reads as ``orig_output``, or None.
+
+        Only when that op is in the same tower and pools ``node``'s ``orig_input``.
+        """
+        src, _, idx = node.inputs[1].partition(":")
+        forward = ir.nodes.get(src)
+        if (forward is None or idx not in ("", "0") or forward.op != FORWARD_OPS.get(node.op)
+                or not forward.inputs or forward.inputs[0] != node.inputs[0]
+                or src.split("/", 1)[0] != node.name.split("/", 1)[0]):
+            return None
+        return forward
+
+    @staticmethod
     def _guard(ir: IR, node) -> None:
         tower, _, rest = node.name.partition("/")
         scope = f"{tower}/{SCOPE}/{rest}"
@@ -75,15 +100,32 @@ class Guard:
         others = const("others", [[0, 0]] * (rank - 1))
         row2 = add("row2", "Reshape", [row, const("row_shape", [1, 2])], T=i32, Tshape=i32)
         paddings = add("paddings", "ConcatV2", [row2, others, zero], T=i32, N=2, Tidx=i32)
-        for i in range(GUARDED_OPS[node.op]):
-            padded = add(f"padded_{i}", "Pad", [node.inputs[i], paddings], T=dtype, Tpaddings=i32)
-            ir.set_input(node.name, i, padded)
         size = add("size", "ConcatV2", [add("batch_vec", "Reshape", [batch, const("one", [1])],
                                                 T=i32, Tshape=i32),
                                             const("rest", [-1] * (rank - 1)), zero],
                    T=i32, N=2, Tidx=i32)
         begin = const("begin", [0] * rank)
+        forward = Guard._forward(ir, node)
+        if forward is not None:
+            # Pad the forward op's input; its other readers see its output sliced back.
+            padded = add("padded_0", "Pad", [node.inputs[0], paddings], T=dtype, Tpaddings=i32)
+            out = forward.name
+            others = [c.name for c, _ in ir.data_consumers(out) if c.name != node.name]
+            ir.set_input(forward.name, 0, padded)
+            ir.set_input(node.name, 0, padded)
+            pooled = add("forward_sliced", "Slice", [out, begin, size], T=dtype, Index=i32)
+            ir.replace_uses(out, pooled, only=others)
+            padded = add("padded_2", "Pad", [node.inputs[2], paddings], T=dtype, Tpaddings=i32)
+            ir.set_input(node.name, 2, padded)
+        else:
+            for i in range(GUARDED_OPS[node.op]):
+                padded = add(f"padded_{i}", "Pad", [node.inputs[i], paddings], T=dtype, Tpaddings=i32)
+                ir.set_input(node.name, i, padded)
         ref = node.name
         readers = [c.name for c, _ in ir.data_consumers(ref)]
         sliced = add("sliced", "Slice", [ref, begin, size], T=dtype, Index=i32)
         ir.replace_uses(ref, sliced, only=readers)
+
+
+#: Gradient op -> the forward op whose output it reads as ``orig_output``.
+FORWARD_OPS = {"MaxPoolGrad": "MaxPool", "MaxPoolGradV2": "MaxPoolV2", "MaxPool3DGrad": "MaxPool3D"}
