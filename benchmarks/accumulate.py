@@ -70,15 +70,12 @@ def _hand_loop(spec, k: int):
     """The hand-written accumulation loop: a while loop over k micro-batches."""
     import tensorflow as tf
 
-    from models import LEARNING_RATE, Built, _get_params
+    from models import LEARNING_RATE, Built, _inputs_and_params
 
     v1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
-        x = v1.placeholder(tf.float32, [None, spec.features], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        with v1.variable_scope("model"):
-            params = _get_params(spec)
+        x, y, params = _inputs_and_params(spec)
         names = [n for n, _ in spec.variables]
         variables = [params[n] for n in names]
         batch = tf.shape(x)[0]
@@ -107,15 +104,12 @@ def _hand_unrolled(spec, k: int):
     """K forward+backward passes on B/K examples in one step, chained, gradients summed."""
     import tensorflow as tf
 
-    from models import LEARNING_RATE, Built, _get_params
+    from models import LEARNING_RATE, Built, _inputs_and_params
 
     v1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
-        x = v1.placeholder(tf.float32, [None, spec.features], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        with v1.variable_scope("model"):
-            params = _get_params(spec)
+        x, y, params = _inputs_and_params(spec)
         variables = [params[n] for n, _ in spec.variables]
         batch = tf.shape(x)[0]
         total = tf.cast(batch, tf.float32)

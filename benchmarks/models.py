@@ -110,14 +110,21 @@ def _get_params(spec: Spec) -> dict:
             for name, shape in spec.variables}
 
 
+def _inputs_and_params(spec: Spec) -> tuple:
+    """The placeholders ``x``, ``y`` and the model's variables (under ``model/``), in the
+    default graph: what every single-device variant starts from."""
+    x = v1.placeholder(tf.float32, [None, spec.features], name="x")
+    y = v1.placeholder(tf.int64, [None], name="y")
+    with v1.variable_scope("model"):
+        params = _get_params(spec)
+    return x, y, params
+
+
 def single_graph(spec: Spec) -> Built:
     """The ordinary single-device graph (no devices set)."""
     graph = tf.Graph()
     with graph.as_default():
-        x = v1.placeholder(tf.float32, [None, spec.features], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        with v1.variable_scope("model"):
-            params = _get_params(spec)
+        x, y, params = _inputs_and_params(spec)
         loss = tf.identity(_loss(spec, params, x, y), name="loss")
         step = v1.train.get_or_create_global_step()
         v1.train.AdamOptimizer(LEARNING_RATE).minimize(loss, global_step=step, name="train")

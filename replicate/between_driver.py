@@ -104,10 +104,9 @@ def train_single(graph_or_meta, train_op: str, initial: dict[str, np.ndarray],
 
     v1 = tf.compat.v1
     if isinstance(graph_or_meta, tf.Graph):
-        from tensorflow.python.framework import meta_graph
+        from replicate.io import export_graph
 
-        with graph_or_meta.as_default():
-            meta = v1.train.export_meta_graph(graph=graph_or_meta)
+        meta = export_graph(graph_or_meta, clear_devices=True)
     else:
         meta = graph_or_meta
     graph = tf.Graph()

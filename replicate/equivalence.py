@@ -50,8 +50,9 @@ class Trainer:
 
         meta = source
         if isinstance(source, tf.Graph):
-            with source.as_default():
-                meta = tf.compat.v1.train.export_meta_graph(graph=source, clear_devices=False)
+            from replicate.io import export_graph
+
+            meta = export_graph(source)
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)

@@ -28,7 +28,7 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
 from replicate.errors import InputError, OutputError
 
-__all__ = ["Loaded", "load", "write_atomic", "FORMATS", "output_format", "encode", "save",
+__all__ = ["Loaded", "load", "export_graph", "write_atomic", "FORMATS", "output_format", "encode", "save",
            "check_writable", "TEXT_SUFFIXES"]
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ def load(source: Any, tags: tuple[str, ...] = ("train",)) -> Loaded:
     import tensorflow as tf
 
     if isinstance(source, tf.Graph):
-        with source.as_default():     # works with eager execution on (TF2's default)
-            meta = tf.compat.v1.train.export_meta_graph(graph=source, clear_devices=False)
+        meta = export_graph(source)
         return Loaded(meta.graph_def, meta, source, "tf.Graph", "graph")
     if isinstance(source, meta_graph_pb2.MetaGraphDef):
         return _checked(Loaded(source.graph_def, source, None, "MetaGraphDef", "meta_graph_def"))
@@ -79,6 +78,15 @@ def load(source: Any, tags: tuple[str, ...] = ("train",)) -> Loaded:
         return _checked(_load_path(os.fspath(source), tags))
     raise InputError(f"cannot read a graph from a {type(source).__name__}; pass a tf.Graph, "
                      "GraphDef, MetaGraphDef or a path")
+
+
+def export_graph(graph: Any, clear_devices: bool = False) -> meta_graph_pb2.MetaGraphDef:
+    """The MetaGraphDef of a ``tf.Graph``, also with eager execution on (TF2's default), where
+    exporting needs the graph to be the default one."""
+    import tensorflow as tf
+
+    with graph.as_default():
+        return tf.compat.v1.train.export_meta_graph(graph=graph, clear_devices=clear_devices)
 
 
 def _checked(loaded: Loaded) -> Loaded:

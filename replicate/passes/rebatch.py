@@ -195,9 +195,9 @@ class Rebatch:
         for name in sorted(n.name for n in self.ir if n.op in RELAXED_SHAPE_ATTRS):
             if name in planned:
                 continue
+            attr = RELAXED_SHAPE_ATTRS[self.ir.nodes[name].op]
             for copies in self.copies:
                 copy = copies.get(name)
-                attr = RELAXED_SHAPE_ATTRS[self.ir.nodes[name].op]
                 if copy is None or attr not in self.ir.nodes[copy].attrs:
                     continue
                 out = attr_value_pb2.AttrValue()

@@ -60,13 +60,13 @@ class Split:
 
     def run(self, ir: IR) -> PassResult:
         analysis = ir.facts["analysis"]
+        n = len(self.devices)
         blocked = analysis.plan.unsplittable if analysis.plan is not None else []
-        if blocked and len(self.devices) > 1:
+        if blocked and n > 1:
             first = blocked[0]
             more = f" (and {len(blocked) - 1} more)" if len(blocked) > 1 else ""
-            raise AnalysisError(f"cannot split the batch over {len(self.devices)} towers: "
+            raise AnalysisError(f"cannot split the batch over {n} towers: "
                                 f"{first.node}: {first.what}{more}; {first.fix}")
-        n = len(self.devices)
         towers = Towers(self.devices, tower_prefixes(ir, n), [dict() for _ in range(n)], [], None,
                         micro=self.micro)
         order = list(dict.fromkeys(b.cls for b in analysis.batch_inputs))
