@@ -92,6 +92,10 @@ class Context:
         self.demands: dict[tuple[str, int], Demand] = {}
         self.positions: dict[tuple[str, int | None, str], Position] = {}
         self.attr_positions: dict[tuple[str, str], tuple[int, int, int]] = {}
+        #: Reshapes that keep rows part batch, part shared: node -> the row shape after them.
+        self.row_shapes: dict[str, tuple[int, ...]] = {}
+        #: Gradient ``Pad`` ops of slices of such rows: node -> the forward ``Slice``.
+        self.slice_pads: dict[str, str] = {}
         self.changed = False
 
     # ------------------------------------------------------------------ reading

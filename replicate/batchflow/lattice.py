@@ -27,6 +27,11 @@ not the batch's. ``value`` carries symbolic integer values (shapes, sizes): a tu
 elements, each an ``int``, a :class:`Sym` (a multiple of a batch size) or ``None``.
 ``index`` marks integer tensors whose values are row numbers local to a tower (``Range`` over
 the batch size, ``Where`` over a partitioned condition).
+``tail`` marks a partitioned tensor whose batch rows are followed, along ``axis``, by rows that
+belong to no example: ``(count, kind)``, ``kind`` ``"shared"`` (the same rows in every tower: the
+sampled classes a sampled loss appends to the batch's labels) or ``"grad"`` (each tower's
+gradient with respect to such rows, a share of the single-device gradient). Only the rules of
+:mod:`replicate.batchflow.rules.tail` accept such a tensor; any other op makes it mixed.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class Fact:
     value: tuple | None = None
     index: tuple | None = None
     handle: str | None = None
+    tail: tuple | None = None
 
     @property
     def dependent(self) -> bool:
@@ -100,6 +106,7 @@ class Fact:
             extra = "" if self.block == 1 else f" block {self.block}"
             extra += "" if self.ordered else " unordered"
             extra += " filtered" if self.filtered else ""
+            extra += f" + {self.tail[0]} {self.tail[1]} rows" if self.tail else ""
             return f"part axis {self.axis} class {self.cls}{extra}"
         if self.kind == RED:
             return f"reduced ({self.merge}) over class {self.cls}"
@@ -150,6 +157,10 @@ def join(facts: list[Fact | None], classes: Classes) -> Fact | None:
     if bad is not None:
         return bad.with_(taint=taint)
     parts = [f for f in known if f.kind == PART]
+    tails = {f.tail for f in parts}
+    if any(tails) and (len(tails) > 1 or len(parts) < len(known)):
+        return mixed("", "a loop or branch joins rows that are part batch, part shared with other rows",
+                     taint)
     if parts:
         axes = {f.axis for f in parts}
         if len(axes) > 1:

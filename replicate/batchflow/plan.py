@@ -57,6 +57,12 @@ class Plan:
     factors: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     promote: dict[str, Demand] = dataclasses.field(default_factory=dict)
     resized: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    #: Reshapes that keep rows part batch, part shared: node -> the row shape after them
+    #: (the rewrite gives them ``-1`` rows).
+    row_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: Gradient ``Pad`` ops of slices of such rows: node -> forward ``Slice`` (the rewrite
+    #: computes their paddings from the tower's own slice).
+    slice_pads: dict[str, str] = dataclasses.field(default_factory=dict)
     reasons: list[Reason] = dataclasses.field(default_factory=list)
     #: Reasons that rule out any split (a variable with one row per example of the batch):
     #: one tower still runs the single-device step, two or more are refused.
@@ -66,7 +72,7 @@ class Plan:
         """Add what an earlier round planned (later rounds see those tensors resized and do
         not plan them again)."""
         for field in ("splits", "consts", "slices", "elements", "substitutes", "attrs", "factors",
-                      "promote", "resized"):
+                      "promote", "resized", "row_shapes", "slice_pads"):
             mine = getattr(self, field)
             for key, value in getattr(other, field).items():
                 if field == "elements" and key in mine:
@@ -79,7 +85,7 @@ class Plan:
     @property
     def empty(self) -> bool:
         return not (self.splits or self.consts or self.slices or self.elements or self.substitutes
-                    or self.attrs or self.factors)
+                    or self.attrs or self.factors or self.row_shapes or self.slice_pads)
 
 
 def frame_depths(ir: IR, order: list[str]) -> dict[str, int]:
@@ -217,6 +223,10 @@ class _Resolver:
                 sub(ref, dim)
         elif op == "Slice" and self._slice(d, node, sub):
             pass
+        elif op == "MatMul" and d.dim in (0, 1):
+            # the rows of the product are the rows of a, its columns the columns of b
+            transpose = bool(node.attr("transpose_a" if d.dim == 0 else "transpose_b", False))
+            sub(node.inputs[d.dim], 1 - d.dim if transpose else d.dim)
         elif self.depths.get(node.name, 0) > 0:
             self.reason(node.name, f"'{d.tensor}' inside a TF1 while loop has the global batch size "
                         "where each tower needs its own", "give the batch input a dynamic batch "
@@ -386,6 +396,13 @@ def resolve(ctx: Context, depths: dict[str, int], scopes: list[str]) -> Plan:
         resolver.position(p)
     for (node, attr), (dim, cls, factor) in ctx.attr_positions.items():
         plan.attrs[(node, attr)] = (dim, cls, factor)
+    plan.row_shapes.update(ctx.row_shapes)
+    plan.slice_pads.update(ctx.slice_pads)
+    for node in [*ctx.row_shapes, *ctx.slice_pads, *ctx.slice_pads.values()]:
+        if depths.get(node):
+            resolver.unsplittable(node, "rows that are part batch, part shared (a sampled loss) "
+                                  "are reshaped or sliced inside a loop", "compute the sampled loss "
+                                  "outside the loop")
     for node, what in ctx.notes:
         resolver.reason(node, f"{what}, which every tower shares", "give the batch input a dynamic "
                         "batch dimension, or build the loop with TF1 control flow "

@@ -18,7 +18,11 @@ Produces, per tower ``k`` with ``n_k`` examples of the class concerned:
   tower's rows in the tower;
 - ``substitutes``: a fed scalar that holds the batch size where a shape needs the tower's
   count reads the tower's count there;
-- ``attrs``: shape attributes whose batch dimension becomes ``n_k``.
+- ``attrs``: shape attributes whose batch dimension becomes ``n_k``;
+- ``row_shapes``: a reshape of rows that are part batch, part shared (a sampled loss's gather
+  gradient) reshapes to ``-1`` rows, not to the folded ``B + S``;
+- ``slice_pads``: the gradient ``Pad`` of a slice of such rows gets paddings computed from
+  the tower's own forward slice.
 
 ``ir.facts["rebatched"]`` lists what was rewritten.
 """
@@ -82,6 +86,12 @@ class Rebatch:
             done.append(node_of(tensor))
         for (name, attr), (dim, cls, factor) in sorted(plan.attrs.items()):
             self._attr(name, attr, dim, cls, factor)
+            done.append(name)
+        for name, row in sorted(plan.row_shapes.items()):
+            self._row_shape(name, row)
+            done.append(name)
+        for name, forward in sorted(plan.slice_pads.items()):
+            self._slice_pad(name, forward)
             done.append(name)
         done += self._relax_element_shapes({name for name, _ in plan.attrs})
         ir.facts["rebatched"] = list(dict.fromkeys(done))
@@ -185,6 +195,42 @@ class Rebatch:
                 value = ir.add(f"{name}/scaled", "Mul", [value, factor], device=ir.nodes[reader].device,
                                attrs={"T": dtype}).name
             ir.replace_uses(tensor, value, only=[reader])
+
+    def _row_shape(self, name: str, row: tuple[int, ...]) -> None:
+        """The tower's copy of Reshape ``name`` infers its row count (``[-1, *row]``)."""
+        ir = self.ir
+        for copies in self.copies:
+            copy = copies.get(name)
+            if copy is None:
+                continue
+            node = ir.nodes[copy]
+            dtype = dtypes.as_dtype(node.attrs["Tshape"].type) if "Tshape" in node.attrs else dtypes.int32
+            target = ir.const(ir.unique_name(f"{copy}/rows_shape"), [-1, *row], dtype, node.device)
+            ir.set_input(copy, 1, target)
+
+    def _slice_pad(self, name: str, forward: str) -> None:
+        """The tower's copy of slice gradient ``name`` pads by the tower's forward slice:
+        ``[begin, shape(input) - shape(output) - begin]`` per dimension."""
+        ir = self.ir
+        for copies in self.copies:
+            copy, fwd = copies.get(name), copies.get(forward)
+            if copy is None or fwd is None:
+                raise AnalysisError(f"'{name}': the gradient of a sampled loss's slice and its "
+                                    f"forward slice '{forward}' must both run in the towers")
+            device = ir.nodes[copy].device
+            slicer = ir.nodes[fwd]
+            index = dtypes.as_dtype(slicer.attrs["Index"].type)
+            begin = slicer.inputs[1]
+            base = ir.unique_name(f"{copy}/tower_paddings")
+            whole = ir.add(f"{base}/whole", "Shape", [slicer.inputs[0]], device=device,
+                           attrs={"T": dtypes.as_dtype(slicer.attrs["T"].type), "out_type": index}).name
+            cut = ir.add(f"{base}/cut", "Shape", [fwd], device=device,
+                         attrs={"T": dtypes.as_dtype(slicer.attrs["T"].type), "out_type": index}).name
+            rest = ir.add(f"{base}/rest", "Sub", [whole, cut], device=device, attrs={"T": index}).name
+            after = ir.add(f"{base}/after", "Sub", [rest, begin], device=device, attrs={"T": index}).name
+            paddings = ir.add(base, "Pack", [begin, after], device=device,
+                              attrs={"T": index, "N": 2, "axis": 1}).name
+            ir.set_input(copy, 1, paddings)
 
     def _relax_element_shapes(self, planned: set[str]) -> list[str]:
         """A tower's TensorArray keeps its rank but not its element dimensions, unless the

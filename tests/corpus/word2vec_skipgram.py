@@ -26,14 +26,14 @@ VOCAB, EMBED, NUM_SAMPLED, NUM_SKIPS, SKIP_WINDOW = 40, 8, 4, 2, 1
 VALID_EXAMPLES = np.array([1, 3, 5, 7], np.int32)
 
 VARIANTS = {
-    "nce": {"expect": {"exact": "refused", "refusal": ["concat"],
-                       "why": "nce_loss concatenates the batch's labels with the shared sampled "
-                       "ids along axis 0, looks both up in one gather and slices the rows apart; "
-                       "the analysis has no fact for a tensor whose rows are part batch, part "
-                       "shared, so it refuses at the concat (exact replication is possible in "
-                       "principle: not implemented)"}},
+    "nce": {"expect": {"exact": True,
+                       "why": "the candidate sampler runs once for the whole batch (one draw, as on "
+                       "one device); nce_loss's concat of labels and sampled ids has per-example "
+                       "rows and shared rows, which the towers slice apart again, and each tower's "
+                       "sparse gradient for the shared rows is its share of the batch's"}},
     "sampled_softmax": {"build": {"loss": "sampled_softmax"},
-                        "expect": {"exact": "refused", "refusal": ["concat"], "why": "as nce"}},
+                        "expect": {"exact": True, "why": "as nce, with accidental hits removed "
+                                   "per example and log-q subtracted"}},
 }
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import Fact, shared
-from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape
+from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape, tail
 from replicate.batchflow.rules.common import passthrough, taint_of
 from replicate.ir import Node
 
@@ -115,6 +115,9 @@ def apply(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]
     n = ctx.n_outputs(node)
     if node.op not in WAITS_FOR_ALL and any(f is None for f in ins):
         return [None] * n
+    if any(tail.carries(f) for f in ins):
+        out = tail.apply(ctx, node, ins)
+        return (out + [out[-1]] * (n - len(out)))[:n]
     rule = RULES.get(node.op)
     if rule is None:
         return [ctx.no_rule(node, ins)] * n

@@ -13,6 +13,7 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, part, rows,
                                               shared, size_fact, taint_of)
+from replicate.batchflow.rules import tail
 from replicate.batchflow.rules.layout import map_reshape, strided_entries
 from replicate.ir import Node
 
@@ -58,6 +59,9 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return out
     target = ctx.int_value(node.inputs[1]) or ()
     out_dims = ctx.shape(f"{node.name}:0")
+    if f.axis == 0 and ctx.rank(node.inputs[0]) == 1 and out_dims is not None and len(out_dims) == 2 \
+            and out_dims[1] == 1 and len(target) == 2 and target[0] == -1:
+        return [f.with_(value=None, taint=f.taint | ins[1].taint)]     # rows to a column: [-1, 1]
     syms = [j for j, v in enumerate(target) if isinstance(v, Sym) and ctx.classes.same(v.cls, f.cls)]
     if syms:
         j = syms[0]
@@ -154,12 +158,19 @@ def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis
         return mixed(node.name, f"{node.op} along an axis known only at run time", taint)
     if batch_axis == axis and node.op not in ("Pack",):
         if any(f.kind != PART for f in ins):
+            rows_after = tail.concat(ctx, node, refs, ins, axis) if node.op != "Pack" else None
+            if rows_after is not None:
+                return rows_after
             return mixed(node.name, f"{node.op} adds shared rows to the batch", taint)
         if len(ps) == 1:
             return ps[0].with_(taint=taint)
         cls = ctx.classes.compose([f.cls for f in ps])
         return part(axis, cls, None, ordered=False, filtered=any(f.filtered for f in ps), taint=taint)
     out = combine_parts(ctx, node, ps, batch_axis + (out_shift if axis <= batch_axis else 0))
+    first = ins[0]
+    if not out_shift and axis == 1 and first.kind == PART and first.index is not None \
+            and first.index[0] == "rows" and ctx.rank(refs[0]) == 2:
+        out = out.with_(index=("cols", 0) + first.index[1:])   # [rows, ...] coordinates
     for ref, f in zip(refs, ins):
         if f.kind == SHARED:
             ctx.demand(ref, batch_axis, out, node)
@@ -360,6 +371,9 @@ def shape_source(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 
 
 def pad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    made = tail.slice_grad(ctx, node, ins)
+    if made is not None:
+        return made
     f = ins[0]
     if f.kind != PART:
         return _other(ctx, node, ins)
