@@ -35,6 +35,9 @@ LOSSES = {
     "topk": False, "first_k": False, "cumsum": False, "sort": False, "gather_positions": False,
     "mean_squared": False, "sqrt_mean": False, "max_over_batch": False, "center_batch": False,
     "softmax_over_batch": False, "argmax_over_batch": False,
+    # sampled losses: the batch's labels and shared sampled classes in one lookup
+    "nce": True, "sampled_softmax": True,
+    "concat_rows_mean": False, "concat_rows_gather_sum": False, "concat_head_k": False,
 }
 
 
@@ -171,6 +174,22 @@ def _loss(case: Case, x, y, logits, sq, per, variables):
     if kind == "class_weights":
         cw = v1.placeholder(tf.float32, [CLASSES], name="cw")
         return tf.reduce_mean(tf.reduce_sum(sq * cw, 1)), None
+    if kind in ("nce", "sampled_softmax"):
+        labels = tf.reshape(tf.argmax(y, axis=1), [-1, 1])
+        out_w = v1.get_variable("out_w", [2 * CLASSES, case.hidden])
+        out_b = v1.get_variable("out_b", [2 * CLASSES], initializer=v1.zeros_initializer())
+        fn = v1.nn.nce_loss if kind == "nce" else v1.nn.sampled_softmax_loss
+        hidden = tf.matmul(x, variables[0])
+        return tf.reduce_mean(fn(out_w, out_b, labels, hidden, num_sampled=2,
+                                 num_classes=2 * CLASSES)) + tf.reduce_mean(per), None
+    if kind == "concat_rows_mean":
+        return tf.reduce_mean(tf.concat([per, tf.constant([1.0, 2.0])], axis=0)), None
+    if kind == "concat_rows_gather_sum":
+        table = v1.get_variable("rows", [CLASSES, CLASSES])
+        ids = tf.concat([tf.argmax(y, axis=1), tf.constant([0, 1], tf.int64)], axis=0)
+        return tf.reduce_mean(per) + tf.reduce_sum(tf.square(tf.gather(table, ids))), None
+    if kind == "concat_head_k":
+        return tf.reduce_mean(tf.concat([per, tf.constant([1.0, 2.0])], axis=0)[:k + 1]), None
     if kind == "topk":
         return tf.reduce_mean(tf.nn.top_k(per, k).values), None
     if kind == "first_k":

@@ -43,6 +43,34 @@ def embedding(optimizer: str = "adam", resource: bool = True) -> Model:
     return Model(graph, "train", make, ("loss:0", "logits:0"))
 
 
+def sampled(loss: str = "nce", optimizer: str = "adam", resource: bool = True,
+            batch: int | None = None, num_true: int = 1) -> Model:
+    """Skip-gram-like model with a sampled loss (``nce_loss`` or ``sampled_softmax_loss``):
+    the candidate sampler draws once per step, and the loss gathers the batch's labels and the
+    sampled classes in one lookup of the output weights."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(5)
+        ids = v1.placeholder(tf.int64, [batch], name="ids")
+        labels = v1.placeholder(tf.int64, [batch, num_true], name="labels")
+        with v1.variable_scope("m", use_resource=resource):
+            table = v1.get_variable("embedding", [30, 6],
+                                    initializer=v1.random_uniform_initializer(-1.0, 1.0, seed=1))
+            weights = v1.get_variable("out_w", [30, 6],
+                                      initializer=v1.truncated_normal_initializer(stddev=0.4, seed=2))
+            biases = v1.get_variable("out_b", [30], initializer=v1.zeros_initializer())
+        embed = tf.nn.embedding_lookup(table, ids)
+        fn = v1.nn.nce_loss if loss == "nce" else v1.nn.sampled_softmax_loss
+        per_example = fn(weights=weights, biases=biases, labels=labels, inputs=embed,
+                         num_sampled=5, num_classes=30, num_true=num_true)
+        total = tf.reduce_mean(per_example, name="loss")
+        OPTIMIZERS[optimizer]().minimize(total, name="train")
+
+    def make(rng, b):
+        return {"ids:0": rng.randint(0, 30, b), "labels:0": rng.randint(0, 30, (b, num_true))}
+    return Model(graph, "train", make, ("loss:0",))
+
+
 def batch_norm_cnn(fused: bool = True, optimizer: str = "momentum") -> Model:
     """conv (no bias) -> batch norm -> relu -> dense -> batch norm -> logits, with the legacy
     UPDATE_OPS + control_dependencies wiring."""

@@ -112,9 +112,44 @@ def test_concat_along_features_and_along_the_batch():
     def build(x):
         tf.concat([x, x * 2.0], axis=1, name="wide")
         tf.concat([x, tf.zeros([2, 6])], axis=0, name="extra_rows")
+        tf.concat([tf.zeros([2, 6]), x], axis=0, name="rows_first")
+        tf.concat([x, x], axis=0, name="twice")
     fact = flow(build)
     assert fact("wide").kind == PART and fact("wide").axis == 0
-    assert fact("extra_rows").kind == MIXED and "shared rows" in fact("extra_rows").why
+    # batch rows followed by shared rows: a fact of its own, only tail-aware ops accept it
+    assert fact("extra_rows").kind == PART and fact("extra_rows").tail == (2, "shared")
+    assert fact("rows_first").kind == MIXED and "shared rows" in fact("rows_first").why
+    assert fact("twice").tail is None
+
+
+def test_rows_part_batch_part_shared_mix_under_any_other_op():
+    """The shared rows after the batch rows must never be treated as examples: reducing,
+    scaling by a per-row tensor, slicing across the boundary or merging them makes the
+    result mixed; only the head and the tail cut as the sampled losses cut are clean."""
+    def build(x):
+        rows = tf.concat([x, tf.ones([3, 6])], axis=0, name="rows")
+        n = tf.shape(x)[0]
+        tf.reduce_sum(rows, axis=0, name="total")
+        tf.reduce_mean(rows, name="mean")
+        tf.reduce_sum(rows, axis=1, name="per_row")
+        tf.nn.softmax(rows, name="softmax")
+        tf.slice(rows, [0, 0], tf.stack([n, -1]), name="head")
+        tf.slice(rows, tf.stack([n, 0]), [-1, -1], name="tail")
+        tf.slice(rows, [0, 0], [2, -1], name="first_two")
+        tf.slice(rows, tf.stack([n - 1, 0]), [-1, -1], name="straddle")
+        tf.identity(tf.gather(tf.ones([10, 4]), tf.cast(rows[:, 0], tf.int32)), name="gathered_by_slice")
+        ids = tf.concat([tf.cast(x[:, 0], tf.int64), tf.constant([1, 2], tf.int64)], 0)
+        looked = tf.gather(tf.ones([10, 4]), ids, name="looked")
+        tf.identity(looked + tf.ones([4]), name="plus_bias")
+        tf.add_n([looked, looked], name="sum_of_two")
+    fact = flow(build)
+    for name in ("total", "mean", "per_row", "softmax", "first_two", "straddle", "gathered_by_slice",
+                 "plus_bias"):
+        assert fact(name).kind == MIXED, (name, fact(name).describe())
+    assert fact("head").kind == PART and fact("head").tail is None and fact("head").ordered
+    assert fact("tail").kind == SHARED
+    assert fact("looked").tail == (2, "shared")
+    assert fact("sum_of_two").tail == (2, "shared")
 
 
 # ---------------------------------------------------------------- matmul / conv / pool

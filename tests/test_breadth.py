@@ -38,6 +38,24 @@ def _ancestor_ops(nodes, ref, depth):
     return ops
 
 
+@pytest.mark.parametrize("loss,optimizer,resource,static,num_true", [
+    ("nce", "adam", True, False, 1), ("nce", "sgd", False, True, 1), ("nce", "adagrad", True, True, 2),
+    ("sampled_softmax", "momentum", False, False, 1), ("sampled_softmax", "adam", True, True, 1),
+    ("sampled_softmax", "sgd", True, False, 2)])
+def test_sampled_losses_are_exact(loss, optimizer, resource, static, num_true):
+    """nce_loss and sampled_softmax_loss: one draw of the sampler per step for the whole batch,
+    the towers' sparse gradients of the shared sampled rows add up (static and dynamic batch,
+    dense and deduplicated sparse updates, several true classes, an uneven split)."""
+    model = bm.sampled(loss, optimizer, resource, batch=10 if static else None, num_true=num_true)
+    res, result = check(model, towers=3, batch=10)
+    assert res.report.exact, str(res.report)
+    assert {"m/out_w", "m/out_b", "m/embedding"} <= set(result.per_variable) - set(result.unchanged)
+    assert res.report.gradients.get("sparse_values") == 3
+    samplers = [n for n in res.graph_def.node if n.op == "LogUniformCandidateSampler"]
+    assert len(samplers) == 1 and not samplers[0].name.startswith("tower_"), \
+        "the sampler must draw once for the whole batch"
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "moments"])
 @pytest.mark.parametrize("towers,batch", [(2, 8), (3, 10)])
 def test_sync_batch_norm_is_exact(fused, towers, batch):

@@ -87,10 +87,12 @@ def _trainable_cone(ir: IR, ref: str, limit: int = 2000) -> str | None:
 #: (first match wins); the last entry is the general advice.
 FIXES = (
     ("adds shared rows to the batch",
-     "this is how nce_loss and sampled_softmax_loss join the batch's labels with the shared "
-     "sampled classes before one lookup; replicate cannot yet follow a tensor whose rows are "
-     "part batch, part shared: look the labels and the sampled classes up separately, or "
-     "train this graph on one device"),
+     "replicate follows shared rows only after the batch's rows, as nce_loss and "
+     "sampled_softmax_loss append the sampled classes to the labels: put the batch first"),
+    ("part batch, part shared",
+     "replicate follows rows that are part batch, part shared only through gathers, "
+     "elementwise ops and the slices that take the batch rows and the shared rows apart "
+     "(as nce_loss and sampled_softmax_loss do): slice them apart before any other op"),
     ("", "compute the loss per example and reduce it with a mean or sum over the batch, or "
          "train this graph on one device"),
 )
@@ -127,6 +129,10 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
         if fact.kind == MIXED:
             fail(fact.src or name, f"the loss depends on '{fact.src}': {fact.why}; towers see "
                  "only their own examples", _fix_for(fact.why))
+            return
+        if fact.kind == PART and fact.tail:
+            fail(name, f"the loss sums rows that are part batch, part shared ('{ref}'): each tower "
+                 "would add the shared rows again", _fix_for("part batch, part shared"))
             return
         if fact.kind == PART:
             terms.append(Term(ref, "sum", ONES, ctx.classes.find(fact.cls)))   # tf.gradients sums

@@ -39,6 +39,8 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
     if fact is None or fact.kind == MIXED:
         return Merge("other", note=fact.why if fact is not None else "not analysed")
     if fact.kind == PART:
+        if fact.tail:
+            return Merge("other", note="rows that are part batch, part shared")
         if fact.ordered and fact.outer == 1:
             return Merge("concat", axis=fact.axis)
         return Merge("other", note="the towers hold its rows in another order")

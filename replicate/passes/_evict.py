@@ -58,7 +58,7 @@ def _mergeable(ir: IR, flow, ref: str) -> bool:
     if fact is None:
         return False
     return fact.kind == SHARED or (fact.kind == PART and fact.ordered and fact.outer == 1
-                                   and not fact.filtered)
+                                   and not fact.filtered and not fact.tail)
 
 
 def _reads_global(ir: IR, flow, node, harmless: set[str]) -> bool:

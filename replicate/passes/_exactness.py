@@ -11,6 +11,7 @@ merge are tower 0's.
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 from tensorflow.core.framework import types_pb2
 
 from replicate.facts import Analysis, Reason
@@ -73,3 +74,53 @@ def collect(ir: IR, analysis: Analysis) -> None:
     for f in analysis.frontier:
         if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
             reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))
+    reasons.extend(_unproven_gradients(ir, analysis))
+
+
+def _unproven_gradients(ir: IR, analysis: Analysis) -> list[Reason]:
+    """Gradient code whose batch semantics the dataflow could not establish (a reshape to a
+    shape inference could not relate to the batch, an op with no rule) and that reads an
+    integer constant holding a multiple of a static batch size: no rule located that constant,
+    so nothing rewrites it per tower and nothing proves the towers' copies compute their share
+    of the gradient. Shapes computed at run time need no rewrite; a graph with no static batch
+    size has no such constant."""
+    statics = {s for s in analysis.classes.values() if s}
+    if not statics:
+        return []
+    plan = analysis.plan
+    planned = {name for name, _ in plan.elements} | {node_of(t) for t in plan.consts} | set(plan.factors)
+    prefixes = tuple(s.prefix + "/" for s in analysis.scopes)
+    found: dict[str, str] = {}
+    for name in analysis.region:
+        if not name.startswith(prefixes) or name not in analysis.batch_dependent:
+            continue
+        node = ir.nodes[name]
+        facts = [analysis.flow.fact(f"{name}:{i}") for i in range(max(1, len(ir.output_types(node))))]
+        bad = next((f for f in facts if f is not None and f.kind == "mixed"), None)
+        if bad is None:
+            continue
+        for ref in node.inputs:
+            const = _int_const(ir, ref)
+            if const is None or const in planned:
+                continue
+            values = np.atleast_1d(ir.const_value(const)).reshape(-1)
+            if values.size <= 64 and any(v > 0 and v % s == 0 for v in values.tolist() for s in statics):
+                found.setdefault(name, f"gradient code reads constant '{const}' "
+                                 f"({values.tolist()}), which may hold the batch size, where the "
+                                 f"analysis could not follow the batch ({bad.why})")
+    return [Reason(node, what, "give the batch inputs a dynamic batch dimension")
+            for node, what in list(found.items())[:3]]
+
+
+def _int_const(ir: IR, ref: str) -> str | None:
+    """The integer Const behind ``ref`` (through identities and casts), if any."""
+    for _ in range(4):
+        node = ir.nodes.get(node_of(ref))
+        if node is None:
+            return None
+        if node.op == "Const":
+            return node.name if ir.output_dtype(f"{node.name}:0") in _INTS else None
+        if node.op not in ("Identity", "Cast", "Snapshot") or not node.inputs:
+            return None
+        ref = node.inputs[0]
+    return None

@@ -51,7 +51,7 @@ def concat(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis: int
     """``concat([batch rows, shared rows...])`` along the batch axis: the batch first, one row
     per example, then shared tensors of static length. None when it is not that shape."""
     head, rest = ins[0], ins[1:]
-    if head.kind != PART or head.tail or head.axis != axis or rows(head) != 1 or not rest:
+    if head.kind != PART or head.tail or head.axis != axis or head.outer != 1 or not rest:
         return None
     count = 0
     for ref, f in zip(refs[1:], rest):
@@ -59,8 +59,7 @@ def concat(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis: int
         if f.kind != SHARED or shape is None or len(shape) <= axis or shape[axis] is None:
             return None
         count += shape[axis]
-    return head.with_(tail=(count, SHARED_ROWS), ordered=False, value=None, index=None,
-                      taint=taint_of(ins))
+    return head.with_(tail=(count, SHARED_ROWS), value=None, index=None, taint=taint_of(ins))
 
 
 def _same(fact: Fact) -> list[Fact]:
@@ -103,8 +102,26 @@ def _gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 
 
 def _batch_rows(ctx: Context, f: Fact, v) -> bool:
-    """True when symbolic element ``v`` is the tower's example count of ``f``'s class."""
-    return isinstance(v, Sym) and v.coef == 1 and ctx.classes.same(v.cls, f.cls)
+    """True when symbolic element ``v`` is the tower's row count of ``f``'s batch rows."""
+    return isinstance(v, Sym) and v.coef == rows(f) and ctx.classes.same(v.cls, f.cls)
+
+
+def _static_rows(ctx: Context, f: Fact, v) -> bool:
+    """True when integer ``v`` is the single-device row count of ``f``'s batch rows (a
+    position the rewrite makes the tower's)."""
+    static, per = ctx.static_batch(f.cls), rows(f)
+    return static is not None and per is not None and isinstance(v, int) and v == static * per
+
+
+def _refine(ctx: Context, node: Node, f: Fact, begin: tuple, size: tuple, count: int | None) -> None:
+    """The static shape of a slice that keeps every other dimension whole (inference gives up
+    when the bounds are computed at run time)."""
+    dims = ctx.shape(node.inputs[0])
+    if dims is None or len(begin) != len(dims) or len(size) != len(dims):
+        return
+    out = [count if i == f.axis else (d if begin[i] == 0 and size[i] == -1 else None)
+           for i, d in enumerate(dims)]
+    ctx.refine(f"{node.name}:0", out)
 
 
 def _slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -117,18 +134,19 @@ def _slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, "Slice of rows that are part batch, part shared by bounds known "
                       "only at run time", f.taint)]
     b, s = begin[f.axis], size[f.axis]
-    static = ctx.static_batch(f.cls)
     taint = taint_of(ins)
-    if b == 0 and (_batch_rows(ctx, f, s) or (static is not None and s == static)):
+    if b == 0 and (_batch_rows(ctx, f, s) or _static_rows(ctx, f, s)):
         if not _batch_rows(ctx, f, s):
-            ctx.position(node.inputs[2], f.axis, f.cls, 1, node)
-        return [f.with_(tail=None, ordered=True, value=None, index=None, taint=taint)]
+            ctx.position(node.inputs[2], f.axis, f.cls, rows(f), node)
+        _refine(ctx, node, f, begin, size, None)
+        return [f.with_(tail=None, value=None, index=None, taint=taint)]
     count = f.tail[0]
-    if (_batch_rows(ctx, f, b) or (static is not None and b == static)) and s in (-1, count):
+    if (_batch_rows(ctx, f, b) or _static_rows(ctx, f, b)) and s in (-1, count):
         if f.tail[1] != SHARED_ROWS:
             return _no_rule(ctx, node, ins)
         if not _batch_rows(ctx, f, b):
-            ctx.position(node.inputs[1], f.axis, f.cls, 1, node)
+            ctx.position(node.inputs[1], f.axis, f.cls, rows(f), node)
+        _refine(ctx, node, f, begin, size, count)
         return [shared(taint=taint)]
     return [mixed(node.name, "Slice that mixes the batch rows and the shared rows of a sampled "
                   "loss", f.taint)]
