@@ -143,6 +143,34 @@ def lstm(version: int = 2, static_batch: int | None = None) -> Model:
     return Model(graph, "train", _feed_images((5, 4)))
 
 
+def stateful_lstm(resource: bool = True, batch: int = 7, trainable: bool = False) -> Model:
+    """Truncated back-propagation through time with the state kept in variables of one row per
+    sequence (a static batch): ``dynamic_rnn`` starts from them and the train op first stores
+    the final state back, so every step continues the previous one."""
+    graph = tf.Graph()
+    with control_flow_v1(), graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [batch, 3, 2], name="x")
+        y = v1.placeholder(tf.float32, [batch, 3, 1], name="y")
+        cell = v1.nn.rnn_cell.LSTMCell(5, initializer=v1.glorot_uniform_initializer(seed=3))
+        with v1.variable_scope("state", use_resource=resource):
+            c = v1.get_variable("c", [batch, 5], trainable=trainable,
+                                initializer=v1.random_uniform_initializer(-0.5, 0.5, seed=5))
+            h = v1.get_variable("h", [batch, 5], trainable=False,
+                                initializer=v1.random_uniform_initializer(-0.5, 0.5, seed=6))
+        out, final = v1.nn.dynamic_rnn(cell, x, initial_state=v1.nn.rnn_cell.LSTMStateTuple(
+            c.value(), h.value()))
+        pred = v1.layers.dense(out, 1, kernel_initializer=v1.glorot_uniform_initializer(seed=4))
+        loss = tf.reduce_mean(tf.square(pred - y), name="loss")
+        store = tf.group(v1.assign(c, final.c), v1.assign(h, final.h), name="store_state")
+        with tf.control_dependencies([store]):
+            v1.train.RMSPropOptimizer(0.01).minimize(loss, name="train")
+
+    def make(rng, b):
+        return {"x:0": rng.randn(b, 3, 2).astype(np.float32), "y:0": rng.randn(b, 3, 1).astype(np.float32)}
+    return Model(graph, "train", make, ("loss:0",))
+
+
 def conditional(on_batch: bool = False) -> Model:
     """tf.cond on a fed flag (exact), or on a sum over the batch (couples the towers)."""
     graph = tf.Graph()

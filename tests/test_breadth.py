@@ -122,6 +122,29 @@ def test_lstm_control_flow(version, towers, batch):
         assert any(f.startswith("tower_1/") for f in frames) and any(f.startswith("tower_0/") for f in frames)
 
 
+@pytest.mark.parametrize("towers", [2, 3])
+def test_state_in_resource_variables_carries_over_steps(towers):
+    """A stateful LSTM: each tower reads its rows of the state variables, the final state is
+    stored once from the towers' rows in order, and the next step starts from it (3 steps;
+    3 towers split 7 sequences 3, 2, 2)."""
+    res, result = check(bm.stateful_lstm(), towers=towers, batch=7)
+    assert res.report.exact, str(res.report)
+    assert {"state/c", "state/h"} <= set(result.per_variable) - set(result.unchanged)
+    stores = [n.name for n in res.graph_def.node if n.op == "AssignVariableOp"
+              and n.input[0] in ("state/c", "state/h") and n.name.startswith("tower_")]
+    assert not stores, f"the state is stored per tower: {stores}"
+
+
+@pytest.mark.parametrize("resource,trainable,match", [
+    (False, False, "share the variable's buffer"), (True, True, "trained per example")])
+def test_state_variables_that_cannot_be_split_are_refused(resource, trainable, match):
+    """Reference variables: on one device the store rewrites the buffer the gradient kept from
+    the read; a trained batch-shaped variable would need its gradient assembled from rows."""
+    model = bm.stateful_lstm(resource=resource, trainable=trainable)
+    with pytest.raises(replicate.AnalysisError, match=match):
+        replicate.transform(model.graph, CPUS[:2])
+
+
 def test_cond_on_a_flag_is_exact():
     res, _ = check(bm.conditional(on_batch=False), towers=3, batch=10)
     assert res.report.exact

@@ -143,17 +143,44 @@ class _Resolver:
             else:
                 self.plan.slices[d.tensor] = d
             return
+        forward = not ctx.in_gradient(node) and self.depths.get(name, 0) == 0
         if node.op in ("ReadVariableOp",) or (node.op in ("Identity",) and node.inputs
                                               and ir.nodes[node_of(node.inputs[0])].op in ops.VARIABLE_OPS):
-            self.unsplittable(name, f"variable read '{name}' has the batch size in its shape and is "
-                        "used per example", "keep per-example state in a tensor fed each step")
+            variable = node_of(node.inputs[0])
+            if self._trained(variable):
+                self.unsplittable(name, f"variable read '{name}' has the batch size in its shape and "
+                                  "is trained per example", "keep per-example state in a "
+                                  "non-trainable variable or a tensor fed each step")
+            elif node.op != "ReadVariableOp":
+                self.unsplittable(name, f"reference variable '{variable}' holds one row per example "
+                                  "and is read per example: on one device an assignment to it also "
+                                  "changes the values the gradient code kept from this read (they "
+                                  "share the variable's buffer), which towers reading their rows "
+                                  "cannot reproduce", "create the state variables with "
+                                  "use_resource=True (reads are then values)")
+            elif forward:
+                # per-example state kept in a resource variable (a stateful RNN): each tower
+                # reads its own rows of the one read; writes of merged rows run once (_evict)
+                self.plan.splits[d.tensor] = d
+                self.resized(d.tensor, d)
+            else:
+                self.unsplittable(name, f"variable read '{name}' has the batch size in its shape and "
+                                  "is used per example inside a loop or gradient code",
+                                  "read the state once, outside loops")
             return
-        forward = not ctx.in_gradient(node) and self.depths.get(name, 0) == 0
         if forward and (fact is None or fact.kind != RED) and not self._positional(name):
             self.plan.splits[d.tensor] = d
             self.resized(d.tensor, d)
             return
         self._producer(d, node, idx)
+
+    def _trained(self, variable: str) -> bool:
+        """True when an optimizer update or a scatter writes ``variable`` (a trained parameter
+        whose gradient would have to be assembled from the towers' rows)."""
+        for consumer in self.ir.consumers(variable):
+            if consumer.op in ops.APPLY_OPS or "Scatter" in consumer.op:
+                return True
+        return False
 
     def _positional(self, name: str) -> bool:
         """True when a shared value's cone holds a ``Range``: its values are row numbers,

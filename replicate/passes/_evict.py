@@ -1,12 +1,15 @@
 """Helper of the analyze pass: region nodes that must run once, outside the towers.
 
-Two kinds of ops land in the tower region only because training waits for them, yet copying
+Three kinds of ops land in the tower region only because training waits for them, yet copying
 them per tower would change what they do:
 
 - **state updates of global values**: an ``ExponentialMovingAverage`` of the loss, or of a
   weight-decay term, that the gradients wait for by a control edge. Per tower it would run on
   tower 0's slice; run once it reads the merged value under the loss's original name, exactly
   as on one device;
+- **writes of per-example rows** (the final state a stateful RNN stores into its state
+  variables for the next window): per tower it would write tower 0's rows over the whole
+  variable; run once it writes the towers' rows concatenated in order, the batch's value;
 - **random draws that do not depend on the batch** (the negative samples of a sampled softmax
   or NCE loss): per tower each would draw its own sample; drawn once, every tower uses the
   single-device draw of the same op and seed. A per-example output next to the draw (the
@@ -62,12 +65,16 @@ def _mergeable(ir: IR, flow, ref: str) -> bool:
 
 
 def _reads_global(ir: IR, flow, node, harmless: set[str]) -> bool:
-    """True when every data input of update ``node`` is the same in every tower or a batch
-    reduction whose merge is its single-device value (and no unsynchronized coupling feeds it)."""
+    """True when every data input of update ``node`` is the same in every tower, a batch
+    reduction whose merge is its single-device value, or per-example rows the towers hold in
+    order (the final state a stateful RNN stores back), and no unsynchronized coupling feeds
+    it."""
     for ref in node.inputs:
         if ir.is_handle(ref):
             continue
         fact = flow.fact(ref)
+        if fact is not None and fact.kind == PART and _mergeable(ir, flow, ref) and not fact.taint - harmless:
+            continue            # per-example rows in order: the merged value is the batch's
         if fact is None or fact.kind in (PART, MIXED):
             return False
         if fact.taint - harmless:

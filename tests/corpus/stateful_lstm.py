@@ -23,19 +23,27 @@ BATCHES = [6, 7]
 FEATURES, HIDDEN, STEPS = 3, 12, 4
 
 VARIANTS = {
-    "stateful": {"expect": {"exact": "refused", "refusal": ["batch size in its shape"],
-                            "why": "the state variables are batch-shaped and read per example; "
-                            "each tower would have to read and write its own rows of them, which "
-                            "replicate does not do yet, so it refuses at the variable read "
-                            "(exact replication is possible in principle: not implemented)"}},
+    "stateful": {"expect": {"exact": "refused", "refusal": ["share the variable's buffer"],
+                            "why": "reference variables: on one device the assignment of the final "
+                            "state rewrites, in place, the buffer the gradient code kept from the "
+                            "read of the initial state (measured: storing zeros instead of the "
+                            "final state moves the weights by 0.3 after one step), so the "
+                            "single-device gradient itself depends on TensorFlow's buffer "
+                            "sharing; towers reading their rows cannot reproduce it"}},
+    "resource": {"build": {"resource": True},
+                 "expect": {"exact": True,
+                            "why": "resource state variables: each tower reads its own rows of one "
+                            "read (split); the assignment of the final state runs once and writes "
+                            "the towers' rows concatenated in order, so the next window starts "
+                            "from the single-device state"}},
 }
 
 
-def build(batch_size):
+def build(batch_size, resource=False):
     x = v1.placeholder(tf.float32, [batch_size, STEPS, FEATURES], name="x")
     y = v1.placeholder(tf.float32, [batch_size, STEPS, 1], name="y")
     cell = rnn.LSTMCell(HIDDEN)
-    with v1.variable_scope("state"):
+    with v1.variable_scope("state", use_resource=resource):
         c = v1.get_variable("c", [batch_size, HIDDEN], trainable=False,
                             initializer=v1.zeros_initializer())
         h = v1.get_variable("h", [batch_size, HIDDEN], trainable=False,
