@@ -103,4 +103,20 @@ def reduced(ctx: Context, node: Node, merge: str, cls: int | None, spec: tuple, 
     return red(cls, merge, node.name, spec, taint).with_(why=why)
 
 
-__all__ += ["is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red"]
+def forward_of(ctx: Context, node: Node, op_types: tuple[str, ...]) -> Node | None:
+    """The forward op (of one of ``op_types``) whose gradient code holds gradient node
+    ``node``: ``tf.gradients`` names it ``<scope>/<forward op>_grad/...``."""
+    if not ctx.in_gradient(node):
+        return None
+    parts = node.name.split("/")
+    for i, piece in enumerate(parts[:-1]):
+        if not piece.endswith("_grad"):
+            continue
+        for j in range(i + 1):
+            found = ctx.ir.nodes.get("/".join(parts[j:i] + [piece[:-len("_grad")]]))
+            if found is not None and found.op in op_types and found.name != node.name:
+                return found
+    return None
+
+
+__all__ += ["is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of"]

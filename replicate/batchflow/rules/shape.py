@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, part, rows,
+from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, forward_of, mixed, part, rows,
                                               shared, size_fact, taint_of)
 from replicate.batchflow.rules import tail
 from replicate.batchflow.rules.layout import map_reshape, strided_entries
@@ -77,12 +77,41 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                                              else None) for o, t in zip(out_dims, target)]
     found = map_reshape(in_dims, f.axis, f.outer, f.block, ctx.static_batch(f.cls), out_dims)
     if found is None:
+        undone = _undo_reshape(ctx, node, f)
+        if undone is not None:
+            return [undone]
         return [mixed(node.name, "Reshape that splits or scatters the examples", f.taint)]
     j, outer, inner = found
     if j < len(target) and isinstance(target[j], int) and target[j] != -1 and outer and inner:
         ctx.position(node.inputs[1], j, f.cls, outer * inner, node)
     return [part(j, f.cls, inner, ordered=f.ordered and outer == 1, filtered=f.filtered,
                  taint=f.taint | ins[1].taint, outer=outer)]
+
+
+def _undo_reshape(ctx: Context, node: Node, f: Fact) -> Fact | None:
+    """The gradient of a forward reshape (``X_grad/Reshape`` back to ``shape(X's input)``) has
+    the forward input's layout, element for element, even where shape inference lost the
+    dimensions of the gradient (a static batch meeting run-time shapes): None otherwise."""
+    forward = forward_of(ctx, node, ("Reshape", "ExpandDims", "Squeeze"))
+    if forward is None:
+        return None
+    before, after = ctx.fact(forward.inputs[0]), ctx.fact(f"{forward.name}:0")
+    if before is None or after is None or before.kind != PART or after.kind != PART or before.tail \
+            or f.axis != after.axis or not ctx.classes.same(f.cls, after.cls) or rows(f) != rows(after):
+        return None
+    target = node.inputs[1]
+    producer = ctx.ir.nodes.get(target.split(":")[0])
+    static = ctx.shape(forward.inputs[0])
+    if producer is not None and producer.op == "Shape" and producer.inputs \
+            and producer.inputs[0].split(":")[0] == forward.inputs[0].split(":")[0]:
+        pass                                            # shape(X's input) at run time
+    elif ctx.const(target) is not None and static is not None and None not in static \
+            and list(ctx.const(target).reshape(-1)) == list(static) and rows(before):
+        ctx.position(target, before.axis, before.cls, rows(before), node)
+    else:
+        return None
+    return before.with_(taint=f.taint, value=None, index=None, ordered=f.ordered and before.ordered,
+                        filtered=f.filtered or before.filtered)
 
 
 def expand_dims(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:

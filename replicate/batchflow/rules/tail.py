@@ -28,7 +28,7 @@ import numpy as np
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import mixed, part, rows, shared, taint_of
+from replicate.batchflow.rules.common import forward_of, mixed, rows, shared, taint_of
 from replicate.ir import Node, node_of
 
 __all__ = ["carries", "apply", "concat", "slice_grad"]
@@ -176,7 +176,7 @@ def slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact] | None:
     """The gradient of a tail-aware slice (``Pad`` of the slice's gradient by its bounds): the
     gradient with respect to the rows that are part batch, part shared. None when ``node`` is
     not such a gradient."""
-    if node.op != "Pad" or not ctx.in_gradient(node):
+    if node.op != "Pad":
         return None
     forward = _forward_slice(ctx, node)
     if forward is None:
@@ -200,15 +200,9 @@ def slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact] | None:
 def _forward_slice(ctx: Context, node: Node) -> Node | None:
     """The forward ``Slice`` whose gradient ``node`` is (``.../<slice>_grad/Pad``), checked by
     structure: the paddings are computed from the slice's own begin operand."""
-    parts = node.name.split("/")
-    for i, piece in enumerate(parts[:-1]):
-        if not piece.endswith("_grad"):
-            continue
-        for j in range(i + 1):
-            candidate = ctx.ir.nodes.get("/".join(parts[j:i] + [piece[:-len("_grad")]]))
-            if candidate is not None and candidate.op == "Slice" and \
-                    _reads(ctx, node.inputs[1], node_of(candidate.inputs[1])):
-                return candidate
+    found = forward_of(ctx, node, ("Slice",))
+    if found is not None and _reads(ctx, node.inputs[1], node_of(found.inputs[1])):
+        return found
     return None
 
 
