@@ -92,7 +92,7 @@ def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple,
 
 def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtype: int,
             device: str, controller: str, weights: tuple = ("count",),
-            allreduce_key: int | None = None, axis: int = 0) -> str:
+            allreduce_key: int | None = None, axis: int = 0, tail: int = 0, tail_sum: bool = False) -> str:
     """Add the ops combining ``parts`` (one tensor per tower) by ``kind``; return the result.
 
     Args:
@@ -110,6 +110,11 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
             among the tower devices with TensorFlow's collective ops (NCCL on GPUs) under this
             instance key, and the result is read from tower 0.
         axis: the axis ``concat`` joins along (the batch axis of the parts).
+        tail: for ``concat``, ``sparse_values`` and ``sparse_indices``: each part ends with
+            this many rows shared by every tower (after its batch rows, along ``axis``). The
+            batch rows are concatenated in tower order, then the shared rows follow once:
+            summed over the towers with ``tail_sum`` (each tower's share of a gradient), else
+            tower 0's (the same in every tower).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown combine kind '{kind}'")
@@ -133,6 +138,9 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
         if len(refs) == 1:
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
         return ir.add(name, "AddN", refs, device=device, attrs={"T": tf_dtype, "N": len(refs)}).name
+    if kind in ("concat", "sparse_values", "sparse_indices") and tail and len(refs) > 1:
+        return _concat_with_tail(ir, towers, name, refs, tf_dtype, device,
+                                 axis if kind == "concat" else 0, tail, tail_sum)
     if kind in ("concat", "sparse_values", "sparse_indices"):
         if len(refs) == 1:
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
@@ -192,3 +200,27 @@ def _allreduce(ir: IR, devices: list[str], name: str, refs: list[str], tf_dtype,
 def _ref(tensor: str) -> str:
     node, idx = parse_tensor(tensor)
     return node if idx == 0 else f"{node}:{idx}"
+
+
+def _concat_with_tail(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype, device: str,
+                      axis: int, tail: int, tail_sum: bool) -> str:
+    """The towers' batch rows in tower order, then their ``tail`` shared rows once (summed, or
+    tower 0's): the single-device rows in the single-device order."""
+    heads, tails = [], []
+    for k, ref in enumerate(refs):
+        scope = f"{name}_parts/tower_{k}"
+        sizes = ir.const(f"{scope}/sizes", [-1, tail], dtypes.int32, towers.devices[k])
+        along = ir.const(f"{scope}/axis", axis, dtypes.int32, towers.devices[k])
+        cut = ir.add(f"{scope}/split", "SplitV", [ref, sizes, along], device=towers.devices[k],
+                     attrs={"T": tf_dtype, "Tlen": dtypes.int32, "num_split": 2}).name
+        heads.append(cut)
+        tails.append(f"{cut}:1")
+    if tail_sum:
+        shared = ir.add(f"{name}_parts/shared_rows", "AddN", tails, device=device,
+                        attrs={"T": tf_dtype, "N": len(tails)}).name
+    else:
+        shared = tails[0]
+    along = ir.const(f"{name}_parts/axis", axis, dtypes.int32, device)
+    pieces = heads + [shared]
+    return ir.add(name, "ConcatV2", pieces + [along], device=device,
+                  attrs={"T": tf_dtype, "N": len(pieces), "Tidx": dtypes.int32}).name

@@ -62,6 +62,9 @@ class Frontier:
     weights: tuple = ("count",)
     axis: int = 0
     recompute: tuple = ()
+    #: shared rows after the batch rows along ``axis`` (a sampled loss's rows): the towers'
+    #: copies of those rows are summed (a gradient) or taken from tower 0 (shared values).
+    tail: int = 0
 
 
 @dataclasses.dataclass

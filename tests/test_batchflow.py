@@ -143,13 +143,13 @@ def test_rows_part_batch_part_shared_mix_under_any_other_op():
         tf.identity(looked + tf.ones([4]), name="plus_bias")
         tf.add_n([looked, looked], name="sum_of_two")
     fact = flow(build)
-    for name in ("total", "mean", "per_row", "softmax", "first_two", "straddle", "gathered_by_slice",
-                 "plus_bias"):
+    for name in ("total", "mean", "per_row", "softmax", "first_two", "straddle", "gathered_by_slice"):
         assert fact(name).kind == MIXED, (name, fact(name).describe())
     assert fact("head").kind == PART and fact("head").tail is None and fact("head").ordered
     assert fact("tail").kind == SHARED
     assert fact("looked").tail == (2, "shared")
     assert fact("sum_of_two").tail == (2, "shared")
+    assert fact("plus_bias").tail == (2, "shared")     # a shared bias along the columns
 
 
 # ---------------------------------------------------------------- matmul / conv / pool

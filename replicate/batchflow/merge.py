@@ -27,6 +27,7 @@ class Merge:
     weights: tuple = ("count",)
     axis: int = 0
     note: str = ""
+    tail: int = 0
 
 
 def merge_kind(ir: IR, flow, ref: str) -> Merge:
@@ -40,7 +41,11 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
         return Merge("other", note=fact.why if fact is not None else "not analysed")
     if fact.kind == PART:
         if fact.tail:
+            if fact.tail[1] == "shared" and fact.ordered and fact.outer == 1 and fact.index is None:
+                return Merge("concat", axis=fact.axis, tail=fact.tail[0])   # heads, then tower 0's tail
             return Merge("other", note="rows that are part batch, part shared")
+        if fact.index is not None:
+            return Merge("other", note="row numbers local to each tower")
         if fact.ordered and fact.outer == 1:
             return Merge("concat", axis=fact.axis)
         return Merge("other", note="the towers hold its rows in another order")

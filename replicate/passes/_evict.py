@@ -39,12 +39,13 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
         harmless: couplings that are synchronized (their per-tower values equal the batch's).
     """
     out: set[str] = set()
+    inside = set(region)
     for name in region:
         node = ir.nodes[name]
         if flow.depths.get(name, 0):
             continue            # inside a TF1 loop: it runs with the loop, per tower
         if node.op in ops.MUTATING_OPS:
-            if _reads_global(ir, flow, node, harmless):
+            if _reads_global(ir, flow, node, harmless, inside):
                 out.add(name)
         elif node.op in ops.RANDOM_OPS:
             facts = [flow.fact(f"{name}:{i}") for i in range(len(ir.output_types(node)))]
@@ -56,15 +57,38 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
 
 
 def _mergeable(ir: IR, flow, ref: str) -> bool:
-    """A shared input, or per-example rows the towers hold in order (concatenated back)."""
+    """A shared input, or per-example rows the towers hold in order (concatenated back), that
+    are not row numbers local to each tower."""
     fact = flow.fact(ref)
     if fact is None:
         return False
     return fact.kind == SHARED or (fact.kind == PART and fact.ordered and fact.outer == 1
-                                   and not fact.filtered and not fact.tail)
+                                   and not fact.filtered and not fact.tail and fact.index is None)
 
 
-def _reads_global(ir: IR, flow, node, harmless: set[str]) -> bool:
+def _forward(ir: IR, flow, ref: str, region: set[str]) -> bool:
+    """True when neither gradient code nor row numbers local to a tower compute ``ref``: a
+    tower's gradient rows are its share of the gradient of its own loss, and arithmetic on
+    its row numbers (``tf.range`` over the batch) gives values that are not the batch's rows."""
+    gradient = flow.ctx.gradient
+    work, seen = [node_of(ref)], set()
+    while work:
+        name = work.pop()
+        if name in seen or name not in region:
+            continue
+        if name in gradient:
+            return False
+        seen.add(name)
+        node = ir.nodes[name]
+        for i in range(max(1, len(ir.output_types(node)))):
+            fact = flow.fact(f"{name}:{i}")
+            if fact is not None and fact.index is not None:
+                return False
+        work.extend([node_of(r) for r in node.inputs] + list(node.control))
+    return True
+
+
+def _reads_global(ir: IR, flow, node, harmless: set[str], region: set[str]) -> bool:
     """True when every data input of update ``node`` is the same in every tower, a batch
     reduction whose merge is its single-device value, or per-example rows the towers hold in
     order (the final state a stateful RNN stores back), and no unsynchronized coupling feeds
@@ -73,7 +97,8 @@ def _reads_global(ir: IR, flow, node, harmless: set[str]) -> bool:
         if ir.is_handle(ref):
             continue
         fact = flow.fact(ref)
-        if fact is not None and fact.kind == PART and _mergeable(ir, flow, ref) and not fact.taint - harmless:
+        if fact is not None and fact.kind == PART and _mergeable(ir, flow, ref) \
+                and not fact.taint - harmless and _forward(ir, flow, ref, region):
             continue            # per-example rows in order: the merged value is the batch's
         if fact is None or fact.kind in (PART, MIXED):
             return False

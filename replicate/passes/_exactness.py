@@ -75,6 +75,33 @@ def collect(ir: IR, analysis: Analysis) -> None:
         if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
             reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))
     reasons.extend(_unproven_gradients(ir, analysis))
+    reasons.extend(_gradients_in_the_forward(ir, analysis))
+
+
+def _gradients_in_the_forward(ir: IR, analysis: Analysis) -> list[Reason]:
+    """Forward code of a loss that reads a gradient (adversarial examples ``x + eps * dL/dx``):
+    a tower's gradient is of its own loss, so unless that loss adds per-example terms
+    unweighted (the gradient of a sum of outputs, as a gradient penalty takes it) its rows are
+    scaled by the tower's share of the batch, not the single device's."""
+    prefixes = tuple(s.prefix + "/" for s in analysis.scopes)
+    averaged = tuple(s.prefix + "/" for s in analysis.scopes if s.weights != ("ones",))
+    if not averaged:
+        return []
+    inside = set(analysis.region)
+    work = [node_of(s.loss) for s in analysis.scopes if s.loss]
+    seen: set[str] = set()
+    while work:                                 # the forward code the losses depend on
+        name = work.pop()
+        if name in seen or name not in inside or name.startswith(prefixes):
+            continue
+        seen.add(name)
+        for ref in ir.nodes[name].inputs:
+            if node_of(ref).startswith(averaged) and ir.output_dtype(ref) in FLOAT_TYPES:
+                return [Reason(name, f"forward code reads gradient '{ref}' of a loss averaged over "
+                               "the batch: each tower's is of its own slice's average",
+                               "differentiate a sum over the examples there")]
+            work.append(node_of(ref))
+    return []
 
 
 def _unproven_gradients(ir: IR, analysis: Analysis) -> list[Reason]:

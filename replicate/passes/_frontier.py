@@ -53,7 +53,26 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 role = "sparse_indices"
             else:
                 role = "first"
-        frontier.append(Frontier(t, role, True, variables.get(t), _scope_weights(t, scopes)))
+        fact = flow.fact(t)
+        if fact is not None and fact.kind == "mixed" and "part batch, part shared" in fact.why:
+            raise AnalysisError(f"cannot combine the towers' gradient '{t}': {fact.why} at "
+                                f"'{fact.src}' (replicate follows such rows through gathers, "
+                                "slices, reshapes and elementwise ops only)")
+        tail = fact.tail[0] if fact is not None and fact.tail and fact.axis == 0 else 0
+        if role == "sparse_values" and fact is not None and fact.kind == "red" and fact.merge == "sum":
+            role = "dense"          # rows picked by shared ids: each tower holds its share of them
+        elif role == "sparse_indices" and fact is not None and fact.kind == "shared":
+            role = "first"          # the same ids in every tower
+        if role == "dense" and fact is not None and fact.kind == "part":
+            # per-example rows (an IndexedSlices' values after ops the role walk does not know)
+            if fact.axis != 0 or not (fact.ordered or fact.tail) or fact.outer != 1:
+                raise AnalysisError(f"cannot combine the towers' gradient '{t}': it has one row per "
+                                    f"example on axis {fact.axis}, not in batch order")
+            role = "sparse_values"
+        if fact is not None and fact.tail and (not tail or role == "first"):
+            raise AnalysisError(f"gradient '{t}' has rows that are part batch, part shared on axis "
+                                f"{fact.axis}; replicate combines such gradients only along axis 0")
+        frontier.append(Frontier(t, role, True, variables.get(t), _scope_weights(t, scopes), tail=tail))
 
     unmergeable: list[str] = []
     merged: dict[str, Frontier] = {}
@@ -81,7 +100,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             unmergeable.append(t)
             merged[t] = Frontier(t, "first", False)
             return
-        merged[t] = Frontier(t, red.kind, False, weights=red.weights, axis=red.axis)
+        merged[t] = Frontier(t, red.kind, False, weights=red.weights, axis=red.axis, tail=red.tail)
 
     for t in crossing_sorted:
         if node_of(t) not in in_grad:

@@ -36,7 +36,7 @@ def pack(ir: IR, towers: Towers, frontier: list[Frontier], copies: list[dict[str
     groups: dict[tuple, list[tuple[str, list[int]]]] = defaultdict(list)
     for f in frontier:
         shape = ir.static_shape(f.tensor)
-        if f.role != "dense" or not shape or None in shape or np.prod(shape) > MAX_BUFFER_ELEMENTS:
+        if f.role != "dense" or f.tail or not shape or None in shape or np.prod(shape) > MAX_BUFFER_ELEMENTS:
             continue
         groups[(ir.output_dtype(f.tensor), f.weights, device_of(f))].append((f.tensor, shape))
     out: dict[str, str] = {}

@@ -11,7 +11,9 @@ the global batch), which equals the single-device gradient for even and uneven s
 gradients of a sum loss are summed. With reference variables (read in place, not
 snapshot), every aggregate waits for every tower's gradients, so that no update overtakes a
 tower's read. Sparse gradients stay sparse: values are weighted and
-concatenated, indices concatenated in tower order. ``MulNoNan`` makes a tower with no
+concatenated, indices concatenated in tower order; rows shared by every tower after the batch
+rows (a sampled loss's sampled classes) are summed once, so the aggregate has the
+single-device rows in the single-device order. ``MulNoNan`` makes a tower with no
 examples contribute zero. With the ``packed`` strategy, dense gradients that share a dtype,
 weighting and device travel through a few flat buffers instead.
 """
@@ -75,6 +77,8 @@ class Aggregate:
             name, idx = parse_tensor(f.tensor)
             parts = [f"{copies[k][name]}:{idx}" for k in range(len(towers.devices))]
             kind = f.role
+            if f.tail and kind == "dense":
+                kind = "sparse_values"          # rows: the examples' concatenated, the shared summed
             if kind == "dense" and f.weights == ("ones",):
                 kind = "sum"
             elif kind == "sparse_values" and f.weights == ("ones",):
@@ -83,7 +87,8 @@ class Aggregate:
             suffix = "" if idx == 0 else f"_{idx}"
             aggregates[f.tensor] = combine(ir, towers, f"{SCOPE}/{name}{suffix}", parts, kind,
                                            ir.output_dtype(f.tensor), device, self.controller,
-                                           f.weights, next(keys) if keys is not None else None)
+                                           f.weights, next(keys) if keys is not None and not f.tail else None,
+                                           tail=f.tail, tail_sum=f.role != "sparse_indices")
         if any(v.kind == "ref" for v in analysis.variables.values()) and len(towers.devices) > 1:
             self._gate(ir, analysis, copies, aggregates)
         ir.facts["aggregates"] = aggregates

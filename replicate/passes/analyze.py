@@ -23,7 +23,7 @@ from replicate import ops
 from replicate.batchflow.analysis import analyze as settle
 from replicate.batchflow.context import Demand
 from replicate.errors import AnalysisError
-from replicate.facts import Analysis, BatchInput
+from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.passes import _evict, _exactness, _inputs, _weights
 from replicate.passes._frontier import classify
@@ -101,6 +101,7 @@ class Analyze:
         couplings = flow.couplings()
         auto = [c for c in couplings if _exactness.size_like(ir, c)]
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
+        _state_written_per_tower(ir, flow, region, evicted)
         if evicted:
             region = [n for n in region if n not in evicted]
             _split_outputs(ir, flow, evicted, set(region))
@@ -228,6 +229,28 @@ def _split_outputs(ir: IR, flow, evicted: set[str], region: set[str]) -> None:
                 continue
             if any(c.name in region for c, _ in ir.data_consumers(tensor)):
                 flow.plan.splits[tensor] = Demand(tensor, fact.axis, fact.cls, fact.block, fact.outer, name)
+
+
+def _state_written_per_tower(ir: IR, flow, region: list[str], evicted: set[str]) -> None:
+    """A variable with one row per example that towers read by rows (a stateful RNN's state)
+    must be written once, from merged rows: a write left in the towers (of gradient rows, of
+    row numbers) would write one tower's rows over the whole variable. Such a graph cannot
+    be split."""
+    inside = set(region)
+    for tensor, d in flow.plan.splits.items():
+        read = ir.nodes[node_of(tensor)]
+        if read.op != "ReadVariableOp":
+            continue
+        variable = node_of(read.inputs[0])
+        writers = [c.name for c in ir.consumers(variable) if c.op in ops.MUTATING_OPS
+                   and c.name in inside and c.name not in evicted]
+        if writers:
+            reason = Reason(writers[0], f"'{writers[0]}' writes variable '{variable}', which holds "
+                            "one row per example, from values that are not the batch's rows in "
+                            "order (gradient rows, row numbers, one tower's values)",
+                            "store per-example state from forward values of the batch")
+            flow.plan.unsplittable.append(reason)
+            flow.plan.reasons.append(reason)
 
 
 def _refuse_replicated(ir: IR) -> None:

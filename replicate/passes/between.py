@@ -95,6 +95,12 @@ class Between:
         towers = ir.facts["towers"]
         local = len(towers.devices)
         size = self.workers * local
+        tails = [f.tensor for f in analysis.frontier if f.tail]
+        if tails:
+            raise AnalysisError(f"between-graph training of '{tails[0]}' (a sampled loss's gradient: "
+                                "rows that are part batch, part shared) is not supported: the "
+                                "workers would gather each other's shares of the shared rows "
+                                "instead of summing them; train it in-graph")
         if local == 1:
             self._single_tower_allreduce(ir, analysis, ir.facts["aggregates"], towers.devices[0])
         else:

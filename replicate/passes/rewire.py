@@ -135,7 +135,7 @@ class Rewire:
             if arity.get(name, 1) == 1 and list(roles) == [0]:
                 combine(ir, towers, name, [copies[k][name] for k in range(n)], roles[0].role,
                         out_types[f"{name}:0"], self.controller, self.controller, roles[0].weights,
-                        axis=roles[0].axis)
+                        axis=roles[0].axis, tail=roles[0].tail)
                 count += 1
                 continue
             outputs, types = [], []
@@ -145,7 +145,7 @@ class Rewire:
                     outputs.append(combine(ir, towers, f"{name}_merged/output_{i}",
                                            [f"{copies[k][name]}:{i}" for k in range(n)], roles[i].role,
                                            out_types[tensor], self.controller, self.controller,
-                                           roles[i].weights, axis=roles[i].axis))
+                                           roles[i].weights, axis=roles[i].axis, tail=roles[i].tail))
                     count += 1
                 elif i in synced.get(name, {}):
                     outputs.append(synced[name][i])     # a synchronized statistic (sync pass)

@@ -105,13 +105,21 @@ def _undo_reshape(ctx: Context, node: Node, f: Fact) -> Fact | None:
     if producer is not None and producer.op == "Shape" and producer.inputs \
             and producer.inputs[0].split(":")[0] == forward.inputs[0].split(":")[0]:
         pass                                            # shape(X's input) at run time
-    elif ctx.const(target) is not None and static is not None and None not in static \
-            and list(ctx.const(target).reshape(-1)) == list(static) and rows(before):
-        ctx.position(target, before.axis, before.cls, rows(before), node)
+    elif ctx.const(target) is not None and static is not None and rows(before) \
+            and _folded_shape(list(ctx.const(target).reshape(-1)), static, before.axis):
+        if static[before.axis] is not None:
+            ctx.position(target, before.axis, before.cls, rows(before), node)
     else:
         return None
     return before.with_(taint=f.taint, value=None, index=None, ordered=f.ordered and before.ordered,
                         filtered=f.filtered or before.filtered)
+
+
+def _folded_shape(target: list, static: list, axis: int) -> bool:
+    """True when constant ``target`` is the static shape ``static`` folded by ``tf.gradients``
+    (``-1`` where the batch axis has no static size)."""
+    return len(target) == len(static) and all(
+        t == d if d is not None else (i == axis and t == -1) for i, (t, d) in enumerate(zip(target, static)))
 
 
 def expand_dims(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:

@@ -72,20 +72,55 @@ def _passthrough(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return _same(ins[0])
 
 
-def _unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    return _same(ins[0])
+#: Elementwise ops linear in one operand (position; None: either), with the other operands
+#: as factors: a tower's share of a gradient times a shared factor is its share of the product.
+_LINEAR_IN = {"Neg": 0, "Cast": 0, "Mul": None, "MulNoNan": None, "RealDiv": 0, "Div": 0,
+              "DivNoNan": 0, "TanhGrad": 1, "SigmoidGrad": 1, "RsqrtGrad": 1, "SqrtGrad": 1,
+              "ReciprocalGrad": 1, "InvGrad": 1, "ReluGrad": 0, "Relu6Grad": 0, "EluGrad": 0,
+              "SeluGrad": 0, "SoftplusGrad": 0, "SoftsignGrad": 0, "LeakyReluGrad": 0}
+_ADDITIVE = frozenset({"Add", "AddV2", "AddN", "Sub", "AccumulateNV2"})
 
 
-def _sum(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    """Adding tensors of the same layout (gradient contributions): same rows in, same rows out."""
-    first = ins[0]
+def _elementwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """An elementwise op of tensors with the same rows (the shared rows stay shared: any
+    function of them is the same in every tower) and shared operands broadcast along the
+    other dimensions. Each tower's share of a gradient (``grad`` rows) may only be added to
+    other shares, or scaled by factors: anything else would not add up across towers."""
+    carried = [f for f in ins if carries(f)]
+    first = carried[0]
     shape = ctx.shape(f"{node.name}:0")
     for ref, f in zip(node.inputs, ins):
-        if not carries(f) or f.axis != first.axis or f.tail[0] != first.tail[0] \
-                or not ctx.classes.same(f.cls, first.cls) or ctx.shape(ref) != shape:
+        if carries(f):
+            if f.axis != first.axis or f.tail[0] != first.tail[0] or not ctx.classes.same(f.cls, first.cls) \
+                    or not _compatible(ctx.shape(ref), shape):
+                return _no_rule(ctx, node, ins)
+        elif f.kind != SHARED or not _broadcasts_beside(ctx, ref, shape, first.axis):
             return _no_rule(ctx, node, ins)
-    kind = SHARED_ROWS if all(f.tail[1] == SHARED_ROWS for f in ins) else GRAD_ROWS
+    grads = [i for i, f in enumerate(ins) if carries(f) and f.tail[1] == GRAD_ROWS]
+    if not grads:
+        kind = SHARED_ROWS
+    elif node.op in _ADDITIVE and len(grads) == len(ins):
+        kind = GRAD_ROWS                                # shares added to shares
+    elif node.op in _LINEAR_IN and len(grads) == 1 and _LINEAR_IN[node.op] in (None, grads[0]):
+        kind = GRAD_ROWS                                # a share times shared factors
+    else:
+        return _no_rule(ctx, node, ins)
     return [first.with_(tail=(first.tail[0], kind), value=None, index=None, taint=taint_of(ins))]
+
+
+def _compatible(a: list | None, b: list | None) -> bool:
+    """Same rank and no two known dimensions that differ."""
+    return a is not None and b is not None and len(a) == len(b) and all(
+        x is None or y is None or x == y for x, y in zip(a, b))
+
+
+def _broadcasts_beside(ctx: Context, ref: str, shape: list | None, axis: int) -> bool:
+    """True when shared operand ``ref`` broadcasts without a dimension along ``axis``."""
+    mine = ctx.shape(ref)
+    if mine is None or shape is None:
+        return False
+    dim = axis - (len(shape) - len(mine))
+    return dim < 0 or mine[dim] == 1
 
 
 def _gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -183,7 +218,8 @@ def slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact] | None:
         return None
     whole, cut = ctx.fact(forward.inputs[0]), ctx.fact(f"{forward.name}:0")
     g = ins[0]
-    if not carries(whole) or cut is None or ctx.shape(node.inputs[0]) != ctx.shape(f"{forward.name}:0"):
+    if not carries(whole) or cut is None or not _compatible(ctx.shape(node.inputs[0]),
+                                                            ctx.shape(f"{forward.name}:0")):
         return None
     if cut.kind == PART and not cut.tail and g.kind == PART and not g.tail and g.axis == whole.axis \
             and ctx.classes.same(g.cls, whole.cls):
@@ -222,8 +258,8 @@ def _reads(ctx: Context, ref: str, target: str, depth: int = 6) -> bool:
 
 RULES = {
     **{op: _passthrough for op in table.PASS_THROUGH},
-    **{op: _unary for op in table.UNARY if op not in ("ZerosLike", "OnesLike")},
-    "Add": _sum, "AddV2": _sum, "AddN": _sum,
+    **{op: _elementwise for op in (table.UNARY | table.BROADCAST | table.SAME_SHAPE)
+       - {"ZerosLike", "OnesLike", "BiasAdd", "BiasAddV1"}},
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather,
     "Slice": _slice, "Reshape": _reshape,
     "Shape": _shape, "ShapeN": _shape, "Size": _shape,
