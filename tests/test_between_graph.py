@@ -258,6 +258,17 @@ def test_bad_between_graph_options_are_refused():
                             cluster={"worker": ["127.0.0.1:1"]})
 
 
+def test_sampled_losses_are_refused_between_graph():
+    """The workers would all-gather each other's shares of the sampled rows' gradient instead
+    of summing them: refused at transform time, naming the gradient."""
+    import breadth_models
+
+    model = breadth_models.sampled("nce", "sgd")
+    with pytest.raises(ReplicateError, match="sampled loss"):
+        replicate.transform(model.graph, "worker", between_graph=True,
+                            cluster={"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+
+
 def test_cli_convert_between_graph(tmp_path):
     import subprocess
     import sys

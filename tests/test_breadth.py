@@ -56,6 +56,15 @@ def test_sampled_losses_are_exact(loss, optimizer, resource, static, num_true):
         "the sampler must draw once for the whole batch"
 
 
+@pytest.mark.parametrize("options", [{"param_devices": "mirrored"}, {"aggregation": "packed_allreduce"},
+                                     {"accumulate": 2}], ids=["mirrored", "packed_allreduce", "accumulate"])
+def test_sampled_losses_under_other_strategies(options):
+    res, _ = check(bm.sampled("nce", "adam"), towers=3, batch=7, **options)
+    assert res.report.exact, str(res.report)
+    if "param_devices" in options:
+        assert any(n.name.startswith("replicate/mirror_") for n in res.graph_def.node)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "moments"])
 @pytest.mark.parametrize("towers,batch", [(2, 8), (3, 10)])
 def test_sync_batch_norm_is_exact(fused, towers, batch):
