@@ -38,6 +38,8 @@ LOSSES = {
     # sampled losses: the batch's labels and shared sampled classes in one lookup
     "nce": True, "sampled_softmax": True,
     "concat_rows_mean": False, "concat_rows_gather_sum": False, "concat_head_k": False,
+    # positions in the batch: each tower numbers its rows from 0
+    "batch_position": False,
 }
 
 
@@ -190,6 +192,8 @@ def _loss(case: Case, x, y, logits, sq, per, variables):
         return tf.reduce_mean(per) + tf.reduce_sum(tf.square(tf.gather(table, ids))), None
     if kind == "concat_head_k":
         return tf.reduce_mean(tf.concat([per, tf.constant([1.0, 2.0])], axis=0)[:k + 1]), None
+    if kind == "batch_position":
+        return tf.reduce_mean(per * (1.0 + tf.cast(tf.range(tf.shape(per)[0]), tf.float32))), None
     if kind == "topk":
         return tf.reduce_mean(tf.nn.top_k(per, k).values), None
     if kind == "first_k":

@@ -37,6 +37,8 @@ def unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [f if node.op in _VALUE_UNARY or f.handle == "unique" else f.with_(handle=None)]
     if f.kind == PART:
         keep = node.op in _VALUE_UNARY
+        if not keep and _row_numbers(f):
+            return [_numbered(node, f.taint)]
         return [f.with_(value=f.value if keep else None, index=f.index if keep else None)]
     if f.kind == RED:
         if node.op in _LINEAR_UNARY:
@@ -67,6 +69,18 @@ def _lists(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                   taint_of(ins))]
 
 
+def _row_numbers(f: Fact) -> bool:
+    """True for row numbers local to a tower (``tf.range`` over the batch, ``tf.where``)."""
+    return f.kind == PART and f.index is not None and f.index[0] in ("rows", "cols")
+
+
+def _numbered(node: Node, taint: frozenset) -> Fact:
+    """Arithmetic on a tower's row numbers: they start at 0 in every tower, not at the
+    tower's first example, so the values are not the single-device ones."""
+    return mixed(node.name, f"{node.op} computes with row numbers local to each tower (they start "
+                 "at 0 in every tower)", taint)
+
+
 def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     refs = node.inputs[:len(ins)]
     if any(f is not None and f.handle in (LIST, EMPTY_LIST) for f in ins):
@@ -76,6 +90,8 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         keep = bad.handle == "unique" and all(f.kind in (SHARED, "mixed") for f in ins)
         return [bad.with_(handle="unique") if keep else bad]
     ps = parts(ins)
+    if any(_row_numbers(f) for f in ps):
+        return [_numbered(node, taint_of(ins))]
     if not ps:
         if reds(ins):
             return [_reduced_algebra(ctx, node, refs, ins)]

@@ -71,6 +71,9 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [mixed(node.name, f"{node.op} of two batch axes", taint)]
         return [p.with_(axis=p.axis if p.axis < axis else p.axis + i_rank - 1, value=None, taint=taint)]
     if i.kind == PART:
+        if i.index is not None and i.index[0] in ("rows", "cols"):
+            return [mixed(node.name, f"{node.op} looks a shared table up by row numbers local to "
+                          "each tower (they start at 0 in every tower)", taint)]
         return [i.with_(axis=axis + i.axis, value=None, index=None, taint=taint)]
     if p.kind == RED and i.kind == SHARED:
         picked = _pick(ctx, p, node.inputs[1])
