@@ -194,3 +194,43 @@ def test_row_numbers_of_the_batch_are_not_example_values(use):
     res = replicate.transform(graph, CPUS)
     assert not res.report.exact
     assert any("row numbers local to each tower" in r.what for r in res.report.reasons), str(res.report)
+
+
+def _table_model(variant):
+    """One table looked up by the batch's ids and by constant ids (a second review's cases)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(3)
+        ids = v1.placeholder(tf.int64, [None], name="ids")
+        labels = v1.placeholder(tf.int64, [None, 1], name="labels")
+        with v1.variable_scope("m", use_resource=True):
+            table = v1.get_variable("table", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=1))
+            out_w = v1.get_variable("out_w", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=2))
+            out_b = v1.get_variable("out_b", [V], initializer=v1.zeros_initializer())
+        embed = tf.gather(table, ids)
+        if variant == "constant_rows":          # every example meets the same four rows
+            fixed = tf.gather(table, tf.constant([0, 1, 2, 3]))
+            score = tf.matmul(embed, tf.transpose(out_w)[:, :1])[:, 0] + tf.reduce_sum(tf.matmul(embed, fixed, transpose_b=True), 1)
+            loss = tf.reduce_mean(tf.square(score - tf.cast(labels[:, 0] % 3, tf.float32)))
+        else:
+            weights = table if variant == "tied" else out_w
+            loss = tf.reduce_mean(v1.nn.nce_loss(weights, out_b, labels, embed, num_sampled=3, num_classes=V))
+            if variant == "weight_decay":
+                loss += 1e-2 * tf.nn.l2_loss(out_w)
+        tf.identity(loss, name="loss")
+        v1.train.AdamOptimizer(0.05).minimize(loss, name="train")
+
+    def feed(rng):
+        return {"ids:0": rng.randint(0, V, B), "labels:0": rng.randint(0, V, (B, 1))}
+    return graph, feed
+
+
+@pytest.mark.parametrize("variant", ["constant_rows", "tied", "weight_decay"])
+def test_one_table_read_by_batch_ids_and_shared_ids(variant):
+    """A table looked up by the batch's ids and by constant ids: the gradient's indices had
+    the constant rows once and its values once per tower (claimed exact, then the update
+    failed: 19 rows of values for 11 ids). A sampled loss whose output weights are the
+    embedding table (tied), or that decays them (the sparse gradient made dense to add a
+    dense one), was refused; all three are exact now."""
+    graph, feed = _table_model(variant)
+    assert outcome(graph, feed) == "exact"

@@ -26,9 +26,11 @@ _MERGEABLE = frozenset({"concat", "mean", "sum", "ratio", "max", "min"})
 def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
              scopes: list[GradScope], apply_ops: list[ApplyOp], flow,
              losses: list[str], outputs: tuple[str, ...], merge_forward: bool,
-             dead: set[str] = frozenset()) -> tuple[list[Frontier], list[Frontier], list[str]]:
+             dead: set[str] = frozenset()) -> tuple[list[Frontier], list[Frontier], list[str], list[str]]:
     """Return (gradient frontier, forward outputs to merge, tensors read by shared ops that
-    cannot be merged: tower 0's value stands in for them)."""
+    cannot be merged: tower 0's value stands in for them, gradient rows whose sharing between
+    the towers the analysis could not establish: concatenated, which only linear updates
+    add up right)."""
     inside = set(region)
     crossing: dict[str, None] = {}
     for name in region:
@@ -43,6 +45,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     roles = sparse_roles(ir, set(grads))
     variables = _nearest_variables(ir, grads, apply_ops)
     frontier: list[Frontier] = []
+    doubtful: list[tuple[str, object]] = []
     for t in grads:
         role = roles.get(t)
         if role is None:
@@ -54,10 +57,9 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             else:
                 role = "first"
         fact = flow.fact(t)
-        if fact is not None and fact.kind == "mixed" and "part batch, part shared" in fact.why:
-            raise AnalysisError(f"cannot combine the towers' gradient '{t}': {fact.why} at "
-                                f"'{fact.src}' (replicate follows such rows through gathers, "
-                                "slices, reshapes and elementwise ops only)")
+        if fact is not None and fact.kind == "mixed" and ("part batch, part shared" in fact.why
+                                                          or "adds shared rows" in fact.why):
+            doubtful.append((t, fact))
         tail = fact.tail[0] if fact is not None and fact.tail and fact.axis == 0 else 0
         if role == "sparse_values" and fact is not None and fact.kind == "red" and fact.merge == "sum":
             role = "dense"          # rows picked by shared ids: each tower holds its share of them
@@ -120,7 +122,13 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 continue
             for i in range(len(ir.output_types(ir.nodes[name]))):
                 add(tensor_name(name, i), False)
-    return frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable
+    if doubtful and any(f.tail for f in frontier):
+        t, fact = doubtful[0]
+        raise AnalysisError(f"cannot combine the towers' gradient '{t}': {fact.why} at "
+                            f"'{fact.src}', while another part of it has shared rows after the "
+                            "batch rows (replicate follows such rows through gathers, slices, "
+                            "reshapes, concatenations and elementwise ops only)")
+    return frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable, [t for t, _ in doubtful]
 
 
 def _sorted(ir: IR, tensors) -> list[str]:

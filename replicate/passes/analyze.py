@@ -116,10 +116,15 @@ class Analyze:
         keep_targets |= {node_of(t) for t in flow.plan.splits}
         keep = ir.ancestors(keep_targets, graph) & inside
         dead = _dead_gradient_code(ir, in_grad - inside)
-        frontier, outputs, unmergeable = classify(ir, region, dependent, in_grad, grad_scopes,
-                                                  apply_ops, flow, losses, self.outputs,
-                                                  self.merge_forward, dead)
+        frontier, outputs, unmergeable, doubtful = classify(ir, region, dependent, in_grad, grad_scopes,
+                                                            apply_ops, flow, losses, self.outputs,
+                                                            self.merge_forward, dead)
         reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings)
+        reasons += [Reason(node_of(t), f"gradient rows '{t}' join rows shared by every tower with "
+                           "the batch's in an order replicate does not follow; they are "
+                           "concatenated, which a sum over rows adds up but row-wise processing "
+                           "(clipping) would not", "look the shared rows up after the batch's")
+                    for t in doubtful[:1]]
         step = _inputs.global_step(ir, apply_ops)
         controls: dict[str, list[str]] = {}
         for consumer in {c.name for n in region for c in ir.consumers(n)} - inside:

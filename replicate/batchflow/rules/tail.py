@@ -28,7 +28,7 @@ import numpy as np
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import forward_of, mixed, rows, shared, taint_of
+from replicate.batchflow.rules.common import forward_of, mixed, red, rows, shared, taint_of
 from replicate.ir import Node, node_of
 
 __all__ = ["carries", "apply", "concat", "slice_grad"]
@@ -53,13 +53,42 @@ def concat(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis: int
     head, rest = ins[0], ins[1:]
     if head.kind != PART or head.tail or head.axis != axis or head.outer != 1 or not rest:
         return None
-    count = 0
+    count, kind = 0, SHARED_ROWS
     for ref, f in zip(refs[1:], rest):
         shape = ctx.shape(ref)
-        if f.kind != SHARED or shape is None or len(shape) <= axis or shape[axis] is None:
+        if shape is None or len(shape) <= axis or shape[axis] is None:
+            return None
+        if f.kind == RED and f.merge == "sum" and ctx.in_gradient(node):
+            kind = GRAD_ROWS        # gradient rows of shared ids: each tower's share
+        elif f.kind != SHARED:
             return None
         count += shape[axis]
-    return head.with_(tail=(count, SHARED_ROWS), value=None, index=None, taint=taint_of(ins))
+    return head.with_(tail=(count, kind), value=None, index=None, taint=taint_of(ins))
+
+
+def _concat(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """Batch rows, then rows with a tail (two sparse gradients of one table joined, as
+    ``tf.gradients`` joins a lookup's and a sampled loss's): the batch rows of both come
+    first, out of single-device order, and the shared rows stay last."""
+    n = int(node.attr("N", len(node.inputs) - 1))
+    refs, facts = (node.inputs[1:n + 1], ins[1:n + 1]) if node.op == "Concat" else (node.inputs[:n], ins[:n])
+    last = facts[-1]
+    axis = ctx.axes(node.inputs[0] if node.op == "Concat" else node.inputs[n], ctx.rank(refs[-1]))
+    if not carries(last) or axis is None or axis[0] != last.axis or len(facts) < 2 or any(
+            f.kind != PART or f.tail or f.axis != last.axis for f in facts[:-1]):
+        return _no_rule(ctx, node, ins)
+    cls = ctx.classes.compose([f.cls for f in facts])
+    return [last.with_(cls=cls, block=None, ordered=False, value=None, index=None, taint=taint_of(ins))]
+
+
+def _segment_sum(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``UnsortedSegmentSum`` of gradient rows by their ids (an ``IndexedSlices`` made dense
+    to be added to a dense gradient): each tower's dense share of the gradient."""
+    data, ids = ins[0], ins[1]
+    if not carries(data) or data.tail[1] != GRAD_ROWS or not carries(ids) or ids.tail[0] != data.tail[0] \
+            or ins[2].kind != SHARED or not ctx.in_gradient(node):
+        return _no_rule(ctx, node, ins)
+    return [red(data.cls, "sum", node.name, taint=taint_of(ins))]
 
 
 def _same(fact: Fact) -> list[Fact]:
@@ -261,7 +290,8 @@ RULES = {
     **{op: _elementwise for op in (table.UNARY | table.BROADCAST | table.SAME_SHAPE)
        - {"ZerosLike", "OnesLike", "BiasAdd", "BiasAddV1"}},
     "Gather": _gather, "GatherV2": _gather, "ResourceGather": _gather,
-    "Slice": _slice, "Reshape": _reshape,
+    "Slice": _slice, "Reshape": _reshape, "ConcatV2": _concat, "Concat": _concat,
+    "UnsortedSegmentSum": _segment_sum,
     "Shape": _shape, "ShapeN": _shape, "Size": _shape,
 }
 
