@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import Fact, shared
+from replicate.batchflow.lattice import PART, RED, Fact, mixed, shared
 from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape, tail
 from replicate.batchflow.rules.common import passthrough, taint_of
 from replicate.ir import Node
@@ -124,4 +124,30 @@ def apply(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]
     out = list(rule(ctx, node, ins))
     if len(out) < n:
         out += [out[-1] if out else shared()] * (n - len(out))
-    return out[:n]
+    return _row_numbers_kept(node, ins, out[:n])
+
+
+#: Operand positions where a tower's row numbers are used as row numbers (to gather, scatter
+#: or segment by), not as values.
+ROW_NUMBER_OPERANDS = {
+    "Gather": (1,), "GatherV2": (1,), "ResourceGather": (1,), "GatherNd": (1,),
+    "ResourceGatherNd": (1,), "UnsortedSegmentSum": (1,), "UnsortedSegmentMax": (1,),
+    "UnsortedSegmentMin": (1,), "UnsortedSegmentProd": (1,), "SegmentSum": (1,), "SegmentMax": (1,),
+    "SegmentMin": (1,), "SparseToDense": (0,), "ScatterNd": (0,),
+}
+
+
+def _row_numbers_kept(node: Node, ins: list[Fact | None], out: list[Fact | None]) -> list[Fact | None]:
+    """A tower numbers its rows from 0 (``tf.range`` over the batch, ``tf.where``): those numbers
+    are not values of its examples. A result computed from them as values must still say so
+    (carry the row-number tag), or it is mixed: every rule that drops the tag falls here."""
+    lookups = ROW_NUMBER_OPERANDS.get(node.op, ())
+    numbered = [f for i, f in enumerate(ins) if i not in lookups and f is not None and f.kind == PART
+                and f.index is not None and f.index[0] in ("rows", "cols")]
+    if not numbered:
+        return out
+    why = (f"{node.op} computes with row numbers local to each tower (they start at 0 in every "
+           "tower)")
+    return [mixed(node.name, why, f.taint) if f is not None and (
+        (f.kind == PART and (f.index is None or f.index[0] not in ("rows", "cols"))) or f.kind == RED)
+        else f for f in out]
