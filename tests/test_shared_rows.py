@@ -36,18 +36,24 @@ def outcome(graph, feed, towers=3, steps=3, fetch=("loss:0",)):
     return "exact"
 
 
+def _skip_gram_inputs():
+    """Ids, labels, an embedding table and a sampled loss's output weights and biases."""
+    v1.set_random_seed(3)
+    ids = v1.placeholder(tf.int64, [None], name="ids")
+    labels = v1.placeholder(tf.int64, [None, 1], name="labels")
+    with v1.variable_scope("m", use_resource=True):
+        table = v1.get_variable("table", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=1))
+        out_w = v1.get_variable("out_w", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=2))
+        out_b = v1.get_variable("out_b", [V], initializer=v1.zeros_initializer())
+    return ids, labels, table, out_w, out_b
+
+
 def _sampled(loss, process):
     """A sampled loss whose gradients are processed before the update (clipping, a nonlinear
     map, sparse weight decay): the aggregate must have the single-device rows."""
     graph = tf.Graph()
     with graph.as_default():
-        v1.set_random_seed(3)
-        ids = v1.placeholder(tf.int64, [None], name="ids")
-        labels = v1.placeholder(tf.int64, [None, 1], name="labels")
-        with v1.variable_scope("m", use_resource=True):
-            table = v1.get_variable("table", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=1))
-            out_w = v1.get_variable("out_w", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=2))
-            out_b = v1.get_variable("out_b", [V], initializer=v1.zeros_initializer())
+        ids, labels, table, out_w, out_b = _skip_gram_inputs()
         fn = v1.nn.nce_loss if loss == "nce" else v1.nn.sampled_softmax_loss
         total = tf.reduce_mean(fn(out_w, out_b, labels, tf.nn.embedding_lookup(table, ids), num_sampled=3,
                                   num_classes=V), name="loss")
@@ -207,13 +213,7 @@ def _table_model(variant):
     """One table looked up by the batch's ids and by constant ids (a second review's cases)."""
     graph = tf.Graph()
     with graph.as_default():
-        v1.set_random_seed(3)
-        ids = v1.placeholder(tf.int64, [None], name="ids")
-        labels = v1.placeholder(tf.int64, [None, 1], name="labels")
-        with v1.variable_scope("m", use_resource=True):
-            table = v1.get_variable("table", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=1))
-            out_w = v1.get_variable("out_w", [V, D], initializer=v1.random_uniform_initializer(-1, 1, seed=2))
-            out_b = v1.get_variable("out_b", [V], initializer=v1.zeros_initializer())
+        ids, labels, table, out_w, out_b = _skip_gram_inputs()
         embed = tf.gather(table, ids)
         if variant == "constant_rows":          # every example meets the same four rows
             fixed = tf.gather(table, tf.constant([0, 1, 2, 3]))

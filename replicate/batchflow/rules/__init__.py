@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import PART, RED, Fact, mixed, shared
+from replicate.batchflow.lattice import PART, RED, Fact, shared
 from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape, tail
-from replicate.batchflow.rules.common import passthrough, taint_of
+from replicate.batchflow.rules.common import numbered, passthrough, row_numbers, taint_of
 from replicate.ir import Node
 
 __all__ = ["RULES", "apply", "WAITS_FOR_ALL"]
@@ -142,12 +142,7 @@ def _row_numbers_kept(node: Node, ins: list[Fact | None], out: list[Fact | None]
     are not values of its examples. A result computed from them as values must still say so
     (carry the row-number tag), or it is mixed: every rule that drops the tag falls here."""
     lookups = ROW_NUMBER_OPERANDS.get(node.op, ())
-    numbered = [f for i, f in enumerate(ins) if i not in lookups and f is not None and f.kind == PART
-                and f.index is not None and f.index[0] in ("rows", "cols")]
-    if not numbered:
+    if not any(row_numbers(f) for i, f in enumerate(ins) if i not in lookups):
         return out
-    why = (f"{node.op} computes with row numbers local to each tower (they start at 0 in every "
-           "tower)")
-    return [mixed(node.name, why, f.taint) if f is not None and (
-        (f.kind == PART and (f.index is None or f.index[0] not in ("rows", "cols"))) or f.kind == RED)
-        else f for f in out]
+    dropped = [f is not None and (f.kind == RED or (f.kind == PART and not row_numbers(f))) for f in out]
+    return [numbered(node, f.taint) if lost else f for f, lost in zip(out, dropped)]

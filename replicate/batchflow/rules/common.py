@@ -119,4 +119,17 @@ def forward_of(ctx: Context, node: Node, op_types: tuple[str, ...]) -> Node | No
     return None
 
 
-__all__ += ["is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of"]
+def row_numbers(f: Fact | None) -> bool:
+    """True for row numbers local to a tower (``tf.range`` over the batch, ``tf.where``): they
+    start at 0 in every tower, so they are no values of its examples."""
+    return f is not None and f.kind == PART and f.index is not None and f.index[0] in ("rows", "cols")
+
+
+def numbered(node: Node, taint: frozenset) -> Fact:
+    """The mixed result of ``node`` computing with a tower's row numbers as values."""
+    return mixed(node.name, f"{node.op} computes with row numbers local to each tower (they start "
+                 "at 0 in every tower)", taint)
+
+
+__all__ += ["is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
+            "row_numbers", "numbered"]

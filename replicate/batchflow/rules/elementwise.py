@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, LIST, PART, RED, SHARED, Fact, Sym, join
-from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, parts, red,
-                                              reds, shared, size_fact, taint_of)
+from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, numbered, parts,
+                                              red, reds, row_numbers, shared, size_fact, taint_of)
 from replicate.ir import Node
 
 __all__ = ["unary", "broadcast", "select", "matmul", "batch_matmul", "arith"]
@@ -37,8 +37,8 @@ def unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [f if node.op in _VALUE_UNARY or f.handle == "unique" else f.with_(handle=None)]
     if f.kind == PART:
         keep = node.op in _VALUE_UNARY
-        if not keep and _row_numbers(f):
-            return [_numbered(node, f.taint)]
+        if not keep and row_numbers(f):
+            return [numbered(node, f.taint)]
         return [f.with_(value=f.value if keep else None, index=f.index if keep else None)]
     if f.kind == RED:
         if node.op in _LINEAR_UNARY:
@@ -69,18 +69,6 @@ def _lists(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                   taint_of(ins))]
 
 
-def _row_numbers(f: Fact) -> bool:
-    """True for row numbers local to a tower (``tf.range`` over the batch, ``tf.where``)."""
-    return f.kind == PART and f.index is not None and f.index[0] in ("rows", "cols")
-
-
-def _numbered(node: Node, taint: frozenset) -> Fact:
-    """Arithmetic on a tower's row numbers: they start at 0 in every tower, not at the
-    tower's first example, so the values are not the single-device ones."""
-    return mixed(node.name, f"{node.op} computes with row numbers local to each tower (they start "
-                 "at 0 in every tower)", taint)
-
-
 def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     refs = node.inputs[:len(ins)]
     if any(f is not None and f.handle in (LIST, EMPTY_LIST) for f in ins):
@@ -90,8 +78,8 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         keep = bad.handle == "unique" and all(f.kind in (SHARED, "mixed") for f in ins)
         return [bad.with_(handle="unique") if keep else bad]
     ps = parts(ins)
-    if any(_row_numbers(f) for f in ps):
-        return [_numbered(node, taint_of(ins))]
+    if any(row_numbers(f) for f in ps):
+        return [numbered(node, taint_of(ins))]
     if not ps:
         if reds(ins):
             return [_reduced_algebra(ctx, node, refs, ins)]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, red, rows, shared,
-                                              size_fact, taint_of)
+from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, red, row_numbers, rows,
+                                              shared, size_fact, taint_of)
 from replicate.ir import Node
 
 __all__ = ["gather", "gather_nd", "where", "unique", "dynamic_partition", "segment", "sparse_to_dense",
@@ -71,7 +71,7 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [mixed(node.name, f"{node.op} of two batch axes", taint)]
         return [p.with_(axis=p.axis if p.axis < axis else p.axis + i_rank - 1, value=None, taint=taint)]
     if i.kind == PART:
-        if i.index is not None and i.index[0] in ("rows", "cols"):
+        if row_numbers(i):
             return [mixed(node.name, f"{node.op} looks a shared table up by row numbers local to "
                           "each tower (they start at 0 in every tower)", taint)]
         return [i.with_(axis=axis + i.axis, value=None, index=None, taint=taint)]

@@ -15,7 +15,7 @@ from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed
                                               shared, size_fact, taint_of)
 from replicate.batchflow.rules import tail
 from replicate.batchflow.rules.layout import map_reshape, strided_entries
-from replicate.ir import Node
+from replicate.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["reshape", "expand_dims", "squeeze", "transpose", "concat", "pack", "unpack", "split",
            "slice_", "strided_slice", "strided_slice_grad", "tile", "broadcast_to", "shape_source",
@@ -100,10 +100,10 @@ def _undo_reshape(ctx: Context, node: Node, f: Fact) -> Fact | None:
             or f.axis != after.axis or not ctx.classes.same(f.cls, after.cls) or rows(f) != rows(after):
         return None
     target = node.inputs[1]
-    producer = ctx.ir.nodes.get(target.split(":")[0])
+    producer = ctx.ir.nodes.get(node_of(target))
     static = ctx.shape(forward.inputs[0])
     if producer is not None and producer.op == "Shape" and producer.inputs \
-            and producer.inputs[0].split(":")[0] == forward.inputs[0].split(":")[0]:
+            and _same_tensor(producer.inputs[0], forward.inputs[0]):
         pass                                            # shape(X's input) at run time
     elif ctx.const(target) is not None and static is not None and rows(before) \
             and _folded_shape(list(ctx.const(target).reshape(-1)), static, before.axis):
@@ -113,6 +113,10 @@ def _undo_reshape(ctx: Context, node: Node, f: Fact) -> Fact | None:
         return None
     return before.with_(taint=f.taint, value=None, index=None, ordered=f.ordered and before.ordered,
                         filtered=f.filtered or before.filtered)
+
+
+def _same_tensor(a: str, b: str) -> bool:
+    return tensor_name(*parse_tensor(a)) == tensor_name(*parse_tensor(b))
 
 
 def _folded_shape(target: list, static: list, axis: int) -> bool:
@@ -195,7 +199,7 @@ def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis
         return mixed(node.name, f"{node.op} along an axis known only at run time", taint)
     if batch_axis == axis and node.op not in ("Pack",):
         if any(f.kind != PART for f in ins):
-            rows_after = tail.concat(ctx, node, refs, ins, axis) if node.op != "Pack" else None
+            rows_after = tail.concat(ctx, node, refs, ins, axis)
             if rows_after is not None:
                 return rows_after
             return mixed(node.name, f"{node.op} adds shared rows to the batch", taint)

@@ -9,8 +9,9 @@ the same rows) reaches the optimizer.
 
 With the sampler run once for the whole batch (see :mod:`replicate.passes._evict`), tower
 ``k`` computes exactly the single-device rows of its own examples, and its gradient with
-respect to the shared rows is its share of the single-device gradient; concatenating the
-towers' sparse gradients then sums those shares. The fact for such a tensor is a partitioned
+respect to the shared rows is its share of the single-device gradient: the aggregate takes
+every tower's batch rows in order and then the shared rows once, summed over the towers
+(:func:`replicate.combine.combine`), the single-device rows in the single-device order. The fact for such a tensor is a partitioned
 fact with a ``tail`` (:mod:`replicate.batchflow.lattice`). These rules are the only ones that
 accept it: every other op makes the result mixed, so a reduction over all rows, a merge or a
 branch can never treat the shared rows as examples.
