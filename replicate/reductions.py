@@ -17,6 +17,7 @@ import numpy as np
 
 from replicate import ops
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.batchflow.effects import writes
 
 __all__ = ["Reduction", "reduction", "merge_kind", "reduces_batch_axis", "couplings",
            "FUSED_BATCH_NORM"]
@@ -164,7 +165,7 @@ def _reaches_per_example(ir: IR, start: str, inside: set[str], in_grad: set[str]
             continue
         seen.add(name)
         node = ir.nodes[name]
-        if node.op in ops.MUTATING_OPS:
+        if writes(ir, node):
             continue
         if any(_per_example(ir, f"{name}:{i}", static_batch) for i in range(len(ir.output_types(node)))):
             return True

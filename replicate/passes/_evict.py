@@ -22,7 +22,7 @@ names by the rewire pass (or is shared and kept); per-example outputs it gives b
 
 from __future__ import annotations
 
-from replicate import ops
+from replicate.batchflow.effects import draws, writes
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
 from replicate.ir import IR, node_of
 
@@ -44,10 +44,10 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
         node = ir.nodes[name]
         if flow.depths.get(name, 0):
             continue            # inside a TF1 loop: it runs with the loop, per tower
-        if node.op in ops.MUTATING_OPS:
+        if writes(ir, node):
             if _reads_global(ir, flow, node, harmless, inside):
                 out.add(name)
-        elif node.op in ops.RANDOM_OPS:
+        elif draws(ir, node):
             facts = [flow.fact(f"{name}:{i}") for i in range(len(ir.output_types(node)))]
             if facts and facts[0] is not None and facts[0].kind == SHARED and \
                     all(f is not None and f.kind in (SHARED, PART) for f in facts) and \

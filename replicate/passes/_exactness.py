@@ -14,6 +14,7 @@ import networkx as nx
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
+from replicate.batchflow.effects import describe, draws, writes
 from replicate.facts import Analysis, Reason
 from replicate.ir import IR, node_of
 from replicate.reductions import FUSED_BATCH_NORM
@@ -59,11 +60,15 @@ def collect(ir: IR, analysis: Analysis) -> None:
     """Add the reasons about randomness, state updates, couplings and gradient types."""
     reasons = analysis.reasons
     for name in analysis.random_ops[:8]:
-        reasons.append(Reason(name, f"random op ({ir.nodes[name].op}) draws a separate stream in "
-                              "each tower", "results match single-device training in distribution only"))
+        effect = draws(ir, ir.nodes[name])[0]
+        where = "" if not effect.inner else f": {describe(effect)}"
+        reasons.append(Reason(name, f"random op ({ir.nodes[name].op}{where}) draws a separate stream "
+                              "in each tower", "results match single-device training in distribution only"))
     for name in analysis.update_ops[:8]:
-        reasons.append(Reason(name, "state update in the replicated region runs on tower 0's slice "
-                              "of the batch only", "statistics come from 1/N of the batch"))
+        effect = writes(ir, ir.nodes[name])[0]
+        where = "" if not effect.inner else f" ({describe(effect)})"
+        reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower 0's "
+                              "slice of the batch only", "statistics come from 1/N of the batch"))
     for name in analysis.couplings:
         what = ("batch norm normalizes each tower by its own slice's statistics"
                 if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 
 from replicate import ops
+from replicate.batchflow.effects import writes
 from replicate.errors import AnalysisError
 from replicate.facts import ApplyOp, Frontier, GradScope
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -116,7 +117,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             else:
                 add(t, True)
     if merge_forward:
-        updates = {n for n in region if ir.nodes[n].op in ops.MUTATING_OPS}
+        updates = {n for n in region if writes(ir, ir.nodes[n])}
         for name in region:
             if name in in_grad or name in updates or name not in dependent:
                 continue

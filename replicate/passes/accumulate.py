@@ -37,6 +37,7 @@ import networkx as nx
 from tensorflow.python.framework import dtypes
 
 from replicate import ops
+from replicate.batchflow.effects import writes as state_writes
 from replicate.ir import IR, node_of, parse_tensor
 from replicate.pipeline import PassResult
 
@@ -127,7 +128,7 @@ class Accumulate:
                 synced = ir.facts.get("synced", [])
                 shared = sorted(n for n in component if isinstance(n, str)
                                 and n.split("/", 1)[0] not in prefixes)
-                writes = [n for n in shared if ir.nodes[n].op in ops.MUTATING_OPS]
+                writes = [n for n in shared if state_writes(ir, ir.nodes[n])]
                 shared = writes or shared
                 if synced:
                     what = (f"synchronized batch statistics ({', '.join(synced[:2])}"

@@ -22,6 +22,7 @@ import networkx as nx
 from replicate import ops
 from replicate.batchflow.analysis import analyze as settle
 from replicate.batchflow.context import Demand
+from replicate.batchflow.effects import draws, writes
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -108,10 +109,11 @@ class Analyze:
         inside = set(region)
         dependent = _reach(ir, flow.order, {n for n in region
                                              if flow.dependent(n, len(ir.output_types(ir.nodes[n])))})
-        updates = [n for n in region if ir.nodes[n].op in ops.MUTATING_OPS]
+        updates = [n for n in region if writes(ir, ir.nodes[n])]
         outside = {n for n in region for c in ir.consumers(n) if c.name not in inside}
-        needed = self._needed(ir, region, updates, [node_of(t) for t in crossing + losses]
-                              + sorted(outside - set(updates), key=_order(ir)))
+        waits = _forwarding(ir, region, updates)
+        needed = self._needed(ir, region, waits, [node_of(t) for t in crossing + losses]
+                              + sorted(outside - waits, key=_order(ir)))
         keep_targets = {n for n in region if n not in dependent and (n in outside or n in self.external)}
         keep_targets |= {node_of(t) for t in flow.plan.splits}
         keep = ir.ancestors(keep_targets, graph) & inside
@@ -148,7 +150,7 @@ class Analyze:
             batch_dependent=dependent,
             keep=keep,
             update_ops=updates,
-            random_ops=[n for n in region if ir.nodes[n].op in ops.RANDOM_OPS],
+            random_ops=[n for n in region if draws(ir, ir.nodes[n])],
             frontier=frontier,
             outputs=outputs,
             external_controls=controls,
@@ -190,13 +192,13 @@ class Analyze:
         return region, {n for n in seen if n in stop}
 
     @staticmethod
-    def _needed(ir: IR, region: list[str], updates: list[str], targets: list[str]) -> set[str]:
+    def _needed(ir: IR, region: list[str], waits: set[str], targets: list[str]) -> set[str]:
         """Region nodes every tower needs; the rest only feed update ops (tower 0's job).
 
         Walks back from ``targets`` inside the region, not following control edges into update
         ops (an op that merely waits for a batch-norm update does not need it in every tower).
         """
-        inside, skip = set(region), set(updates)
+        inside, skip = set(region), waits
         seen = {t for t in targets if t in inside}
         work = list(seen)
         while work:
@@ -208,6 +210,26 @@ class Analyze:
                     seen.add(name)
                     work.append(name)
         return seen
+
+
+def _forwarding(ir: IR, region: list[str], updates: list[str]) -> set[str]:
+    """The update ops and the identities that only forward their results (``cond/Identity`` of
+    a state update built inside ``tf.cond``, which ``UPDATE_OPS`` holds instead of the update):
+    a control edge to one of them is a wait for the update."""
+    out, inside = set(updates), set(region)
+    changed = True
+    while changed:
+        changed = False
+        for name in region:
+            node = ir.nodes[name]
+            if name in out or node.op not in ("Identity", "IdentityN", "NoOp"):
+                continue
+            sources = [node_of(r) for r in node.inputs] + list(node.control)
+            if sources and all(s in out or s not in inside for s in sources) and \
+                    any(s in out for s in sources):
+                out.add(name)
+                changed = True
+    return out
 
 
 def _reach(ir: IR, order: list[str], dependent: set[str]) -> set[str]:

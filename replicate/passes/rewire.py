@@ -20,7 +20,7 @@ import logging
 from collections import defaultdict
 
 from replicate.combine import combine
-from replicate.ir import IR, Node, node_of, parse_tensor
+from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
 from replicate.pipeline import PassResult
 
 __all__ = ["Rewire"]
@@ -57,6 +57,7 @@ class Rewire:
         ir.remove_many(doomed + sorted(analysis.dead))
         merged = self._merge_outputs(ir, analysis, towers, copies, arity, out_types)
         merged += self._recompute(ir, analysis, copies, recomputed)
+        self._tower0_only(ir, copies[0], [n for n in doomed if n not in analysis.needed])
         aliases = 0
         for tensor, aggregate in aggregates.items():
             name, idx = parse_tensor(tensor)
@@ -98,6 +99,19 @@ class Rewire:
                 else:
                     new.append(ctl)
             ir.set_control(consumer, new)
+
+    @staticmethod
+    def _tower0_only(ir: IR, first: dict[str, str], names: list[str]) -> None:
+        """Shared readers of ops that only tower 0 runs (state updates and what only feeds
+        them) read tower 0's copy: there is no other."""
+        for name in names:
+            if name in ir.nodes or name not in first:
+                continue
+            for reader in list(ir.consumers(name)):
+                for i, ref in enumerate(reader.inputs):
+                    producer, idx = parse_tensor(ref)
+                    if producer == name:
+                        ir.set_input(reader.name, i, tensor_name(first[name], idx))
 
     def _recompute(self, ir: IR, analysis, copies, originals: dict) -> int:
         """Outputs no combination of tower copies gives are computed once, under their original
