@@ -28,6 +28,7 @@ from replicate.passes.guard import Guard
 from replicate.passes.mirror import MIRRORED, Mirror
 from replicate.passes.place import Place
 from replicate.passes.rebatch import Rebatch
+from replicate.passes.draw import Draw
 from replicate.passes.rewire import Rewire
 from replicate.passes.split import Split
 from replicate.passes.sync import Sync
@@ -341,7 +342,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                                       sync=batch_norm == "sync")
         validator = Validate()
         passes = [analyze, Place(controller, params), Split([d for d in devices for _ in range(micro)], controller, micro), Clone(),
-                  Sync(controller, full=batch_norm == "sync"), Rebatch(), Weigh(controller),
+                  Sync(controller, full=batch_norm == "sync"), Rebatch(), Draw(), Weigh(controller),
                   Aggregate(controller, aggregation), Rewire(controller), Guard(), Accumulate()]
         if between_graph:
             seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
@@ -457,6 +458,8 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         shared_nodes=len(ir.nodes) - tower_nodes, output_nodes=len(ir.nodes), gradients=grads,
         merged_outputs=len(analysis.outputs), update_ops=list(analysis.update_ops),
         batch_norm={"mode": batch_norm, "ops": list(analysis.couplings)},
+        random={"ops": list(analysis.random_ops),
+                "reproduced": {n: d.kind for n, d in analysis.draws.items()}},
         synced=list(ir.facts.get("synced", [])),
         rebatched=list(ir.facts.get("rebatched", [])), exact=not analysis.reasons,
         reasons=list(analysis.reasons), warnings=warnings,

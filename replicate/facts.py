@@ -137,6 +137,7 @@ class Analysis:
     demoted: dict[str, str] = dataclasses.field(default_factory=dict)
     auto_sync: list[str] = dataclasses.field(default_factory=list)
     flow: Any = None
+    draws: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def region_set(self) -> frozenset[str]:

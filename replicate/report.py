@@ -58,6 +58,7 @@ class Report:
     shared_why: dict[str, str] = dataclasses.field(default_factory=dict)
     train_ops: list[str] = dataclasses.field(default_factory=list)
     accumulate: dict[str, Any] = dataclasses.field(default_factory=dict)
+    random: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""
@@ -113,6 +114,12 @@ class Report:
                    f"side by side: {self.accumulate.get('why')}")
             lines.append(f"  accumulate    {k} micro-batches per device ({k * len(self.devices)} in all), "
                          f"gradients summed on each device, optimizer once; run {how}")
+        if self.random.get("ops"):
+            done = self.random.get("reproduced", {})
+            rows = sum(1 for k in done.values() if k == "rows")
+            lines.append(f"  random ops    {len(done)} of {len(self.random['ops'])} reproduced exactly"
+                         + (f" ({rows} per-example: each tower draws its rows of the single-device "
+                            "draw)" if rows else ""))
         if self.rebatched:
             lines.append(f"  static batch  {len(self.rebatched)} constants rewritten per tower")
         if self.exact:

@@ -14,7 +14,7 @@ import networkx as nx
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
-from replicate.batchflow.effects import describe, draws, writes
+from replicate.batchflow.effects import describe, writes
 from replicate.facts import Analysis, Reason
 from replicate.ir import IR, node_of
 from replicate.reductions import FUSED_BATCH_NORM
@@ -57,13 +57,8 @@ def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[s
 
 
 def collect(ir: IR, analysis: Analysis) -> None:
-    """Add the reasons about randomness, state updates, couplings and gradient types."""
+    """Add the reasons about state updates, couplings and gradient types (random draws: _draws)."""
     reasons = analysis.reasons
-    for name in analysis.random_ops[:8]:
-        effect = draws(ir, ir.nodes[name])[0]
-        where = "" if not effect.inner else f": {describe(effect)}"
-        reasons.append(Reason(name, f"random op ({ir.nodes[name].op}{where}) draws a separate stream "
-                              "in each tower", "results match single-device training in distribution only"))
     for name in analysis.update_ops[:8]:
         effect = writes(ir, ir.nodes[name])[0]
         where = "" if not effect.inner else f" ({describe(effect)})"

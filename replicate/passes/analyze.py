@@ -26,7 +26,7 @@ from replicate.batchflow.effects import draws, writes
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _evict, _exactness, _inputs, _weights
+from replicate.passes import _draws, _evict, _exactness, _inputs, _weights
 from replicate.passes._frontier import classify
 from replicate.passes._updates import find_train_ops
 from replicate.pipeline import PassResult
@@ -128,6 +128,9 @@ class Analyze:
                            "(clipping) would not", "look the shared rows up after the batch's")
                     for t in doubtful[:1]]
         step = _inputs.global_step(ir, apply_ops)
+        random_ops = [n for n in region if draws(ir, ir.nodes[n])]
+        reproduced, draw_reasons = _draws.reproducible(ir, flow, random_ops)
+        reasons += draw_reasons
         controls: dict[str, list[str]] = {}
         for consumer in {c.name for n in region for c in ir.consumers(n)} - inside:
             waits = [x for x in ir.nodes[consumer].control if x in inside]
@@ -150,7 +153,7 @@ class Analyze:
             batch_dependent=dependent,
             keep=keep,
             update_ops=updates,
-            random_ops=[n for n in region if draws(ir, ir.nodes[n])],
+            random_ops=random_ops,
             frontier=frontier,
             outputs=outputs,
             external_controls=controls,
@@ -165,6 +168,7 @@ class Analyze:
             demoted=dict(flow.demoted),
             auto_sync=auto,
             flow=flow,
+            draws=reproduced,
         )
         _exactness.collect(ir, analysis)
         ir.facts["analysis"] = analysis

@@ -11,7 +11,8 @@ copy are dropped. Copies run on the tower's device, except ops that read a share
 variable's handle or are colocated with a shared op, which stay with it, and ops with no
 kernel for the tower's device type, which run on the same task's CPU. ``_class``
 colocation, while-loop frame names, stack and TensorArray names, and ``shared_name`` are
-renamed per tower; random ops with fixed seeds get a distinct seed per tower.
+renamed per tower; random ops the towers reproduce (``analysis.draws``) keep their seeds,
+other random ops with fixed seeds get a distinct seed per tower.
 The originals are left in place for the rewire pass.
 """
 
@@ -60,7 +61,7 @@ class Clone:
                 inputs = [self._map_input(ref, inside, slices, prefix) for ref in node.inputs]
                 control = [f"{prefix}/{c}" if c in inside else c for c in node.control
                            if c in inside or c not in analysis.region_set]
-                attrs = self._attrs(node, k, prefix, inside, gone)
+                attrs = self._attrs(node, k, prefix, inside, gone, name in analysis.draws)
                 where = anchors[name] or device
                 if where == device and not has_kernel(node.op, kinds[k], node.attrs):
                     where = hosts[k]
@@ -99,7 +100,8 @@ class Clone:
 
     @staticmethod
     def _attrs(node: Node, k: int, prefix: str, inside: set[str],
-               gone: frozenset[str] | set[str]) -> dict[str, attr_value_pb2.AttrValue]:
+               gone: frozenset[str] | set[str], reproduced: bool = False
+               ) -> dict[str, attr_value_pb2.AttrValue]:
         """Per-tower attributes; colocation with nodes the rewrite removes (``gone``) is dropped."""
         attrs = node.attrs
         changed: dict[str, attr_value_pb2.AttrValue] = {}
@@ -120,7 +122,8 @@ class Clone:
         if node.attr("shared_name"):
             changed["shared_name"] = attr_value_pb2.AttrValue(
                 s=f"{prefix}/{node.attr('shared_name')}".encode())
-        if k > 0 and node.op in ops.RANDOM_OPS and (node.attr("seed", 0) or node.attr("seed2", 0)):
+        if k > 0 and not reproduced and node.op in ops.RANDOM_OPS and (
+                node.attr("seed", 0) or node.attr("seed2", 0)):
             seed2 = (int(node.attr("seed2", 0)) + k * SEED_STRIDE) % (2 ** 31 - 1)
             changed["seed2"] = attr_value_pb2.AttrValue(i=seed2)
         if not changed:

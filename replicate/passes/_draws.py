@@ -1,0 +1,100 @@
+"""Helper of the analyze pass: which random draws the towers reproduce exactly.
+
+One device draws a dropout mask (or per-example noise) for the whole batch; tower ``k``
+must get exactly its rows of that draw. Two kinds of draw can be reproduced:
+
+- **rows**: a seeded draw whose shape comes from the batch along one axis (a ``Shape`` of
+  an activation, a static batch size). Each tower draws the global batch's shape with the
+  original seeds (two kernels with equal seeds and equal shapes give equal streams, step
+  after step) and keeps its rows (the draw pass);
+- **same**: a seeded draw that does not depend on the batch (weight noise, a shared noise
+  vector that could not be evicted). Every tower keeps the original seeds, so each draws
+  the single-device values.
+
+Anything else stays a reason: unseeded draws (one device does not reproduce itself
+either), draws inside function bodies, draws that read per-example values (``Multinomial``
+of per-example logits), draws whose batch dimension is folded with another one, and ops
+that permute examples (``RandomShuffle``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from replicate.batchflow.effects import draws
+from replicate.batchflow.lattice import PART, SHARED
+from replicate.batchflow.table import SHAPE_SOURCES
+from replicate.facts import Reason
+from replicate.ir import IR
+
+__all__ = ["Draw", "reproducible"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """A random op the towers reproduce: ``kind`` is ``rows`` (global shape, tower's rows of
+    ``axis``, batch class ``cls``, output rank ``rank``) or ``same`` (original seeds)."""
+
+    name: str
+    kind: str
+    axis: int | None = None
+    cls: int | None = None
+    rank: int | None = None
+
+
+def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], list[Reason]]:
+    """The draws of ``random_ops`` the towers reproduce, and a reason for each other one."""
+    found: dict[str, Draw] = {}
+    reasons: list[Reason] = []
+    for name in random_ops:
+        node = ir.nodes[name]
+        effect = draws(ir, node)[0]
+        why = _obstacle(ir, flow, node, effect)
+        if why is None:
+            fact = flow.fact(f"{name}:0")
+            if fact.kind == SHARED:
+                found[name] = Draw(name, "same")
+            else:
+                found[name] = Draw(name, "rows", fact.axis, fact.cls, len(ir.static_shape(f"{name}:0")))
+            continue
+        reasons.append(Reason(name, why[0], why[1]))
+    return found, reasons
+
+
+def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
+    """Why the draw of ``node`` cannot be reproduced (what, fix), or None."""
+    if effect.inner:
+        return (f"random op '{effect.path[-1]}' ({effect.op}) inside function "
+                f"{' -> '.join(effect.path[1:-1])} draws a separate stream in each tower",
+                "results match single-device training in distribution only; draws inside "
+                "function bodies (tf.cond, while_v2, defuns) are not reproduced yet")
+    if flow.depths.get(node.name, 0):
+        return (f"random op ({node.op}) inside a TF1 while loop draws a separate stream in each "
+                "tower", "results match single-device training in distribution only")
+    if not effect.seeded:
+        return (f"random op ({node.op}) has no seed: one device does not reproduce its own draws "
+                "either; the towers draw from the same distribution",
+                "set a graph seed (tf.compat.v1.set_random_seed) or an op seed for exact, "
+                "checkable replication")
+    fact = flow.fact(f"{node.name}:0")
+    if fact is not None and fact.kind == SHARED and all(
+            (f := flow.fact(r)) is not None and f.kind == SHARED for r in node.inputs):
+        return None
+    shape_arg = SHAPE_SOURCES.get(node.op)
+    rank = ir.static_shape(f"{node.name}:0")
+    others = [r for i, r in enumerate(node.inputs) if i != shape_arg]
+    if shape_arg is None or fact is None or fact.kind != PART:
+        return (f"random op ({node.op}) draws per example from per-example values or permutes "
+                "examples; each tower draws its own stream",
+                "results match single-device training in distribution only")
+    if fact.block != 1 or fact.outer != 1 or fact.filtered or fact.tail or not fact.ordered:
+        return (f"random op ({node.op}) draws a shape whose batch dimension is folded with "
+                "another one; each tower draws its own stream",
+                "draw the noise with the batch as its own dimension")
+    if rank is None:
+        return (f"random op ({node.op}) has an output of unknown rank; each tower draws its own "
+                "stream", "give the noise a static rank")
+    if any((f := flow.fact(r)) is None or f.kind != SHARED for r in others):
+        return (f"random op ({node.op}) reads per-example parameters; each tower draws its own "
+                "stream", "results match single-device training in distribution only")
+    return None

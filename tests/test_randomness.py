@@ -1,0 +1,175 @@
+"""Exact randomness and side effects inside function bodies.
+
+Every random op is seeded, so one device reproduces itself and a difference is the
+rewrite's. Plain SGD with a large rate makes any weighting or masking error visible.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.batchflow.effects import draws, writes
+from replicate.equivalence import compare
+from replicate.ir import IR
+
+v1 = tf.compat.v1
+
+RTOL = 1e-5
+
+
+def _mlp(noise: str = "dropout", batch=None, seed: int = 7, flag: bool = False, bn: str = "") -> tf.Graph:
+    """x -> dense -> [batch norm] -> relu -> noise -> dense -> mean cross-entropy, SGD."""
+    graph = tf.Graph()
+    with graph.as_default():
+        if seed:
+            v1.set_random_seed(seed)
+        x = v1.placeholder(tf.float32, [batch, 6], name="x")
+        y = v1.placeholder(tf.int64, [batch], name="y")
+        training = v1.placeholder_with_default(True, [], name="training")
+        init = v1.glorot_uniform_initializer(seed=3)
+        if noise == "input_noise":
+            x = x + v1.random_normal(tf.shape(x), stddev=0.3, seed=seed)
+        w1 = v1.get_variable("w1", [6, 8], initializer=init, use_resource=True)
+        h = tf.matmul(x, w1)
+        if bn:
+            h = v1.layers.batch_normalization(h, training=training if bn == "flag" else True, name="bn")
+        h = tf.nn.relu(h)
+        if noise == "dropout":
+            h = tf.nn.dropout(h, rate=0.5, seed=seed) if not flag else \
+                v1.layers.dropout(h, rate=0.5, training=training, seed=seed)
+        elif noise == "unseeded":
+            h = tf.nn.dropout(h, rate=0.5)
+        elif noise == "weight_noise":
+            h = tf.matmul(h, tf.eye(8) + v1.random_normal([8, 8], stddev=0.1, seed=seed))
+        w2 = v1.get_variable("w2", [8, 3], initializer=init, use_resource=True)
+        logits = tf.identity(tf.matmul(h, w2), name="logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def _feeds(batch: int, steps: int = 3):
+    rng = np.random.RandomState(0)
+    return [{"x:0": rng.randn(batch, 6).astype(np.float32), "y:0": rng.randint(0, 3, batch)}
+            for _ in range(steps)]
+
+
+def _check(graph, towers: int, batch: int, **options):
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], **options)
+    cmp = compare(graph, res.graph, "train", _feeds(batch), fetch=("loss:0",))
+    return res, cmp
+
+
+@pytest.mark.parametrize("noise", ["dropout", "input_noise"])
+@pytest.mark.parametrize("towers,batch", [(1, 5), (2, 7), (3, 7), (3, 2)])
+def test_batch_shaped_draws_are_the_single_device_draws(noise, towers, batch):
+    """Dropout masks and per-example noise: each tower gets its rows of one device's draw,
+    at even, uneven and empty splits (3 towers, 2 examples)."""
+    graph = _mlp(noise)
+    res, cmp = _check(graph, towers, batch)
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {"rows"}
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
+
+
+def test_towers_with_their_own_streams_differ():
+    """The check can see the bug: with per-tower streams (the old rewrite) training differs."""
+    graph = _mlp("dropout")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    broken = v1.MetaGraphDef()
+    broken.CopyFrom(res.meta_graph_def)
+    changed = 0
+    for node in broken.graph_def.node:          # undo the fix: each tower its own stream
+        if node.op == "RandomUniform" and node.name.endswith("/global_draw"):
+            node.attr["seed2"].i += 1 + int(node.name.startswith("tower_1"))
+            changed += 1
+    assert changed == 2
+    cmp = compare(graph, broken, "train", _feeds(6))
+    assert cmp.max_rel > 1e-3
+
+
+def test_static_batch_dropout_is_exact():
+    graph = _mlp("dropout", batch=6)
+    res, cmp = _check(graph, 3, 6)
+    assert res.report.exact, res.report.reasons
+    assert cmp.max_rel <= RTOL
+
+
+@pytest.mark.parametrize("options", [dict(accumulate=2), dict(batch_norm="sync")])
+def test_draws_compose_with_accumulation_and_sync(options):
+    graph = _mlp("dropout", bn="on" if "batch_norm" in options else "")
+    res, cmp = _check(graph, 2, 7, **options)
+    assert res.report.exact, res.report.reasons
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_batch_independent_draw_is_the_same_in_every_tower():
+    graph = _mlp("weight_noise")
+    res, cmp = _check(graph, 3, 7)
+    assert res.report.exact, res.report.reasons
+    assert cmp.max_rel <= RTOL
+
+
+def test_unseeded_draws_are_reported():
+    graph = _mlp("unseeded", seed=0)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    assert not res.report.exact
+    assert any("no seed" in r.what for r in res.report.reasons)
+
+
+def test_dropout_under_a_training_flag_is_never_claimed_exact():
+    """tf.compat.v1.layers.dropout(training=flag) draws inside an If body: reported with the
+    op inside the function (it was claimed exact and trained 0.5 off)."""
+    graph = _mlp("dropout", flag=True)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    cmp = compare(graph, res.graph, "train", _feeds(7))
+    assert res.report.exact == (cmp.max_rel <= RTOL)
+    if not res.report.exact:
+        assert any("RandomUniform" in r.what and "function" in r.what for r in res.report.reasons)
+
+
+def _writers(graph: tf.Graph) -> list[str]:
+    ir = IR.from_graph_def(graph.as_graph_def())
+    return sorted(n.name for n in ir if n.op in ("If", "StatelessIf") and writes(ir, n))
+
+
+def test_batch_norm_under_a_training_flag_updates_once_per_step():
+    """Moving averages built inside tf.cond (training=placeholder): once per step in every
+    mode, and exact with batch_norm='sync' (they ran once per tower, 1.9 off, claimed exact)."""
+    graph = _mlp("none", bn="flag")
+    original = _writers(graph)
+    assert len(original) == 2
+    res, cmp = _check(graph, 3, 7, batch_norm="sync")
+    assert res.report.exact, res.report.reasons
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    assert len(_writers(res.graph)) == 2
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    after = _writers(res.graph)
+    assert len(after) == 2 and not any(n.startswith(("tower_1/", "tower_2/")) for n in after)
+    for name in res.report.update_ops:          # what the report says runs in tower 0 only does
+        assert f"tower_0/{name}" in after and f"tower_1/{name}" not in after
+
+
+def test_effects_see_nested_bodies():
+    graph = tf.Graph()
+    with graph.as_default():
+        v = v1.get_variable("v", [], use_resource=True)
+        flag = v1.placeholder(tf.bool, [])
+
+        @tf.function
+        def inner(t):
+            return tf.cond(flag, lambda: v.assign_add(t) + v1.random_uniform([], seed=1),
+                           lambda: t)
+
+        inner(tf.constant(1.0))
+    ir = IR.from_graph_def(graph.as_graph_def())
+    call = [n for n in ir if n.op in ("StatefulPartitionedCall", "PartitionedCall")][0]
+    assert [e.op for e in draws(ir, call)] == ["RandomUniform"]
+    assert [e.op for e in writes(ir, call)] == ["AssignAddVariableOp"]
+    assert len(draws(ir, call)[0].path) == 4          # call -> function -> branch -> op
