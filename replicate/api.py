@@ -17,7 +17,7 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from replicate import io, meta
 from replicate.errors import (REPORT, AnalysisError, DeviceError, InputError, InternalError,
                               ReplicateError)
-from replicate.facts import Analysis, Towers
+from replicate.facts import Analysis, Reason, Towers
 from replicate.ir import IR, parse_tensor
 from replicate.kernels import host_of
 from replicate.passes.accumulate import Accumulate
@@ -226,7 +226,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               progress: Callable[[str, int, int], None] | None = None,
               between_graph: bool = False, task_index: int | None = None,
               sparse_on_ps: bool = True,
-              accumulate: int = 1) -> Result:
+              accumulate: int = 1, check: bool = False) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
 
     Args:
@@ -266,6 +266,10 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
             as this many micro-batches, one after the other within the same step, adding their
             gradients; the aggregation and the optimizer run once (see
             :mod:`replicate.passes.accumulate`).
+        check: the numeric certificate: run the original and the rewrite a few steps side by
+            side on logical CPUs with synthetic inputs (an uneven split, an empty tower); a
+            claimed exact that differs is reported inexact (:mod:`replicate.certificate`).
+            This executes the graph, except graphs with file, Python or process ops.
 
     Returns:
         A :class:`Result`; the input is never modified.
@@ -279,7 +283,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
                           aggregation=aggregation, batch_norm=batch_norm, batch_inputs=batch_inputs,
                           cluster=cluster, verify_each=verify_each, dump_dir=dump_dir,
                           progress=progress, between_graph=between_graph, task_index=task_index,
-                          sparse_on_ps=sparse_on_ps, accumulate=accumulate)
+                          sparse_on_ps=sparse_on_ps, accumulate=accumulate, check=check)
 
 
 @contextlib.contextmanager
@@ -300,7 +304,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                merge_forward: bool, param_devices, aggregation: str, batch_norm: str, batch_inputs,
                cluster, verify_each: bool, dump_dir, progress, between_graph: bool = False,
                task_index: int | None = None, sparse_on_ps: bool = True,
-               accumulate: int = 1) -> Result:
+               accumulate: int = 1, check: bool = False) -> Result:
     start = time.perf_counter()
     micro = _micro(accumulate)
     between = None
@@ -388,8 +392,37 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
                      warnings, batch_norm)
     report.accumulate = ir.facts.get("accumulate", {})
+    if check:
+        _certify(report, graph, len(devices), train_op=analysis.train_op, loss=loss,
+                 strategy={"aggregation": aggregation, "batch_norm": batch_norm,
+                           "accumulate": micro, "batch_inputs": batch_inputs,
+                           **({"param_devices": "mirrored"} if mirrored else {})},
+                 distributed=between_graph or cluster is not None)
     return Result(graph_def, meta_out, report, analysis, towers, records,
                   ir.facts.get("aggregates", {}), seconds)
+
+
+def _certify(report: Report, graph: Any, towers: int, *, train_op: str, loss: str | None,
+             strategy: dict[str, Any], distributed: bool) -> None:
+    """Run the numeric certificate and record it; a claimed exact that fails becomes inexact."""
+    from replicate.certificate import Certificate, certify
+
+    if distributed:
+        cert = Certificate(False, "devices of a cluster: run replicate verify on the single-machine graph")
+    else:
+        cert = certify(graph, towers, train_op=train_op, loss=loss,
+                       strategy={k: v for k, v in strategy.items() if v is not None})
+    report.check = cert.to_dict()
+    report.check["summary"] = cert.describe()
+    if report.exact and cert.ran and not cert.ok:
+        worst = cert.worst
+        report.exact = False
+        report.reasons.append(Reason(worst["worst"], f"the numeric check found '{worst['worst']}' "
+                                     f"{worst['max_rel']:.2e} off one device after "
+                                     f"{worst['steps']} steps at a global batch of {worst['batch']}, "
+                                     "although the analysis found no reason",
+                                     "please report the graph: the analysis missed what breaks "
+                                     "exactness"))
 
 
 def _micro(accumulate: Any) -> int:

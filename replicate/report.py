@@ -59,6 +59,7 @@ class Report:
     train_ops: list[str] = dataclasses.field(default_factory=list)
     accumulate: dict[str, Any] = dataclasses.field(default_factory=dict)
     random: dict[str, Any] = dataclasses.field(default_factory=dict)
+    check: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""
@@ -127,5 +128,7 @@ class Report:
         else:
             lines.append(f"  exact         NO ({len(self.reasons)} reasons)")
             lines.extend(f"    - {r}" for r in self.reasons)
+        if self.check:
+            lines.append(f"  check         {self.check.get('summary', '')}")
         lines.extend(f"  warning       {w}" for w in self.warnings)
         return "\n".join(lines)

@@ -173,3 +173,35 @@ def test_effects_see_nested_bodies():
     assert [e.op for e in draws(ir, call)] == ["RandomUniform"]
     assert [e.op for e in writes(ir, call)] == ["AssignAddVariableOp"]
     assert len(draws(ir, call)[0].path) == 4          # call -> function -> branch -> op
+
+
+# ---------------------------------------------------------------- the numeric certificate
+def test_certificate_confirms_an_exact_rewrite():
+    res = replicate.transform(_mlp("dropout"), ["/cpu:1", "/cpu:2", "/cpu:3"], check=True)
+    check = res.report.check
+    assert res.report.exact and check["ran"] and check["ok"]
+    assert [r["batch"] for r in check["runs"]] == [11, 2]          # uneven, then an empty tower
+    assert "check" in str(res.report) and check["seconds"] > 0
+
+
+def test_certificate_catches_a_false_exact(monkeypatch):
+    """If the analysis misses what breaks exactness (here: pretend no draw needs care, so the
+    towers draw their own streams), the certificate reports the rewrite inexact."""
+    from replicate.passes import _draws
+
+    monkeypatch.setattr(_draws, "reproducible", lambda ir, flow, names: ({}, []))
+    res = replicate.transform(_mlp("dropout"), ["/cpu:1", "/cpu:2"], check=True)
+    assert not res.report.exact
+    assert not res.report.check["ok"]
+    assert any("numeric check" in r.what for r in res.report.reasons)
+
+
+def test_certificate_never_runs_ops_that_reach_outside():
+    graph = _mlp("dropout")
+    with graph.as_default():
+        loss = graph.get_tensor_by_name("loss:0")
+        with tf.control_dependencies([tf.print(loss)]):
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss + 0.0, name="train_printing")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"], train_op="train_printing", check=True)
+    assert not res.report.check["ran"]
+    assert "PrintV2" in res.report.check["skipped"]

@@ -1,0 +1,125 @@
+"""The numeric certificate: a claimed "exact" is checked by running it.
+
+``transform(..., check=True)`` (and ``replicate convert`` unless ``--no-check``) trains the
+original graph and the rewrite side by side on logical CPU devices, from the same initial
+values, on synthetic inputs (right shapes and dtypes, labels and ids in range; see
+:mod:`replicate.synthetic`), with the graph's own random seeds: a few steps at an uneven split
+(``4N - 1`` examples over N towers) and, when the batch size is dynamic, one step where a tower
+gets no example. The largest relative parameter difference decides: a rewrite the report calls
+exact that differs by more than ``rtol`` is reported inexact, naming the first variable that
+differs and by how much.
+
+A model is a program: converting a file must not touch the outside world, so a graph whose
+step would run an op that reads or writes files, calls Python or reaches other processes
+(``replicate.ops.UNSAFE_OPS``) is not run, and the certificate says what it skipped. Inputs
+are fed, so input pipelines never run.
+
+Requires: the transform's own options, to rebuild the same rewrite on logical CPUs.
+
+Produces: a :class:`Certificate` (ran or skipped, why, figures, seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from replicate.errors import ReplicateError
+
+__all__ = ["Certificate", "certify", "STEPS", "RTOL"]
+
+log = logging.getLogger(__name__)
+
+#: Training steps of the uneven run.
+STEPS = 3
+
+#: Largest relative parameter difference of an exact rewrite (float rounding).
+RTOL = 1e-5
+
+
+@dataclasses.dataclass
+class Certificate:
+    """The outcome of the numeric check.
+
+    Attributes:
+        ran: whether the graphs were run.
+        skipped: why not (an unsafe op, inputs that cannot be synthesized), when not.
+        runs: one entry per run: global batch, steps, largest relative difference, worst
+            variable.
+        seconds: time the check took.
+    """
+
+    ran: bool
+    skipped: str = ""
+    runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    rtol: float = RTOL
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_rel(self) -> float:
+        """The largest relative difference over all runs (0 when nothing ran)."""
+        return max((r["max_rel"] for r in self.runs), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        """True when it ran and every variable agreed within ``rtol`` in every run."""
+        return self.ran and self.max_rel <= self.rtol
+
+    @property
+    def worst(self) -> dict[str, Any] | None:
+        """The run with the largest difference."""
+        return max(self.runs, key=lambda r: r["max_rel"]) if self.runs else None
+
+    def describe(self) -> str:
+        """One line for the report."""
+        if not self.ran:
+            return f"skipped: {self.skipped}"
+        runs = "; ".join(f"batch {r['batch']} x {r['steps']} steps: max relative difference "
+                         f"{r['max_rel']:.1e}" for r in self.runs)
+        return f"ran on logical CPUs with synthetic inputs in {self.seconds:.1f} s ({runs})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return {"ran": self.ran, "skipped": self.skipped, "runs": self.runs, "notes": self.notes,
+                "seconds": round(self.seconds, 3), "rtol": self.rtol, "ok": self.ok}
+
+
+def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
+            strategy: dict[str, Any]) -> Certificate:
+    """Run the original ``source`` and its rewrite for ``towers`` towers with ``strategy``
+    (the transform's options) side by side; see the module docstring."""
+    from replicate.commands.verify import default_batch, verify
+
+    start = time.perf_counter()
+    micro = strategy.get("accumulate", 1)
+    uneven = default_batch(towers * micro)
+    batches = [(None, STEPS)]                              # 4N-1, or the graph's static batch
+    if towers * micro > 1:
+        batches.append((towers * micro - 1, 1))          # a tower with no example
+    cert = Certificate(True)
+    for batch, steps in batches:
+        try:
+            found = verify(source, towers, steps=steps, batch=batch, train_op=train_op, loss=loss,
+                           strategy=strategy)
+        except ReplicateError as exc:
+            text = _short(str(exc))
+            if not cert.runs:
+                cert = Certificate(False, text)
+                break
+            cert.notes.append(f"batch {batch} not run: {text}")
+            continue
+        c = found.comparison
+        cert.runs.append({"batch": found.batch, "steps": steps, "max_rel": c.max_rel, "worst": c.worst})
+        if batch is None and found.batch != uneven:
+            break                                          # a static batch: no other size fits
+    cert.seconds = time.perf_counter() - start
+    log.info("certificate: %s", cert.describe())
+    return cert
+
+
+def _short(text: str) -> str:
+    """The useful part of a verify error (without the file name prefix)."""
+    return text.split(": ", 1)[1] if ": " in text else text
