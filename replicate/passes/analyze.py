@@ -23,6 +23,7 @@ from replicate import ops
 from replicate.batchflow.analysis import analyze as settle
 from replicate.batchflow.context import Demand
 from replicate.batchflow.effects import draws, writes
+from replicate.batchflow.rules.functional import INSIDE
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -100,6 +101,14 @@ class Analyze:
         primary = batch_inputs[0].cls
         reasons = _weights.assign(grad_scopes, flow, primary)
         couplings = flow.couplings()
+        reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
+                           f"('{c.split(INSIDE)[-1]}', called by '{c.split(INSIDE)[0]}') feeds "
+                           "per-example values; each tower sees its own slice's value, and it "
+                           "cannot be synchronized inside the body",
+                           "build the model with tf.compat.v1.disable_control_flow_v2(), or "
+                           "without the cond around the batch statistics")
+                    for c in couplings if INSIDE in c]
+        couplings = [c for c in couplings if INSIDE not in c]
         auto = [c for c in couplings if _exactness.size_like(ir, c)]
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
         _state_written_per_tower(ir, flow, region, evicted)

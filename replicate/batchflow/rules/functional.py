@@ -105,9 +105,28 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
         ctx.note(node.name, f"function '{name}' holds the static batch size in '{p.tensor}'")
     for where, what in inner.notes:
         ctx.note(node.name, what)
-    result = [inner.fact(o) for o in outs]
+    result = [_outer(ctx, node, inner.fact(o)) for o in outs]
     ctx.functions[key] = result
     return result
+
+
+#: Joins the call node's name and the name of a node inside the called function in a taint.
+INSIDE = ">"
+
+
+def _outer(ctx: Context, node: Node, fact: Fact | None) -> Fact | None:
+    """``fact`` as seen from the caller: a coupling inside the body (a batch norm in a
+    ``tf.cond`` branch) is named ``<call node>>inner name``, so it is never mistaken for a
+    node of the calling graph (it cannot be synchronized there)."""
+    if fact is None:
+        return fact
+    if len(fact.spec) > 1 and isinstance(fact.spec[1], str) and \
+            parse_tensor(fact.spec[1])[0] not in ctx.ir.nodes:
+        fact = fact.with_(merge="other", spec=())   # weighted by a tensor of the body
+    if not fact.taint:
+        return fact
+    outer = frozenset(t if t in ctx.ir.nodes else f"{node.name}{INSIDE}{t}" for t in fact.taint)
+    return fact.with_(taint=outer) if outer != fact.taint else fact
 
 
 def _condition(ctx: Context, node: Node, pred: Fact | None, outs: list[Fact | None]) -> list[Fact | None]:
