@@ -282,3 +282,23 @@ def test_micro_batch_activations_peak_at_one_kth():
                                  "train", feed) for k in (1, 4)}
     assert peaks[1] <= 1.02 * single, (peaks, single)
     assert peaks[4] <= 0.3 * peaks[1], (peaks, single)
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+def test_normalized_v1_loss_does_not_close_a_cycle(micro):
+    """A tf.compat.v1.losses loss (SUM_BY_NONZERO_WEIGHTS) weighs each micro-batch by its share
+    of a global denominator, which needs every micro-batch's forward pass: the running-sum adds
+    that would wait for it are left unordered (accumulate=4 was an internal error: a cycle)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
+        w = tf.compat.v1.get_variable("w", [4, 3], initializer=tf.compat.v1.glorot_uniform_initializer(seed=1))
+        loss = tf.compat.v1.losses.softmax_cross_entropy(tf.one_hot(y, 3), tf.matmul(x, w), weights=0.5)
+        loss = tf.identity(loss, name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1"] * 1, accumulate=micro)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(7, 4).astype(np.float32), "y:0": rng.randint(0, 3, 7)} for _ in range(3)]
+    assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5

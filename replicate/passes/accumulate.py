@@ -88,14 +88,20 @@ class Accumulate:
                               attrs={"T": dtypes.as_dtype(ir.output_dtype(tensor))}).name
                 ir.replace_uses(tensor, held, only=readers)
                 held_of[t].append(held)
+        reach = _Reach(ir)
+        loose = 0
         for acc, t in towers.running:
             if t + 1 in gates and acc in ir.nodes:
+                if reach.closes_cycle(acc, gates[t + 1], held_of[t + 1]):
+                    loose += 1      # the add needs a later micro-batch (a global denominator)
+                    continue
                 # keep Grappler from merging a running sum into one AddN
                 ir.set_control(acc, ir.nodes[acc].control + [gates[t + 1]])
                 # and have the add done before the next micro-batch starts: else an add the
                 # executor runs late overlaps that micro-batch's gradient (three buffers)
                 for held in held_of[t + 1]:
                     ir.set_control(held, ir.nodes[held].control + [acc])
+        facts["unordered_adds"] = loose
         log.info("accumulate: %d micro-batches per device chained on %d devices",
                  towers.micro, len(towers.chains()))
         return PassResult(ir, True)
@@ -142,6 +148,29 @@ class Accumulate:
                         "activation memory is that of the device's whole slice, as without "
                         "accumulation")
         return None
+
+
+class _Reach:
+    """Whether ordering a running-sum add between two micro-batches would close a cycle: the
+    add must neither feed the next micro-batch's gate nor depend on its inputs (it does when
+    its weight needs every micro-batch's forward pass, as a normalized loss's global
+    denominator does)."""
+
+    def __init__(self, ir: IR):
+        self.graph = ir.to_networkx(control=True)
+        for node in ir:          # while-loop back edges are not dependencies
+            if node.op in ("NextIteration", "RefNextIteration"):
+                self.graph.remove_edges_from([(node.name, s) for s in list(self.graph.successors(node.name))])
+        self._before: dict[str, set[str]] = {}
+        self._after: dict[tuple[str, ...], set[str]] = {}
+
+    def closes_cycle(self, acc: str, gate: str, held: list[str]) -> bool:
+        if gate not in self._before:
+            self._before[gate] = nx.ancestors(self.graph, gate)
+        key = tuple(held)
+        if key not in self._after:
+            self._after[key] = set().union(*(nx.descendants(self.graph, h) for h in held)) if held else set()
+        return acc in self._before[gate] or acc in self._after[key]
 
 
 def _ref(tensor: str) -> str:
