@@ -101,7 +101,8 @@ class Accumulate:
                 # executor runs late overlaps that micro-batch's gradient (three buffers)
                 for held in held_of[t + 1]:
                     ir.set_control(held, ir.nodes[held].control + [acc])
-        facts["unordered_adds"] = loose
+        if loose:
+            facts["unordered_adds"] = loose
         log.info("accumulate: %d micro-batches per device chained on %d devices",
                  towers.micro, len(towers.chains()))
         return PassResult(ir, True)
