@@ -166,10 +166,10 @@ class Result:
         for apply in self.analysis.apply_ops:
             op = graph.get_operation_by_name(apply.name)
             node = next(n for n in self.graph_def.node if n.name == apply.name)
-            grad_pos = _input_position(node, apply.grad)
-            grad = op.inputs[grad_pos]
+            grad = op.inputs[_gradient_position(op, node, apply.grad, ("grad", "delta"))]
             if apply.indices is not None:
-                grad = tf.IndexedSlices(grad, op.inputs[_input_position(node, apply.indices)])
+                where = _gradient_position(op, node, apply.indices, ("indices",))
+                grad = tf.IndexedSlices(grad, op.inputs[where])
             var = variables.get(apply.variable)
             if var is None:
                 var = graph.get_operation_by_name(apply.variable).outputs[0]
@@ -183,13 +183,21 @@ class Result:
                 for n in self.analysis.update_ops]
 
 
-def _input_position(node, ref: str) -> int:
+def _gradient_position(op, node, ref: str, args: tuple[str, ...]) -> int:
+    """Position of the optimizer op's gradient input: its op-def argument (``grad``,
+    ``delta``, ``indices``), else the input still named ``ref``. The gradient the update reads
+    is usually an aggregate under a new name, so matching ``ref`` alone finds nothing (it fell
+    back to input 0, the variable)."""
+    for position, arg in enumerate(op.op_def.input_arg):
+        if arg.number_attr or arg.type_list_attr:
+            break                               # positions past a list are not the arg's
+        if arg.name in args:
+            return position
     inputs = [i for i in node.input if not i.startswith("^")]
-    want = parse_tensor(ref)
     for i, r in enumerate(inputs):
-        if parse_tensor(r) == want:
+        if parse_tensor(r) == parse_tensor(ref):
             return i
-    return 0
+    raise InternalError(f"cannot find the gradient '{ref}' among the inputs of '{node.name}'; {REPORT}")
 
 
 def prepare(graph: Any, *, train_op: str | None = None, loss: str | None = None,

@@ -63,6 +63,8 @@ def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
         if spec[0] == "count":
             ir.add(total, "Cast", [batch], device=device,
                    attrs={"SrcT": dtypes.int32, "DstT": tf_dtype})
+        elif spec[0] == "shifted":
+            _shifted_total(ir, towers, total, tf_dtype, spec, device)
         elif len(numerators) == 1:
             ir.add(total, "Identity", numerators, device=device, attrs={"T": tf_dtype})
         else:
@@ -71,6 +73,25 @@ def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
                   attrs={"T": tf_dtype})
     towers.weights[key] = node.name
     return node.name
+
+
+def _shifted_total(ir: IR, towers: Towers, total: str, tf_dtype, spec: tuple, device: str) -> None:
+    """The global value of a shifted denominator ``op(S, c)``: ``op`` of the towers' summed
+    ``S`` and the shared ``c`` (spec ``("shifted", denominator, op, S, c)``)."""
+    _, _, op, s_ref, c_ref = spec
+    node, idx = parse_tensor(s_ref)
+    sums = []
+    for k, prefix in enumerate(towers.prefixes):
+        src = dtypes.as_dtype(ir.output_dtype(s_ref))
+        sums.append(ir.add(f"{total}_sum_{k}", "Cast", [_ref(f"{prefix}/{node}:{idx}")],
+                           device=towers.devices[k], attrs={"SrcT": src, "DstT": tf_dtype}).name)
+    summed = ir.add(f"{total}_sum", "AddN", sums, device=device, attrs={"T": tf_dtype, "N": len(sums)})
+    c_node, c_idx = parse_tensor(c_ref)
+    local = f"{towers.prefixes[0]}/{c_node}"
+    c = _ref(f"{local if local in ir.nodes else c_node}:{c_idx}")
+    shift = ir.add(f"{total}_shift", "Cast", [c], device=device,
+                   attrs={"SrcT": dtypes.as_dtype(ir.output_dtype(c_ref)), "DstT": tf_dtype})
+    ir.add(total, op, [summed.name, shift.name], device=device, attrs={"T": tf_dtype})
 
 
 def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple, device: str,

@@ -266,6 +266,18 @@ class IR:
         """The FunctionDef called ``name`` in the graph's library, or None."""
         return self._functions.get(name)
 
+    def add_function(self, fdef) -> str:
+        """Add FunctionDef ``fdef`` to the library (once: a name already there is kept)."""
+        from tensorflow.core.framework import function_pb2
+
+        name = fdef.signature.name
+        if name not in self._functions:
+            if self.library is None:
+                self.library = function_pb2.FunctionDefLibrary()
+            self.library.function.append(fdef)
+            self._functions[name] = self.library.function[-1]
+        return name
+
     def arg_index(self, node: Node, arg_name: str) -> int | None:
         """Position in ``node.inputs`` of the first tensor of input argument ``arg_name``."""
         op_def = self.op_def(node.op)

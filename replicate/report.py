@@ -117,7 +117,7 @@ class Report:
                          f"gradients summed on each device, optimizer once; run {how}")
         if self.random.get("ops"):
             done = self.random.get("reproduced", {})
-            rows = sum(1 for k in done.values() if k == "rows")
+            rows = sum(1 for k in done.values() if k in ("rows", "body"))
             lines.append(f"  random ops    {len(done)} of {len(self.random['ops'])} reproduced exactly"
                          + (f" ({rows} per-example: each tower draws its rows of the single-device "
                             "draw)" if rows else ""))

@@ -278,10 +278,15 @@ def test_micro_batch_activations_peak_at_one_kth():
     model = models.cnn(filters=(8, 16), dense=64)
     feed = model.feeds(64, 1)[0]
     single = _activation_peak(model.graph, "train", feed)
+    # One device on one micro-batch: what k = 4 may keep live. Compared with that rather than
+    # with a quarter of the full batch's peak, because some CPUs' convolution gradient kernels
+    # take a scratch buffer that does not scale with the batch (27 MB here at batch 64 and 16).
+    micro = _activation_peak(model.graph, "train", {k: v[:16] for k, v in feed.items()})
     peaks = {k: _activation_peak(replicate.transform(model.graph, ["/cpu:0"], accumulate=k).graph,
                                  "train", feed) for k in (1, 4)}
     assert peaks[1] <= 1.02 * single, (peaks, single)
-    assert peaks[4] <= 0.3 * peaks[1], (peaks, single)
+    assert peaks[4] <= 1.1 * micro, (peaks, micro)
+    assert peaks[4] < peaks[1] and micro < single, (peaks, micro, single)
 
 
 @pytest.mark.parametrize("micro", [2, 4])

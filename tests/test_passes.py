@@ -1,5 +1,6 @@
 """Unit tests per pass on tiny hand-built graphs: structural asserts, order-insensitive."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -213,3 +214,31 @@ def test_gpu_controller_keeps_the_input_pipeline_on_its_host():
     nodes = {n.name: n for n in res.graph_def.node}
     assert nodes["IteratorGetNext"].device == "/device:CPU:0"
     assert nodes["model/w1"].device == "/device:GPU:0"
+
+
+@pytest.mark.parametrize("optimizer,resource", [("sgd", True), ("adam", True), ("momentum", False)])
+def test_grads_and_vars_are_the_aggregated_gradients(optimizer, resource):
+    """Result.grads_and_vars pairs each variable with the gradient its update reads, which has
+    one device's value on the same batch (it returned the variable's handle)."""
+    model = models.mlp(optimizer, resource=resource)
+    res = replicate.transform(model.graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    feed = model.feeds(7, steps=1)[0]
+    with model.graph.as_default():
+        loss = model.graph.get_tensor_by_name("loss:0")
+        variables = v1.trainable_variables()
+        grads = tf.gradients(loss, variables)
+        init = v1.global_variables_initializer()
+    config = v1.ConfigProto(device_count={"CPU": 4})
+    with v1.Session(graph=model.graph, config=config) as sess:
+        sess.run(init)
+        single = dict(zip([v.op.name for v in variables], sess.run(grads, feed)))
+    pairs = res.grads_and_vars
+    with res.graph.as_default():
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=res.graph, config=config) as sess:
+        sess.run(init)
+        multi = sess.run([g for g, _ in pairs], feed)
+    assert sorted(v.op.name for _, v in pairs) == sorted(single)
+    for (g, v), value in zip(pairs, multi):
+        assert g.dtype.base_dtype == tf.float32 and g.shape.as_list() == v.shape.as_list()
+        np.testing.assert_allclose(value, single[v.op.name], rtol=1e-5, atol=1e-7)

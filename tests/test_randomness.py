@@ -122,15 +122,57 @@ def test_unseeded_draws_are_reported():
     assert any("no seed" in r.what for r in res.report.reasons)
 
 
-def test_dropout_under_a_training_flag_is_never_claimed_exact():
-    """tf.compat.v1.layers.dropout(training=flag) draws inside an If body: reported with the
-    op inside the function (it was claimed exact and trained 0.5 off)."""
+@pytest.mark.parametrize("towers,batch", [(2, 7), (3, 2)])
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_under_a_training_flag_is_exact(towers, batch, training):
+    """tf.compat.v1.layers.dropout(training=flag) draws inside an If branch: every tower's cond
+    calls rewritten branches that draw the global batch's mask and keep the tower's rows (it
+    was claimed exact and trained 0.5 off, then reported inexact)."""
     graph = _mlp("dropout", flag=True)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {"body"}
+    feeds = [dict(f, **{"training:0": training}) for f in _feeds(batch)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_keras_dropout_under_a_training_flag_is_exact():
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(5)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        training = v1.placeholder_with_default(True, [], name="training")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2),
+                            use_resource=True)
+        h = tf.keras.layers.Dropout(0.4, seed=11)(x, training=training)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, w)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
-    cmp = compare(graph, res.graph, "train", _feeds(7))
-    assert res.report.exact == (cmp.max_rel <= RTOL)
-    if not res.report.exact:
-        assert any("RandomUniform" in r.what and "function" in r.what for r in res.report.reasons)
+    cmp = compare(graph, res.graph, "train", _feeds(8), fetch=("loss:0",))
+    assert res.report.exact, res.report.reasons
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_draws_in_loop_bodies_are_reasons():
+    """A draw in a while_v2 body (dropout inside a loop) is not reproduced yet: the report
+    names the op inside the function, and never claims exact."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(5)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=2),
+                            use_resource=True)
+        _, h = tf.while_loop(lambda i, h: i < 2,
+                             lambda i, h: (i + 1, tf.nn.dropout(tf.matmul(h, w), 0.5, seed=3)),
+                             [tf.constant(0), x])
+        loss = tf.reduce_mean(tf.square(h), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    assert not res.report.exact
+    assert any("RandomUniform" in r.what and "function" in r.what for r in res.report.reasons)
 
 
 def _writers(graph: tf.Graph) -> list[str]:
@@ -205,3 +247,23 @@ def test_certificate_never_runs_ops_that_reach_outside():
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2"], train_op="train_printing", check=True)
     assert not res.report.check["ran"]
     assert "PrintV2" in res.report.check["skipped"]
+
+
+def test_while_loop_reading_a_variable_is_exact():
+    """A while_v2 loop passes the captured variable's handle through; the gradient reads its
+    shape from the loop's output (a shared reader of a tower's handle: it was refused)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=2),
+                            use_resource=True)
+        _, h = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, tf.tanh(tf.matmul(h, w))),
+                             [tf.constant(0), x])
+        loss = tf.reduce_mean(tf.square(h), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    cmp = compare(graph, res.graph, "train", [{"x:0": rng.randn(7, 6).astype(np.float32)}
+                                              for _ in range(3)])
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)

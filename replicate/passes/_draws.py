@@ -30,16 +30,23 @@ from replicate.ir import IR
 __all__ = ["Draw", "reproducible"]
 
 
+#: Call ops whose branch bodies' draws the draw pass rewrites.
+BODY_CALLS = frozenset({"If", "StatelessIf"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Draw:
     """A random op the towers reproduce: ``kind`` is ``rows`` (global shape, tower's rows of
-    ``axis``, batch class ``cls``, output rank ``rank``) or ``same`` (original seeds)."""
+    ``axis``, batch class ``cls``, output rank ``rank``), ``same`` (original seeds) or
+    ``body`` (a cond whose branches draw rows: ``inner`` lists a ``rows`` Draw per random op,
+    named ``function/op``)."""
 
     name: str
     kind: str
     axis: int | None = None
     cls: int | None = None
     rank: int | None = None
+    inner: tuple = ()
 
 
 def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], list[Reason]]:
@@ -49,6 +56,13 @@ def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], 
     for name in random_ops:
         node = ir.nodes[name]
         effect = draws(ir, node)[0]
+        if effect.inner:
+            body, why = _in_body(ir, flow, node)
+            if body is not None:
+                found[name] = body
+            else:
+                reasons.append(Reason(name, why[0], why[1]))
+            continue
         why = _obstacle(ir, flow, node, effect)
         if why is None:
             fact = flow.fact(f"{name}:0")
@@ -61,6 +75,37 @@ def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], 
     return found, reasons
 
 
+def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
+    """A ``body`` Draw for a cond whose branches draw batch-shaped rows directly, or why not."""
+    effects = draws(ir, node)
+    first = effects[0]
+    not_yet = (f"random op '{first.path[-1]}' ({first.op}) inside function "
+               f"{' -> '.join(first.path[1:-1])} draws a separate stream in each tower",
+               "results match single-device training in distribution only; draws in loop and "
+               "defun bodies, and in conds nested in them, are not reproduced yet")
+    if node.op not in BODY_CALLS or any(len(e.path) != 3 for e in effects):
+        return None, not_yet
+    inner = []
+    for e in effects:
+        fname, op = e.path[1], e.path[2]
+        if not e.seeded:
+            return None, (f"random op '{op}' ({e.op}) inside function {fname} has no seed: one "
+                          "device does not reproduce its own draws either",
+                          "set a graph seed (tf.compat.v1.set_random_seed) or an op seed")
+        body = flow.ctx.functions.get(("inner", fname))
+        if body is None or op not in body.ir.nodes:
+            return None, not_yet
+        why = _obstacle(body.ir, body, body.ir.nodes[op], dataclasses.replace(e, path=(op,)))
+        fact = body.fact(f"{op}:0")
+        if why is not None or fact is None or fact.kind != PART:
+            return None, why or not_yet
+        inner.append(Draw(f"{fname}/{op}", "rows", fact.axis, fact.cls,
+                          len(body.ir.static_shape(f"{op}:0"))))
+    if len({d.cls for d in inner}) > 1:
+        return None, not_yet
+    return Draw(node.name, "body", cls=inner[0].cls, inner=tuple(inner)), None
+
+
 def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
     """Why the draw of ``node`` cannot be reproduced (what, fix), or None."""
     if effect.inner:
@@ -68,7 +113,7 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
                 f"{' -> '.join(effect.path[1:-1])} draws a separate stream in each tower",
                 "results match single-device training in distribution only; draws inside "
                 "function bodies (tf.cond, while_v2, defuns) are not reproduced yet")
-    if flow.depths.get(node.name, 0):
+    if getattr(flow, "depths", {}).get(node.name, 0):
         return (f"random op ({node.op}) inside a TF1 while loop draws a separate stream in each "
                 "tower", "results match single-device training in distribution only")
     if not effect.seeded:

@@ -97,6 +97,10 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                     return
             if not required:
                 return
+            fact = flow.fact(t)
+            if red.kind == "none" and fact is not None and fact.kind == "shared":
+                merged[t] = Frontier(t, "first", False)     # one resource, passed through a
+                return                                      # loop: every tower's is the same
             if red.kind == "none":
                 raise AnalysisError(f"'{t}' is a handle computed per tower and read by a shared op; "
                                     "it cannot be merged")

@@ -17,6 +17,11 @@ pass kept their seeds). Offsets are computed once per batch class on the control
 
 Cost: every tower draws ``B`` rows instead of ``n_k`` (N times the random numbers of one
 device, spread over N devices) and holds one ``B``-row buffer until the slice.
+
+``body`` draws (a dropout mask inside a ``tf.cond`` branch under a training flag) are
+rewritten inside the branches (:mod:`replicate.passes._body_draws`): each tower's copy of the
+cond calls branches that take the global batch size and the tower's first row as two more
+arguments.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import numpy as np
 from tensorflow.python.framework import dtypes
 
 from replicate.ir import IR, Node
+from replicate.passes._body_draws import rewire_call, rewrite_branches
 from replicate.pipeline import PassResult
 
 __all__ = ["Draw", "SCOPE"]
@@ -45,7 +51,7 @@ class Draw:
         analysis = ir.facts["analysis"]
         towers = ir.facts["towers"]
         copies = ir.facts["copies"]
-        rows = [d for d in analysis.draws.values() if d.kind == "rows"]
+        rows = [d for d in analysis.draws.values() if d.kind in ("rows", "body")]
         offsets: dict[int, list[str]] = {}
         done = []
         for draw in rows:
@@ -55,8 +61,12 @@ class Draw:
                 copy = copies[k].get(draw.name)
                 if copy is None:
                     continue
-                self._rows(ir, copy, draw, towers.class_batch[draw.cls],
-                           towers.class_counts[draw.cls][k], offsets[draw.cls][k])
+                if draw.kind == "body":
+                    branches = rewrite_branches(ir, draw.name, draw)
+                    rewire_call(ir, copy, branches, towers.class_batch[draw.cls], offsets[draw.cls][k])
+                else:
+                    self._rows(ir, copy, draw, towers.class_batch[draw.cls],
+                               towers.class_counts[draw.cls][k], offsets[draw.cls][k])
                 done.append(copy)
         ir.facts["draws"] = done
         log.info("draw: %d random ops reproduce the single-device draw (%d tower copies)",

@@ -394,7 +394,8 @@ def run_program(name: str, mode: str = "quick", variants: list[str] | None = Non
             runs = [r for r in plan(module, mode, variant, primary=(variant == primary)) if r[0] in paths]
             for batch in sorted({b for _, _, b in runs}, key=module.BATCHES.index):
                 common = {"program": name, "variant": variant, "family": module.FAMILY,
-                          "batch": batch, "options": spec.get("options", {})}
+                          "batch": batch, "options": spec.get("options", {}),
+                          "rtol": spec.get("expect", {}).get("rtol")}
                 key = json.dumps([batch, spec.get("build", {}), spec.get("data", {}),
                                   spec.get("drive", {})], sort_keys=True)
                 if key not in baselines:

@@ -23,17 +23,26 @@ BATCHES = [6, 7]
 
 VOCAB, TAGS, EMBED, HIDDEN, LR, LR_DECAY = 20, 4, 8, 8, 0.01, 0.9
 
+#: Adam divides each gradient by its running RMS: the LSTM's near-zero bias gradients turn
+#: float32 rounding (1.3e-6 with SGD on the same batches) into 1e-5 to 3e-5 after the driver's
+#: steps. The SGD variant is judged at the default 1e-5.
+ADAM_ROUNDING = 5e-5
+
 VARIANTS = {
-    "boolean_mask": {"expect": {"exact": True, "why": "a mean over the unmasked tokens: each "
+    "boolean_mask": {"expect": {"exact": True, "rtol": ADAM_ROUNDING,
+                                "why": "a mean over the unmasked tokens: each "
                                 "tower weighs by its token count; `batch_size` must be the "
                                 "tower's count"}},
     "losses_weights": {"build": {"loss": "v1_losses"},
-                       "expect": {"exact": True, "why": "SUM_BY_NONZERO_WEIGHTS with "
+                       "expect": {"exact": True, "rtol": ADAM_ROUNDING, "why": "SUM_BY_NONZERO_WEIGHTS with "
                                   "sequence-mask weights"}},
+    "sgd": {"build": {"optimizer": "sgd"},
+            "expect": {"exact": True, "why": "the boolean-mask mean with plain SGD: a weighting "
+                       "error shows in every parameter"}},
 }
 
 
-def build(batch_size, loss="boolean_mask"):
+def build(batch_size, loss="boolean_mask", optimizer="adam"):
     word_ids = v1.placeholder(tf.int32, shape=[None, None], name="word_ids")
     sequence_lengths = v1.placeholder(tf.int32, shape=[None], name="sequence_lengths")
     labels = v1.placeholder(tf.int32, shape=[None, None], name="labels")
@@ -71,7 +80,9 @@ def build(batch_size, loss="boolean_mask"):
         loss_t = tf.identity(loss_t, name="loss")
     v1.summary.scalar("loss", loss_t)
     with v1.variable_scope("train_step"):
-        train_op = v1.train.AdamOptimizer(lr).minimize(loss_t)
+        opt = v1.train.AdamOptimizer(lr) if optimizer == "adam" else \
+            v1.train.GradientDescentOptimizer(lr * 50)
+        train_op = opt.minimize(loss_t)
     merged = v1.summary.merge_all()
     init = v1.global_variables_initializer()
     saver = v1.train.Saver()

@@ -209,6 +209,9 @@ def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact])
         num, den = ins[0], ins[1]
         if num.merge in ("sum", "count", "size") and den.merge in ("sum", "count", "size"):
             return red(den.cls, "ratio", num.src, ("value", _ref(refs[1])), taint)
+        shifted = _shifted(ctx, refs[1])
+        if num.merge in ("sum", "count", "size") and shifted is not None:
+            return red(den.cls, "ratio", num.src, ("shifted", _ref(refs[1])) + shifted, taint)
         return other("a ratio of values that are not batch sums")
     if node.op in ("Maximum", "Minimum"):
         want = "max" if node.op == "Maximum" else "min"
@@ -217,6 +220,29 @@ def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact])
         if all(f.merge == "size" for f in rs):
             return first.with_(taint=taint)
     return other(f"{node.op} of a batch-reduced value")
+
+
+#: Denominators ``op(S, c)`` of a batch sum ``S`` and a scalar ``c`` the same in every tower
+#: whose global value is ``op(sum of the towers' S, c)``: ``sum(w * ce) / (sum(w) + 1e-7)``,
+#: ``/ tf.maximum(sum(w), 1.0)``.
+_SHIFTS = frozenset({"Add", "AddV2", "Maximum"})
+
+
+def _shifted(ctx: Context, ref: str) -> tuple[str, str, str] | None:
+    """(op, S, c) when ``ref`` is a batch sum shifted by a shared scalar, else None."""
+    node = ctx.ir.nodes[ref.split(":")[0]]
+    if node.op not in _SHIFTS or len(node.inputs) != 2:
+        return None
+    facts = [ctx.fact(r) for r in node.inputs]
+    if any(f is None for f in facts):
+        return None
+    for i in (0, 1):
+        s, c = facts[i], facts[1 - i]
+        shape = ctx.shape(node.inputs[1 - i])
+        if s.kind == RED and s.merge in ("sum", "count", "size") and c.kind == SHARED and \
+                shape is not None and len(shape) == 0:
+            return node.op, _ref(node.inputs[i]), _ref(node.inputs[1 - i])
+    return None
 
 
 def _ref(ref: str) -> str:

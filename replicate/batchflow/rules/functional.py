@@ -91,6 +91,7 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     region = [n for n in body.nodes if n not in arg_nodes]
     inner = solve(body, region, {}, set(), ctx.classes, seeds=seeds,
                   all_gradient=ctx.in_gradient(node), functions=ctx.functions)
+    ctx.functions[("inner", name)] = inner      # the body's facts, for the draw pass
     index = {tensor_name(*parse_tensor(a)): i for i, a in enumerate(args)}
     for d in inner.demands.values():
         fact = inner.fact(d.tensor)

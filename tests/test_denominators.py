@@ -1,0 +1,72 @@
+"""Token-weighted losses: a batch sum divided by a shifted batch sum.
+
+Transformers and sequence taggers normalize by ``sum(nonpad) + 1e-7`` or
+``tf.maximum(sum(nonpad), 1)``. The global denominator is the shift applied once to the
+summed counts, so tower ``k`` weighs ``(S_k + c) / (S + c)``; applying the shift per tower
+would be off by ``(N - 1) c``. Shifts here are large so that error would show.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.equivalence import compare
+
+v1 = tf.compat.v1
+
+
+def _tagger(shift: str) -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
+        y = v1.placeholder(tf.int64, [None, 5], name="y")
+        lengths = v1.placeholder(tf.int32, [None], name="lengths")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=2),
+                            use_resource=True)
+        logits = tf.tensordot(x, w, axes=1)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        nonpad = tf.sequence_mask(lengths, 5, dtype=tf.float32)
+        total = tf.reduce_sum(nonpad)
+        if shift == "add":
+            den = total + 3.0
+        elif shift == "add_first":
+            den = tf.add(2.5, total)
+        elif shift == "maximum":
+            den = tf.maximum(total, 6.0)
+        else:
+            den = total + v1.placeholder_with_default(4.0, [], name="smoothing")
+        loss = tf.identity(tf.reduce_sum(ce * nonpad) / den, name="loss")
+        v1.train.GradientDescentOptimizer(1.0).minimize(loss, name="train")
+    return graph
+
+
+def _feeds(batch: int, steps: int = 3):
+    rng = np.random.RandomState(1)
+    return [{"x:0": rng.randn(batch, 5, 4).astype(np.float32), "y:0": rng.randint(0, 3, (batch, 5)),
+             "lengths:0": rng.randint(0, 6, batch)} for _ in range(steps)]
+
+
+@pytest.mark.parametrize("shift", ["add", "add_first", "maximum", "fed"])
+@pytest.mark.parametrize("towers,batch", [(2, 5), (3, 7), (3, 2)])
+def test_shifted_denominator_is_exact(shift, towers, batch):
+    graph = _tagger(shift)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
+
+
+def test_a_shift_by_a_batch_value_is_not_claimed():
+    """``sum(w) + sum(w)`` squared, or a shift that itself depends on the batch, stays a reason."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = v1.get_variable("w", [4], use_resource=True)
+        e = tf.reduce_sum(tf.square(x * w), axis=1)
+        den = tf.reduce_sum(tf.abs(x)) + tf.reduce_max(x)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(e) / den, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    assert not res.report.exact
