@@ -132,6 +132,8 @@ class Analysis:
     dead: set[str] = dataclasses.field(default_factory=set)
     reasons: list[Reason] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    #: Tensors a driver may fetch by their original names that hold tower 0's value only.
+    tower0_values: list[str] = dataclasses.field(default_factory=list)
     train_ops: list[str] = dataclasses.field(default_factory=list)
     classes: dict[int, int | None] = dataclasses.field(default_factory=dict)
     demoted: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -60,6 +60,7 @@ class Report:
     accumulate: dict[str, Any] = dataclasses.field(default_factory=dict)
     random: dict[str, Any] = dataclasses.field(default_factory=dict)
     check: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tower0_values: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""
@@ -70,6 +71,9 @@ class Report:
     def __str__(self) -> str:
         lines = [f"replicate: {len(self.devices)} towers on {', '.join(self.devices)}; "
                  f"shared state on {self.controller}"]
+        if self.tower0_values:
+            lines.append(f"  NOT MERGED    fetching {', '.join(self.tower0_values)} by the original "
+                         "name gives tower 0's value, not the global batch's")
         lines.append(f"  train op      {self.train_op}" + (
             f"  (and {', '.join(self.train_ops[1:])}: every train op is replicated)"
             if len(self.train_ops) > 1 else ""))

@@ -242,3 +242,28 @@ def test_grads_and_vars_are_the_aggregated_gradients(optimizer, resource):
     for (g, v), value in zip(pairs, multi):
         assert g.dtype.base_dtype == tf.float32 and g.shape.as_list() == v.shape.as_list()
         np.testing.assert_allclose(value, single[v.op.name], rtol=1e-5, atol=1e-7)
+
+
+def test_values_a_driver_sees_from_tower_zero_are_all_named_first():
+    """Every fetchable tensor that holds tower 0's value is named, in the report's first lines
+    and in one untruncated warning (four here: the warning showed three and '... 1 more')."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3], use_resource=True)
+        rows = tf.reduce_sum(x * w, axis=1)
+        scale = 1.0
+        for k in range(4):          # Python functions the loss needs in every tower
+            value = tf.py_function(lambda r, k=k: np.float32(np.prod(r.numpy() + k)), [rows],
+                                   tf.float32)
+            value = tf.identity(tf.reshape(value, []), name=f"prod{k}")
+            v1.summary.scalar(f"s{k}", value)
+            scale = scale * tf.stop_gradient(value)
+        loss = tf.reduce_mean(tf.square(rows) * scale, name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    names = [f"prod{k}:0" for k in range(4)]
+    assert res.report.tower0_values == names + ["loss:0"]      # the loss mixes them too
+    lines = str(res.report).splitlines()
+    assert lines[1].startswith("  NOT MERGED") and all(n in lines[1] for n in names)
+    assert any(all(n in w for n in names) for w in res.report.warnings)

@@ -34,13 +34,14 @@ def size_like(ir: IR, name: str) -> bool:
 
 
 def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[str], region: set[str],
-                warnings: list[str]) -> list[Reason]:
+                warnings: list[str], fetch_only: list[str]) -> list[Reason]:
     """Tensors read by shared ops that towers cannot merge: a reason when training uses them,
-    otherwise one warning (only the fetched value is tower 0's)."""
+    otherwise (only the fetched value is tower 0's) added to ``fetch_only`` and one warning
+    naming every one of them: it changes what a driver sees."""
     if not tensors:
         return []
     training = ir.ancestors(train_ops, graph)
-    reasons, fetch_only = [], []
+    reasons = []
     for t in tensors:
         readers = [c.name for c, _ in ir.data_consumers(t) if c.name not in region]
         if any(r in training for r in readers):
@@ -50,9 +51,9 @@ def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[s
         else:
             fetch_only.append(t)
     if fetch_only:
-        more = f" and {len(fetch_only) - 3} more" if len(fetch_only) > 3 else ""
-        warnings.append("fetching " + ", ".join(f"'{t}'" for t in fetch_only[:3]) + more +
-                        " gives tower 0's value (not mergeable across towers)")
+        warnings.append("fetching " + ", ".join(f"'{t}'" for t in fetch_only) +
+                        " gives tower 0's value, not the global batch's (not mergeable across "
+                        "towers)")
     return reasons
 
 

@@ -130,7 +130,9 @@ class Analyze:
         frontier, outputs, unmergeable, doubtful = classify(ir, region, dependent, in_grad, grad_scopes,
                                                             apply_ops, flow, losses, self.outputs,
                                                             self.merge_forward, dead)
-        reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings)
+        tower0_values: list[str] = []
+        reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings,
+                                          tower0_values)
         reasons += [Reason(node_of(t), f"gradient rows '{t}' join rows shared by every tower with "
                            "the batch's in an order replicate does not follow; they are "
                            "concatenated, which a sum over rows adds up but row-wise processing "
@@ -172,6 +174,7 @@ class Analyze:
             dead=dead,
             reasons=reasons + list(flow.plan.reasons),
             warnings=warnings,
+            tower0_values=tower0_values,
             train_ops=train_ops,
             classes={classes.find(b.cls): classes.static(b.cls) for b in batch_inputs},
             demoted=dict(flow.demoted),
