@@ -156,19 +156,68 @@ def test_keras_dropout_under_a_training_flag_is_exact():
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def test_draws_in_loop_bodies_are_reasons():
-    """A draw in a while_v2 body (dropout inside a loop) is not reproduced yet: the report
-    names the op inside the function, and never claims exact."""
+def _rnn(parallel: int, where: str = "output") -> tf.Graph:
+    """An LSTM in dynamic_rnn (a while_v2 loop) whose cell drops out its input or output."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 5, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        keep = {f"{where}_keep_prob": 0.6}
+        cell = v1.nn.rnn_cell.DropoutWrapper(v1.nn.rnn_cell.LSTMCell(
+            6, initializer=v1.glorot_uniform_initializer(seed=2)), seed=3, **keep)
+        out, _ = v1.nn.dynamic_rnn(cell, x, dtype=tf.float32, parallel_iterations=parallel)
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=4),
+                            use_resource=True)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(out[:, -1], w)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def _sequences(batch: int, steps: int = 3):
+    rng = np.random.RandomState(0)
+    return [{"x:0": rng.randn(batch, 5, 6).astype(np.float32), "y:0": rng.randint(0, 3, batch)}
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("where", ["input", "output"])
+@pytest.mark.parametrize("towers,batch", [(2, 7), (3, 2)])
+def test_dropout_in_a_loop_body_is_exact(where, towers, batch):
+    """DropoutWrapper in dynamic_rnn draws inside a while_v2 body, once per time step: every
+    tower's loop draws the global mask at each step and keeps its rows."""
+    graph = _rnn(1, where)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {"body"}
+    cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_draws_in_parallel_loop_iterations_are_reasons():
+    """With parallel_iterations > 1 the draw order is up to the scheduler: a reason naming the
+    loop and the fix, never a claim of exact."""
+    res = replicate.transform(_rnn(32), ["/cpu:1", "/cpu:2"])
+    assert not res.report.exact
+    assert any("parallel_iterations=1" in r.fix and "RandomUniform" in r.what
+               for r in res.report.reasons), res.report.reasons
+
+
+def test_draws_in_defun_bodies_are_reasons():
+    """A draw in a function called by a defun (not a cond or loop body) is not reproduced yet:
+    the report names the op inside the function."""
     graph = tf.Graph()
     with graph.as_default():
         v1.set_random_seed(5)
         x = v1.placeholder(tf.float32, [None, 6], name="x")
         w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=2),
                             use_resource=True)
-        _, h = tf.while_loop(lambda i, h: i < 2,
-                             lambda i, h: (i + 1, tf.nn.dropout(tf.matmul(h, w), 0.5, seed=3)),
-                             [tf.constant(0), x])
-        loss = tf.reduce_mean(tf.square(h), name="loss")
+
+        @tf.function
+        def noisy(h):
+            return tf.nn.dropout(h, 0.5, seed=3)
+
+        loss = tf.reduce_mean(tf.square(noisy(tf.matmul(x, w))), name="loss")
         v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
     assert not res.report.exact

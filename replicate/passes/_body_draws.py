@@ -1,4 +1,5 @@
-"""Helper of the draw pass: the branches of a cond, rewritten to draw the global batch's rows.
+"""Helper of the draw pass: the functions of a cond or loop, rewritten to draw the global
+batch's rows.
 
 A dropout under a training flag (``tf.compat.v1.layers.dropout(training=flag)``, Keras
 ``Dropout``) draws its mask inside an ``If`` branch. Every tower calls the same branch
@@ -9,6 +10,12 @@ shape with the batch dimension set to the global size, with its original seeds, 
 ``Slice`` under the op's own name keeps the tower's rows, so every reference to the op's
 output inside the function (returns included) reads the tower's rows. The other branch only
 gains the two (unused) arguments: both branches of an ``If`` take the same arguments.
+
+A dropout inside a loop body (``DropoutWrapper`` cells in ``dynamic_rnn``) is rewritten the
+same way; the two values become two more loop variables that the body passes on unchanged and
+the condition ignores. Each tower's loop runs its own kernel of every random op, with the
+original seeds, so iteration ``t`` of every tower draws what iteration ``t`` draws on one
+device (when iterations run one at a time: the draw pass requires ``parallel_iterations=1``).
 
 Requires: the ``body`` Draw of :mod:`replicate.passes._draws` (which random ops of which
 branch draw rows of which axis).
@@ -25,7 +32,14 @@ from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.ir import IR, make_attr
 
-__all__ = ["rewrite_branches", "rewire_call", "SUFFIX"]
+__all__ = ["rewrite_branches", "rewire_call", "SUFFIX", "FUNCTION_ATTRS"]
+
+#: The function attributes of the calls whose bodies the draw pass rewrites, and whether the
+#: body's results are the loop variables (which must then pass the two values on).
+FUNCTION_ATTRS = {"If": (("then_branch", False), ("else_branch", False)),
+                  "StatelessIf": (("then_branch", False), ("else_branch", False)),
+                  "While": (("cond", False), ("body", True)),
+                  "StatelessWhile": (("cond", False), ("body", True))}
 
 SUFFIX = "_replicate_rows"
 
@@ -34,18 +48,19 @@ BATCH_ARG, OFFSET_ARG = "replicate_global_batch", "replicate_first_row"
 
 
 def rewrite_branches(ir: IR, call: str, draw) -> tuple[str, str]:
-    """The names of the rewritten then/else functions of cond ``call`` (made once)."""
+    """The names of the rewritten functions of cond or loop ``call`` (made once), in the
+    order of :data:`FUNCTION_ATTRS`."""
     node = ir.nodes[call]
     names = []
     by_function: dict[str, list] = {}
     for d in draw.inner:
         fname, op = d.name.split("/", 1)
         by_function.setdefault(fname, []).append((op, d))
-    for key in ("then_branch", "else_branch"):
+    for key, passes_on in FUNCTION_ATTRS[node.op]:
         fname = node.attr(key)
         new = fname + SUFFIX
         if ir.function(new) is None:
-            ir.add_function(_rewrite(ir.function(fname), new, by_function.get(fname, [])))
+            ir.add_function(_rewrite(ir.function(fname), new, by_function.get(fname, []), passes_on))
         names.append(new)
     return names[0], names[1]
 
@@ -54,12 +69,20 @@ def rewire_call(ir: IR, copy: str, branches: tuple[str, str], batch: str, offset
     """Point tower copy ``copy`` of the cond at the rewritten branches, passing the global
     batch size and the tower's first row."""
     node = ir.nodes[copy]
-    tin = list(node.attr("Tin", [])) + [dtypes.int32.as_datatype_enum] * 2
+    loop = node.op in ("While", "StatelessWhile")
+    types = "T" if loop else "Tin"
+    tin = list(node.attr(types, [])) + [dtypes.int32.as_datatype_enum] * 2
     inputs = list(node.inputs) + [batch, offset]
     ir.remove_many([copy])
     attrs = dict(node.attrs)
-    attrs["Tin"] = make_attr(tin, "list(type)")
-    for key, name in zip(("then_branch", "else_branch"), branches):
+    attrs[types] = make_attr(tin, "list(type)")
+    if loop and "output_shapes" in attrs:
+        shapes = attr_value_pb2.AttrValue()
+        shapes.CopyFrom(attrs["output_shapes"])
+        shapes.list.shape.add()
+        shapes.list.shape.add()             # two scalars
+        attrs["output_shapes"] = shapes
+    for (key, _), name in zip(FUNCTION_ATTRS[node.op], branches):
         value = attr_value_pb2.AttrValue()
         value.CopyFrom(node.attrs[key])
         value.func.name = name
@@ -69,7 +92,7 @@ def rewire_call(ir: IR, copy: str, branches: tuple[str, str], batch: str, offset
     ir.add_node(Node(copy, node.op, inputs, list(node.control), node.device, attrs))
 
 
-def _rewrite(fdef, name: str, draws: list) -> function_pb2.FunctionDef:
+def _rewrite(fdef, name: str, draws: list, passes_on: bool) -> function_pb2.FunctionDef:
     out = function_pb2.FunctionDef()
     out.CopyFrom(fdef)
     out.signature.name = name
@@ -77,6 +100,11 @@ def _rewrite(fdef, name: str, draws: list) -> function_pb2.FunctionDef:
         new = out.signature.input_arg.add()
         new.name = arg
         new.type = dtypes.int32.as_datatype_enum
+        if passes_on:                       # a loop body returns its loop variables
+            result = out.signature.output_arg.add()
+            result.name = f"{arg}_next"
+            result.type = dtypes.int32.as_datatype_enum
+            out.ret[result.name] = arg
     for op, d in draws:
         _rows(out, op, d)
     return out

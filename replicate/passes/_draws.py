@@ -30,8 +30,8 @@ from replicate.ir import IR
 __all__ = ["Draw", "reproducible"]
 
 
-#: Call ops whose branch bodies' draws the draw pass rewrites.
-BODY_CALLS = frozenset({"If", "StatelessIf"})
+#: Call ops whose functions' draws the draw pass rewrites (conds and loops).
+BODY_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,13 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
                "defun bodies, and in conds nested in them, are not reproduced yet")
     if node.op not in BODY_CALLS or any(len(e.path) != 3 for e in effects):
         return None, not_yet
+    parallel = node.attr("parallel_iterations", 1) if node.op.endswith("While") else 1
+    if parallel != 1:
+        return None, (f"random op '{first.path[-1]}' ({first.op}) inside loop '{node.name}' runs "
+                      f"up to {parallel} iterations at once: which iteration gets which draw can "
+                      "depend on scheduling, so one device need not reproduce its own draws",
+                      "build the loop with parallel_iterations=1 (dynamic_rnn(..., "
+                      "parallel_iterations=1)): its draws are then reproduced exactly")
     inner = []
     for e in effects:
         fname, op = e.path[1], e.path[2]

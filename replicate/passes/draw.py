@@ -62,7 +62,7 @@ class Draw:
                 if copy is None:
                     continue
                 if draw.kind == "body":
-                    branches = rewrite_branches(ir, draw.name, draw)
+                    branches = rewrite_branches(ir, draw.name, draw)   # conds and loops
                     rewire_call(ir, copy, branches, towers.class_batch[draw.cls], offsets[draw.cls][k])
                 else:
                     self._rows(ir, copy, draw, towers.class_batch[draw.cls],
