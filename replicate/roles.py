@@ -33,12 +33,31 @@ def gradient_scopes(ir: IR) -> list[str]:
     A scope counts when some node below it lives in an ``<op>_grad`` sub-scope.
     """
     found: dict[str, None] = {}
+    seeded = {name.rsplit("/", 1)[0] for name in ir.nodes if _SEED_NAME.match(name)}
     for name in ir.nodes:
         match = _SCOPE.match(name)
         if match and "_grad/" in name[len(match.group(1)):]:
             found.setdefault(match.group(1), None)
+            continue
+        # tf.gradients(..., name="grads_custom"): a scope of any name holding the seed
+        # (grad_ys_<i>) and <op>_grad code
+        head, sep, rest = name.partition("_grad/")
+        if sep and "/" in head:
+            for prefix in _prefixes(head):
+                if prefix in seeded:
+                    found.setdefault(prefix, None)
+                    break
     # Gradient code of control flow nests scopes (gradients/while_grad/gradients): keep outer ones.
     return [p for p in found if not any(p.startswith(q + "/") for q in found if q != p)]
+
+
+_SEED_NAME = re.compile(r"^.+/grad_ys_\d+$")
+
+
+def _prefixes(path: str) -> list[str]:
+    """``a/b/c`` -> ``a/b``, ``a`` (the name scopes enclosing ``path``), innermost first."""
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
 
 
 def forward_op_of(ir: IR, prefix: str, name: str) -> str | None:

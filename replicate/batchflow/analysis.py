@@ -185,7 +185,7 @@ def _conflict_victim(classes: Classes, inputs: dict[str, tuple[int, int]]) -> di
         keep, drop = classes.find(keep), classes.find(drop)
         if keep == drop:
             continue
-        if len(members.get(drop, [])) > len(members.get(keep, [])):
+        if why != "lookup" and len(members.get(drop, [])) > len(members.get(keep, [])):
             keep, drop = drop, keep
         victims = members.get(drop)
         if not victims:
@@ -194,7 +194,8 @@ def _conflict_victim(classes: Classes, inputs: dict[str, tuple[int, int]]) -> di
         what = {"two batch axes": f"its leading dimension meets a non-batch dimension of the "
                                   f"computation of '{other}' at '{where}'",
                 "broadcast": f"it is broadcast against '{other}' at '{where}'",
-                "matrix product": f"it is multiplied with '{other}' at '{where}' along another axis"
+                "matrix product": f"it is multiplied with '{other}' at '{where}' along another axis",
+                "lookup": f"it is a table looked up by the values of '{other}' at '{where}'"
                 }.get(why, f"{why} at '{where}' disagree with '{other}'")
         return {t: what for t in victims}
     return None

@@ -45,6 +45,10 @@ __all__ = ["Rebatch", "RELAXED_SHAPE_ATTRS"]
 RELAXED_SHAPE_ATTRS = {"TensorArrayV3": "element_shape", "TensorArrayGatherV3": "element_shape",
                        "TensorArrayConcatV3": "element_shape_except0"}
 
+#: Calls whose ``output_shapes`` list only states what shape inference may assume (a static
+#: batch in it would contradict a tower's rows): relaxed in the towers.
+RELAXED_CALL_SHAPES = frozenset({"If", "StatelessIf", "While", "StatelessWhile"})
+
 log = logging.getLogger(__name__)
 
 SCOPE = "replicate/rebatch"
@@ -94,6 +98,9 @@ class Rebatch:
             self._slice_pad(name, forward)
             done.append(name)
         done += self._relax_element_shapes({name for name, _ in plan.attrs})
+        relaxed = self._relax_call_shapes({v for v in analysis.classes.values() if v})
+        if relaxed:
+            log.info("rebatch: %d conds and loops no longer state the static batch", len(relaxed))
         ir.facts["rebatched"] = list(dict.fromkeys(done))
         log.info("rebatch: %d constants, tensors and attributes made per-tower", len(done))
         return PassResult(ir, bool(done))
@@ -253,6 +260,30 @@ class Rebatch:
                 for d in out.shape.dim:
                     d.size = -1
                 self.ir.set_attr(copy, attr, out)
+                relaxed.append(copy)
+        return relaxed
+
+    def _relax_call_shapes(self, static: set[int]) -> list[str]:
+        """A tower's copy of a cond or loop keeps the ranks of its ``output_shapes`` but not
+        the dimensions that equal a static batch size (``tf.cond`` over a static batch of 8
+        states ``[8]``, which a tower of 3 contradicts when the graph is imported). It changes
+        no value."""
+        relaxed = []
+        if not static:
+            return relaxed
+        for name in sorted(n.name for n in self.ir if n.op in RELAXED_CALL_SHAPES):
+            for copies in self.copies:
+                copy = copies.get(name)
+                if copy is None or "output_shapes" not in self.ir.nodes[copy].attrs:
+                    continue
+                out = attr_value_pb2.AttrValue()
+                out.CopyFrom(self.ir.nodes[copy].attrs["output_shapes"])
+                known = [d for shape in out.list.shape for d in shape.dim if d.size in static]
+                if not known:
+                    continue
+                for d in known:
+                    d.size = -1
+                self.ir.set_attr(copy, "output_shapes", out)
                 relaxed.append(copy)
         return relaxed
 

@@ -66,6 +66,10 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         if p.axis == axis:
             if _local(i, p, ctx):
                 return [part(axis + i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
+            if i.kind == PART and not ctx.classes.same(p.cls, i.cls):
+                # one hypothetical batch looked up by another's values: evidence that the
+                # table (a [3] class-weights placeholder fed with a batch of 3) is no batch
+                ctx.classes.conflicts.append((i.cls, p.cls, node.name, "lookup"))
             return [mixed(node.name, f"{node.op} picks examples of the batch by position", taint)]
         if i.kind == PART or i_rank is None:
             return [mixed(node.name, f"{node.op} of two batch axes", taint)]

@@ -34,23 +34,34 @@ def _other(ctx: Context, node: Node, ins: list[Fact], n: int = 1) -> list[Fact] 
     return [shared(taint=taint_of(ins))] * n
 
 
-def _sized_by(ctx: Context, ref: str, ins: list[Fact]) -> Fact | None:
+def _sized_by(ctx: Context, node: Node, ref: str, ins: list[Fact]) -> Fact | None:
     """A shared value broadcast, tiled or reshaped to a shape that holds the tower's example
-    count (``Sym``) becomes partitioned there, one uniform slice per example."""
-    if ins[0].kind != SHARED or any(f.kind == MIXED for f in ins):
+    count (``Sym``) becomes partitioned there, one uniform slice per example.
+
+    So does a batch-reduced value: in gradient code (the gradient of a loss normalized by a
+    batch count, ``Tile``d over the examples) each tower's copy holds its own count, which the
+    loss's weighting accounts for; in forward code every example then depends on the others
+    (a coupling through the reduction's op, as ``x - mean(x)``)."""
+    first = ins[0]
+    if first.kind not in (SHARED, RED) or any(f.kind == MIXED for f in ins):
         return None
+    taint = taint_of(ins)
+    if first.kind == RED and not ctx.in_gradient(node):
+        if not first.src:
+            return None
+        taint = taint | {first.src}
     value = ctx.int_value(ref)
     syms = [(j, v) for j, v in enumerate(value or ()) if isinstance(v, Sym)]
     if not syms:
         return None
     j, v = syms[0]
-    return part(j, v.cls, v.coef, taint=taint_of(ins))
+    return part(j, v.cls, v.coef, taint=taint)
 
 
 def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        sized = _sized_by(ctx, node.inputs[1], ins)
+        sized = _sized_by(ctx, node, node.inputs[1], ins)
         if sized is not None:
             return [sized]
         out = _other(ctx, node, ins)
@@ -365,7 +376,7 @@ def strided_slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return [_sized_by(ctx, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
+        return [_sized_by(ctx, node, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
     multiples = ctx.int_value(node.inputs[1])
     if multiples is None or f.axis >= len(multiples) or multiples[f.axis] != 1:
         return [mixed(node.name, "Tile repeats the examples of the batch", f.taint)]
@@ -375,7 +386,7 @@ def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def broadcast_to(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return [_sized_by(ctx, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
+        return [_sized_by(ctx, node, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
     out_rank, rank = ctx.rank(f"{node.name}:0"), ctx.rank(node.inputs[0])
     if out_rank is None or rank is None:
         return [mixed(node.name, "BroadcastTo of unknown rank", f.taint)]
