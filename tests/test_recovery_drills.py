@@ -23,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
+import replicate.demo
 from replicate.between_recovery import EXIT_CODE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -155,3 +156,80 @@ def test_a_killed_ps_restarted_on_its_port_recovers_exactly(job):
         assert set(got) == set(expected)
         for name in expected:
             np.testing.assert_array_equal(got[name], expected[name], err_msg=f"worker {t}: {name}")
+
+
+def _exits(procs, names, since, timeout=60.0) -> dict[str, tuple[int, float]]:
+    """Exit code and seconds after ``since`` of each process named."""
+    out = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < len(names) and time.monotonic() < deadline:
+        for name in names:
+            code = procs.procs[name].poll()
+            if name not in out and code is not None:
+                out[name] = (code, time.monotonic() - since)
+        time.sleep(0.02)
+    assert len(out) == len(names), {n: procs.tail(n) for n in names if n not in out}
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_ps_makes_every_worker_exit_75_naming_it(job):
+    """With --on-peer-failure exit, losing the ps ends both workers with status 75 and a line
+    naming ps:0, within one hop's bound of the kill (not a silent wait in close)."""
+    launch, work, spec, template = job
+    procs = launch.Processes(str(work))
+    ckpt = work / "ckpt_exit"
+    try:
+        _ps(procs, spec, "ps-exit")
+        _ready(procs, work, "ps-exit")
+        for t in range(2):
+            _worker(procs, spec, template, t, str(work / f"exit_{t}.npz"), str(ckpt),
+                    "--step-delay", "0.2", "--on-peer-failure", "exit", steps=40, name=f"x{t}")
+        _wait_for(ckpt, lambda: (ckpt / "checkpoint").exists(), procs, ["x0", "x1"])
+        time.sleep(0.5)
+        procs.procs["ps-exit"].send_signal(signal.SIGKILL)
+        procs.procs["ps-exit"].wait()
+        exits = _exits(procs, ["x0", "x1"], time.monotonic())
+        print("exit codes and seconds after the loss:", exits)
+    finally:
+        procs.stop()
+    for name, (code, seconds) in exits.items():
+        tail = procs.tail(name)
+        assert code == EXIT_CODE, tail
+        assert re.search(r"ps:0 \(127\.0\.0\.1:\d+\) stopped answering", tail), tail
+        assert f"exiting with status {EXIT_CODE}" in tail, tail
+        assert seconds < HOP_BOUND + 0.5, exits
+
+
+@pytest.mark.timeout(200)
+def test_a_lost_worker_reaches_the_other_workers_through_the_chief(tmp_path):
+    """3 workers, no ps: only the chief watches worker 2. When worker 2 dies, the chief exits
+    (75, naming worker:2) within one hop's bound; worker 1, which watches only the chief, exits
+    (75, naming worker:0) within two."""
+    launch = _launch()
+    jobs = {"worker": [f"127.0.0.1:{p}" for p in launch.free_ports(3)]}
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps(jobs))
+    res = replicate.transform(replicate.demo.build_cnn((4, 8, 32)).graph, "worker",
+                              between_graph=True, cluster=str(spec))
+    template = tmp_path / "template.meta"
+    template.write_bytes(res.meta_graph_def.SerializeToString())
+    procs = launch.Processes(str(tmp_path))
+    try:
+        for t in range(3):
+            procs.start(f"w{t}", [
+                sys.executable, os.path.join(EXAMPLE, "worker.py"), "--cluster", str(spec),
+                "--task", str(t), "--template", str(template), "--steps", "40", "--batch", "4",
+                "--out", str(tmp_path / f"w{t}.npz"), "--on-peer-failure", "exit",
+                "--step-delay", "0.1", *(["--die-after", "3"] if t == 2 else [])])
+        assert procs.procs["w2"].wait(timeout=120) == 9, procs.tail("w2")
+        exits = _exits(procs, ["w0", "w1"], time.monotonic())
+        print("exit codes and seconds after the loss:", exits)
+    finally:
+        procs.stop()
+    for name, lost, bound in (("w0", 2, HOP_BOUND), ("w1", 0, 2 * HOP_BOUND)):
+        code, seconds = exits[name]
+        tail = procs.tail(name)
+        assert code == EXIT_CODE, tail
+        assert re.search(rf"worker:{lost} \(127\.0\.0\.1:\d+\) stopped answering", tail), tail
+        assert seconds < bound + 0.5, exits
