@@ -135,6 +135,7 @@ def test_a_killed_ps_restarted_on_its_port_recovers_exactly(job):
                     seen[t] = time.monotonic() - killed
             time.sleep(0.02)
         assert len(seen) == 2, procs.tail("w0") + procs.tail("w1")
+        print("seconds from the kill to each worker's report (then re-exec):", seen)
         assert max(seen.values()) < HOP_BOUND, seen
         _wait_for(work, lambda: all("waiting up to 40 s for ps:0" in
                                     (work / f"w{t}.log").read_text(errors="replace")
