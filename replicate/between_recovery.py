@@ -180,7 +180,7 @@ def bound_close(session, seconds: float, on_failure: Callable[[str], None] = rec
 def peer_watch_hook(cluster, task_index: int, on_failure: Callable[[str], None] = recover,
                     interval: float = 0.2, grace: float = 1.0, misses: int = 3,
                     close_timeout: float | None = 30.0, reset_after: int | None = 100,
-                    job: str = "worker"):
+                    create_timeout: float | None = 600.0, job: str = "worker"):
     """A ``SessionRunHook`` that keeps a between-graph worker from waiting silently.
 
     - From the moment the session exists until a run requests stop (the last step), it watches
@@ -189,6 +189,10 @@ def peer_watch_hook(cluster, task_index: int, on_failure: Callable[[str], None] 
       does not answer ``misses`` polls in a row or restarted is reported through ``on_failure``.
       A worker that exits right after the last, collective, step is not a failure: each report
       waits ``grace`` seconds and is dropped if this worker's last step has finished by then.
+    - Creating the session (``begin`` to ``after_create_session``: on a worker other than the
+      chief, ``MonitoredTrainingSession`` waits up to 2 hours for the chief to initialize or
+      restore, logging at INFO level only) takes at most ``create_timeout`` seconds, else
+      ``on_failure`` is called.
     - The session's close waits at most ``close_timeout`` seconds (:func:`bound_close`).
     - After ``reset_after`` steps in a row without a failure, the restart count goes back to 0
       (:func:`reset_restarts`), so ``limit`` counts restarts close together, not over the job's
@@ -200,6 +204,7 @@ def peer_watch_hook(cluster, task_index: int, on_failure: Callable[[str], None] 
         def __init__(self):
             self.finished = False
             self.steps = 0
+            self.created = threading.Event()
             self.watch = PeerWatch(cluster, task_index, self._lost, interval=interval, job=job,
                                    misses=misses)
 
@@ -208,7 +213,19 @@ def peer_watch_hook(cluster, task_index: int, on_failure: Callable[[str], None] 
             if not self.finished:
                 on_failure(message)
 
+        def begin(self) -> None:
+            if create_timeout is not None:
+                threading.Thread(target=self._creation_deadline, daemon=True,
+                                 name="replicate-create-deadline").start()
+
+        def _creation_deadline(self) -> None:
+            if not self.created.wait(create_timeout):
+                on_failure(f"between-graph: {job}:{task_index}: the session was not created "
+                           f"within {create_timeout:g} s (a worker waits for the chief to "
+                           "initialize or restore; is the chief's client running?)")
+
         def after_create_session(self, session, coord) -> None:
+            self.created.set()
             if close_timeout is not None:
                 bound_close(session, close_timeout, on_failure)
             self.watch.arm()

@@ -234,3 +234,33 @@ def test_a_lost_worker_reaches_the_other_workers_through_the_chief(tmp_path):
         assert code == EXIT_CODE, tail
         assert re.search(rf"worker:{lost} \(127\.0\.0\.1:\d+\) stopped answering", tail), tail
         assert seconds < bound + 0.5, exits
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_whose_chief_never_trains_fails_within_the_create_timeout(tmp_path):
+    """The chief's server is up (so wait_for_cluster passes) but its client never starts:
+    MonitoredTrainingSession on worker 1 would wait up to 2 hours for the chief to initialize,
+    logging at INFO level only; the hook's create_timeout ends it with a clear line instead."""
+    launch = _launch()
+    jobs = {"worker": [f"127.0.0.1:{p}" for p in launch.free_ports(2)]}
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps(jobs))
+    res = replicate.transform(replicate.demo.build_cnn((4, 8, 32)).graph, "worker",
+                              between_graph=True, cluster=str(spec))
+    template = tmp_path / "template.meta"
+    template.write_bytes(res.meta_graph_def.SerializeToString())
+    procs = launch.Processes(str(tmp_path))
+    try:
+        procs.start("chief-server", [sys.executable, "-m", "replicate.cluster_server", "--cluster",
+                                     str(spec), "--job", "worker", "--task", "0", "--parent",
+                                     str(os.getpid())])
+        w1 = procs.start("w1", [
+            sys.executable, os.path.join(EXAMPLE, "worker.py"), "--cluster", str(spec), "--task",
+            "1", "--template", str(template), "--steps", "2", "--batch", "4", "--out",
+            str(tmp_path / "w1.npz"), "--on-peer-failure", "exit", "--create-timeout", "3"])
+        code = w1.wait(timeout=120)
+    finally:
+        procs.stop()
+    tail = procs.tail("w1")
+    assert code == EXIT_CODE, tail
+    assert "worker:1: the session was not created within 3 s" in tail, tail

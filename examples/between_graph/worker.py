@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--close-timeout", type=float, default=30.0,
                         help="seconds closing the session may take before this worker restarts "
                              "or exits (closing waits for every task the session uses)")
+    parser.add_argument("--create-timeout", type=float, default=600.0,
+                        help="seconds creating the session may take (a worker other than the "
+                             "chief waits there for the chief to initialize or restore)")
     parser.add_argument("--reset-after", type=int, default=100,
                         help="healthy steps after which the restart count goes back to 0")
     parser.add_argument("--step-delay", type=float, default=0.0,
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{exc}; exiting with status {EXIT_CODE}", file=sys.stderr, flush=True)
         return EXIT_CODE
     watch = peer_watch_hook(cluster, args.task, failed, interval=args.watch_interval,
-                            close_timeout=args.close_timeout, reset_after=args.reset_after)
+                            close_timeout=args.close_timeout, reset_after=args.reset_after,
+                            create_timeout=args.create_timeout)
     graph = tf.Graph()
     with graph.as_default():
         import_meta_graph(args.template, task_index=args.task)
