@@ -10,7 +10,7 @@ broadcast of the chief's values. The task index comes from the argument or from 
 
 Every server of the cluster needs ``experimental.collective_group_leader`` set to the same task
 (:func:`server_config`); :func:`wait_for_cluster` fails with a clear error when a task does not
-answer within a timeout instead of letting the first session wait forever. Losing a worker
+answer within a timeout instead of letting the first session wait forever. Losing a task
 during training: :mod:`replicate.between_recovery` (survivors notice it and restart themselves,
 so only the lost worker needs starting again).
 """

@@ -180,7 +180,10 @@ class PeerWatch:
         return out
 
     def arm(self) -> None:
-        """Record the watched tasks' incarnations now and start watching them."""
+        """Record the watched tasks' incarnations now and start watching them. Once armed,
+        arming again (a session created anew in the same process) keeps the first baseline."""
+        if self._thread is not None:
+            return
         for key, seen in self.ask_all().items():
             if seen is None:
                 self._report(self.describe(key, "stopped answering before training began"))
