@@ -3,7 +3,8 @@
     python worker.py --cluster cluster.json --task 1 --template model_between.meta \
         --steps 5 --batch 16 --out final_1.npz [--checkpoint-dir DIR --save-steps 2]
 
-The worker starts this task's ``tf.distribute.Server`` (collective group leader: worker 0, as
+The worker starts this task's ``tf.distribute.Server`` (``replicate.task_server.start_server``:
+on 127.0.0.1 only for loopback addresses; collective group leader: worker 0, as
 ``replicate.between.server_config`` says), waits for every task of the cluster (a clear error
 after ``--wait`` seconds instead of a hang), imports the template pinned to its task
 (``replicate.between.import_meta_graph``) and trains with ``MonitoredTrainingSession``: the
@@ -42,6 +43,7 @@ from replicate.between_recovery import EXIT_CODE, error_reason, peer_watch_hook,
 from replicate.cluster import load  # noqa: E402
 from replicate.errors import ReplicateError  # noqa: E402
 from replicate.step_feeder import StepFeeder  # noqa: E402
+from replicate.task_server import start_server  # noqa: E402
 
 v1 = tf.compat.v1
 
@@ -131,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in args.batch.split(",")]
     size = sizes[args.task % len(sizes)]
     config = server_config(cluster, threads=args.threads)
-    server = tf.distribute.Server(cluster.cluster_spec(), job_name="worker", task_index=args.task,
-                                  config=config, start=True)
+    # Kept on 127.0.0.1 when the cluster says so (re-executes once to preload the bind shim).
+    server = start_server(cluster, "worker", args.task, config=config)
 
     def failed(message: str) -> None:
         recover(message, restart=args.on_peer_failure == "restart", limit=args.max_restarts)
