@@ -86,7 +86,7 @@ def start_server(cluster: Any, job: str = "worker", task: int = 0, config=None,
     if loopback:
         seen = listening_addresses(int(port))
         if not _loopback_only(seen):
-            raise ReplicateError(f"{job}:{task} listens on {', '.join(seen) or 'an unknown address'}"
-                                 ", not only on loopback")
+            where = ", ".join(seen) or "an unknown address"
+            raise ReplicateError(f"{job}:{task} listens on {where}, not only on loopback")
     log.info("%s:%d serving on %s", job, task, address)
     return server

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -79,6 +78,10 @@ def _worker(procs, spec, template, task, out, ckpt, *extra, steps=8, name=None):
         str(task), "--template", template, "--kind", "embedding", "--steps", str(steps),
         "--batch", "8,4", "--out", out, "--checkpoint-dir", ckpt, "--save-steps", "3",
         "--wait", "40", *extra])
+
+
+def _text(path) -> str:
+    return path.read_text(errors="replace")
 
 
 def _final(path):
@@ -231,7 +234,7 @@ def test_a_lost_worker_reaches_the_other_workers_through_the_chief(tmp_path):
         died = time.monotonic()
         chief_seen = None
         while chief_seen is None and time.monotonic() - died < 10:
-            if "restarting this worker process" in (tmp_path / "w0.log").read_text(errors="replace"):
+            if "restarting this worker process" in _text(tmp_path / "w0.log"):
                 chief_seen = time.monotonic() - died
             time.sleep(0.02)
         exits = _exits(procs, ["w1"], died)
@@ -239,7 +242,8 @@ def test_a_lost_worker_reaches_the_other_workers_through_the_chief(tmp_path):
         code, seconds = exits["w1"]
         tail1 = procs.tail("w1")
         assert code == EXIT_CODE and seconds < 2 * HOP_BOUND + 0.5, (exits, tail1)
-        assert re.search(r"worker:0 \(127\.0\.0\.1:\d+\) (stopped answering|restarted)", tail1), tail1
+        assert re.search(r"worker:0 \(127\.0\.0\.1:\d+\) (stopped answering|restarted)",
+                         tail1), tail1
         assert chief_seen is not None and chief_seen < HOP_BOUND + 0.5, chief_seen
         worker(1, "w1-again")
         worker(2, "w2-again")

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"worker {args.task}: dying after step {step}", flush=True)
                 os._exit(9)
 
-        hooks = [Feeder(args.kind, args.task, size, args.steps, die, args.step_delay), values, watch]
+        feeder = Feeder(args.kind, args.task, size, args.steps, die, args.step_delay)
+        hooks = [feeder, values, watch]
         try:
             train(args, server, config, hooks, train_op)
         except tf.errors.OpError as exc:
