@@ -19,12 +19,12 @@ from replicate.errors import (AnalysisError, DeviceError, InputError, OutputErro
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 __all__ = ["transform", "analyze_only", "normalize_device", "Result", "Report", "ReplicateError",
-           "InputError", "AnalysisError", "DeviceError", "OutputError", "PassError"]
+           "InputError", "AnalysisError", "DeviceError", "OutputError", "PassError", "StepFeeder"]
 __version__ = "0.1.0"
 
 _LAZY = {"transform": "replicate.api", "analyze_only": "replicate.api",
          "normalize_device": "replicate.api", "Result": "replicate.api",
-         "Report": "replicate.report"}
+         "Report": "replicate.report", "StepFeeder": "replicate.step_feeder"}
 
 
 def __getattr__(name: str):

@@ -10,7 +10,7 @@ broadcast of the chief's values. The task index comes from the argument or from 
 
 Every server of the cluster needs ``experimental.collective_group_leader`` set to the same task
 (:func:`server_config`); :func:`wait_for_cluster` fails with a clear error when a task does not
-answer within a timeout instead of letting the first session wait forever. Losing a worker
+answer within a timeout instead of letting the first session wait forever. Losing a task
 during training: :mod:`replicate.between_recovery` (survivors notice it and restart themselves,
 so only the lost worker needs starting again).
 """
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -161,19 +162,23 @@ def server_config(cluster: Any, threads: int | None = None, cpus: int | None = N
 
 
 def wait_for_cluster(cluster: Any, timeout: float = 60.0, jobs: tuple[str, ...] = ("ps", "worker"),
-                     interval: float = 0.2) -> None:
+                     interval: float = 0.2, announce_after: float = 2.0) -> None:
     """Return once every task of ``jobs`` accepts connections; otherwise raise, within
     ``timeout`` seconds, an error naming the tasks that never came up.
 
     TensorFlow itself would wait forever: a session's first step blocks until every task of
-    the collective group answers.
+    the collective group answers. A wait longer than ``announce_after`` seconds is announced
+    once on stderr (``between-graph: waiting up to 60 s for ps:0 (127.0.0.1:PORT) ...``), so
+    a worker waiting for a lost task to be restarted says so.
     """
     from replicate.cluster import load
 
     spec = load(cluster)
     pending = {(job, task): spec.jobs[job][task] for job in jobs if job in spec.jobs
                for task in spec.jobs[job]}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    announced = False
     while pending:
         for key, address in list(pending.items()):
             host, port = address.rsplit(":", 1)
@@ -183,13 +188,20 @@ def wait_for_cluster(cluster: Any, timeout: float = 60.0, jobs: tuple[str, ...] 
             except OSError:
                 pass
         if not pending:
+            if announced:
+                print(f"between-graph: every task answers after {time.monotonic() - start:.1f} s",
+                      file=sys.stderr, flush=True)
             return
+        names = ", ".join(f"{j}:{t} ({a})" for (j, t), a in sorted(pending.items()))
         if time.monotonic() >= deadline:
-            names = ", ".join(f"{j}:{t} ({a})" for (j, t), a in sorted(pending.items()))
             raise ReplicateError(f"between-graph: {names} did not come up within {timeout:g} s; "
                                  "start its server (every task needs "
                                  "collective_group_leader set, see server_config) or check "
                                  "the cluster file")
+        if not announced and time.monotonic() - start >= announce_after:
+            announced = True
+            print(f"between-graph: waiting up to {timeout:g} s for {names} to answer (start or "
+                  "restart it on its port)", file=sys.stderr, flush=True)
         time.sleep(interval)
 
 

@@ -1,4 +1,5 @@
-"""Losing one worker of a between-graph job: notice it at once, and recover without the operator.
+"""Losing a task of a between-graph job (a worker, the chief or a ps): notice it within a bound,
+and recover without the operator.
 
 Why the survivors cannot keep their TensorFlow runtime (TF 2.21, measured and read in the source):
 every server keeps a ``DeviceResolverDistributed`` (created once, in ``GrpcServer::Init``, with
@@ -16,19 +17,24 @@ a new one too.
 
 What this module does instead of a hang:
 
-- :func:`incarnations` asks a worker's server for its devices' incarnations
-  (``WorkerService/GetStatus``, the RPC TensorFlow's own master uses; a millisecond on loopback,
-  ``None`` at once when nothing answers);
-- :class:`PeerWatch` polls every other worker; once this worker's collective group has formed
-  (:meth:`PeerWatch.arm`, after the session is created) a peer that stops answering or answers
-  with new incarnations is reported through ``on_failure`` with a message naming it;
+- :class:`~replicate.between_watch.PeerWatch` (with :func:`~replicate.between_watch.incarnations`)
+  polls the tasks this worker depends on, chosen by
+  :func:`~replicate.between_watch.watched_tasks` so the cost grows linearly with the number of
+  workers: the chief watches every worker and every ps task, the other workers watch the chief
+  and every ps task. Once this worker's session exists (:meth:`PeerWatch.arm`) a watched task
+  that stops answering or answers with new incarnations is reported through ``on_failure`` with
+  a message naming it (``worker:1 (127.0.0.1:PORT)``, ``ps:0 (...)``);
 - :func:`restart_process` re-executes this worker's own command line in the same process (same
-  pid, same port, a new TensorFlow runtime), so the survivors of a lost worker restart themselves
-  and only the lost worker needs starting again; the chief then restores the newest checkpoint
+  pid, same port, a new TensorFlow runtime), so the survivors of a lost task restart themselves
+  and only the lost task needs starting again; the chief then restores the newest checkpoint
   and every worker takes its values (``local_init_op``). :func:`recover` is the usual
-  ``on_failure``: restart, or exit with :data:`EXIT_CODE` and the reason;
+  ``on_failure``: restart, or exit with :data:`EXIT_CODE` and the reason. The restart count
+  (:data:`RESTARTS_ENV`) goes back to 0 after ``reset_after`` healthy steps;
+- :func:`bound_close` makes closing a session wait at most a deadline (closing a session whose
+  ps or master is gone blocks until it answers), then reports;
 - :func:`peer_watch_hook` is the ``MonitoredTrainingSession`` hook that arms a watch when the
-  session exists and stops it after the last step.
+  session exists, stops it after the last step, bounds the session's close and resets the
+  restart count.
 
 A driver::
 
@@ -49,10 +55,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from replicate.between_watch import PeerWatch, incarnations, watched_tasks
 from replicate.errors import ReplicateError
 
-__all__ = ["incarnations", "PeerWatch", "peer_watch_hook", "recover", "restart_process",
-           "error_reason", "RESTARTS_ENV", "EXIT_CODE"]
+__all__ = ["incarnations", "PeerWatch", "watched_tasks", "peer_watch_hook", "recover",
+           "restart_process", "restarts", "reset_restarts", "bound_close", "error_reason",
+           "RESTARTS_ENV", "EXIT_CODE"]
 
 log = logging.getLogger(__name__)
 
@@ -60,135 +68,6 @@ log = logging.getLogger(__name__)
 RESTARTS_ENV = "REPLICATE_BETWEEN_RESTARTS"
 #: Exit status of :func:`recover` when it does not (or may no longer) restart the process.
 EXIT_CODE = 75
-_GET_STATUS = "/tensorflow.WorkerService/GetStatus"
-
-
-def _device_attributes(buf: bytes) -> list:
-    """``GetStatusResponse`` (``repeated DeviceAttributes device_attributes = 1``) decoded by
-    hand: TensorFlow's wheel ships ``DeviceAttributes`` but not the worker service's messages."""
-    from tensorflow.core.framework import device_attributes_pb2
-
-    out, i = [], 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        if key & 7 != 2:
-            raise ValueError(f"GetStatusResponse: unexpected wire type {key & 7}")
-        size, i = _varint(buf, i)
-        if key >> 3 == 1:
-            out.append(device_attributes_pb2.DeviceAttributes.FromString(buf[i:i + size]))
-        i += size
-    return out
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, i
-
-
-def incarnations(address: str, timeout: float = 2.0, channel=None) -> dict[str, int] | None:
-    """``{device name: incarnation}`` of the TensorFlow server at ``address`` (``host:port``),
-    or ``None`` when it does not answer within ``timeout`` seconds. ``channel``: an open
-    ``grpc`` channel to ``address`` to reuse (otherwise one is opened and closed)."""
-    import grpc
-
-    if channel is None:
-        with grpc.insecure_channel(address) as own:
-            return incarnations(address, timeout, own)
-    call = channel.unary_unary(_GET_STATUS, request_serializer=lambda raw: raw,
-                               response_deserializer=_device_attributes)
-    try:
-        devices = call(b"", timeout=timeout)
-    except grpc.RpcError:
-        return None
-    return {d.name: d.incarnation for d in devices}
-
-
-class PeerWatch:
-    """Polls the other worker tasks of ``cluster`` every ``interval`` seconds in a daemon thread.
-
-    Until :meth:`arm` nothing is reported (peers may still be starting or restarting); ``arm``
-    records every peer's incarnations (the ones this worker's collective group was formed with)
-    and from then on the first peer that answers with other incarnations, or does not answer
-    ``misses`` polls in a row (a dead server refuses at once; a busy one may be slow), is
-    reported once, by calling ``on_failure(message)`` from the watch thread. Each poll is one
-    small RPC per peer on a kept channel.
-    """
-
-    def __init__(self, cluster, task_index: int, on_failure: Callable[[str], None],
-                 interval: float = 0.2, job: str = "worker", misses: int = 3):
-        from replicate.cluster import load
-
-        spec = load(cluster)
-        self.peers = {task: address for task, address in sorted(spec.jobs[job].items())
-                      if task != task_index}
-        self.job = job
-        self.on_failure = on_failure
-        self.interval = interval
-        self.misses = misses
-        self.baseline: dict[int, dict[str, int]] = {}
-        self._missed = {task: 0 for task in self.peers}
-        self._channels: dict[int, object] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _ask(self, task: int) -> dict[str, int] | None:
-        import grpc
-
-        if task not in self._channels:
-            self._channels[task] = grpc.insecure_channel(self.peers[task])
-        return incarnations(self.peers[task], timeout=max(2.0, 5 * self.interval),
-                            channel=self._channels[task])
-
-    def arm(self) -> None:
-        """Record the peers' incarnations now and start watching them."""
-        for task in self.peers:
-            seen = self._ask(task)
-            if seen is None:
-                self._report(task, "stopped answering before training began")
-                return
-            self.baseline[task] = seen
-        self._thread = threading.Thread(target=self._run, name="replicate-peer-watch", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def check(self) -> str | None:
-        """One poll: a message naming the first peer lost or restarted, else ``None``."""
-        for task in self.peers:
-            seen = self._ask(task)
-            if seen is None:
-                self._missed[task] += 1
-                if self._missed[task] >= self.misses:
-                    return self._describe(task, "stopped answering (its process died or hangs)")
-                continue
-            self._missed[task] = 0
-            if seen != self.baseline[task]:
-                return self._describe(task, "restarted (its devices have new incarnations)")
-        return None
-
-    def _describe(self, task: int, what: str) -> str:
-        return (f"between-graph: {self.job}:{task} ({self.peers[task]}) {what}; TensorFlow's "
-                "collectives cannot take a restarted member back into servers that formed a group "
-                "with its previous incarnation, so this worker's server must restart too")
-
-    def _report(self, task: int, what: str) -> None:
-        self._stop.set()
-        self.on_failure(self._describe(task, what))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            message = self.check()
-            if message is not None and not self._stop.is_set():
-                self._stop.set()
-                self.on_failure(message)
-                return
 
 
 _NOISE = ("Graph execution error", "Detected at node", "Node:", "From /job:", "[[", "Original stack",
@@ -227,42 +106,134 @@ def restart_process(reason: str, limit: int = 10, argv: list[str] | None = None)
     os.execv(args[0], args)
 
 
+def restarts() -> int:
+    """How many times this process restarted itself since the count was last reset."""
+    try:
+        return int(os.environ.get(RESTARTS_ENV, "0"))
+    except ValueError:
+        return 0
+
+
+def reset_restarts(reason: str = "") -> None:
+    """Set the restart count back to 0 (inherited by the next :func:`restart_process`)."""
+    if restarts():
+        log.info("between-graph: restart count reset to 0%s", f" ({reason})" if reason else "")
+        print(f"between-graph: restart count reset to 0{f' ({reason})' if reason else ''}",
+              file=sys.stderr, flush=True)
+    os.environ[RESTARTS_ENV] = "0"
+
+
 def recover(reason: str, restart: bool = True, limit: int = 10) -> None:
-    """What a worker does when a peer is lost or a step fails: :func:`restart_process` (with
-    ``restart``), else, or once ``limit`` restarts are spent, print ``reason`` and exit the
+    """What a worker does when a watched task is lost or a step fails: :func:`restart_process`
+    (with ``restart``), else, or once ``limit`` restarts are spent, print ``reason`` and exit the
     process at once with :data:`EXIT_CODE` (from any thread; a supervisor's cue)."""
     if restart:
         try:
             restart_process(reason, limit=limit)        # does not return
         except ReplicateError as exc:
             reason = str(exc)
-    print(f"{reason}; exiting (restart every worker to resume)", file=sys.stderr, flush=True)
+    print(f"{reason}; exiting with status {EXIT_CODE} (restart the lost task, then every "
+          "worker, to resume)", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(EXIT_CODE)
 
 
+def bound_close(session, seconds: float, on_failure: Callable[[str], None] = recover) -> None:
+    """Make ``session.close()`` wait at most ``seconds``: the close runs in a daemon thread, and
+    if it has not returned by then ``on_failure`` is called with a message saying so (from the
+    closing thread; :func:`recover` restarts or exits the process).
+
+    TensorFlow's close blocks until every task of the session answers: with a lost ps or master
+    it would wait for as long as the task stays away.
+    """
+    close = session.close
+
+    def bounded() -> None:
+        # Only the first close is bounded: a closed session's close returns at once, and the
+        # one from ``__del__`` may run while the interpreter shuts down (no new threads then).
+        session.__dict__.pop("close", None)
+        if getattr(session, "_closed", False) or sys.is_finalizing():
+            close()
+            return
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                close()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="replicate-bounded-close", daemon=True).start()
+        if not done.wait(seconds):
+            on_failure(f"between-graph: closing the session did not finish within {seconds:g} s "
+                       "(a task it uses is gone or hangs)")
+            return
+        if errors:
+            raise errors[0]
+
+    session.close = bounded
+
+
 def peer_watch_hook(cluster, task_index: int, on_failure: Callable[[str], None] = recover,
-                    interval: float = 0.2, grace: float = 1.0):
-    """A ``SessionRunHook`` watching the other workers (:class:`PeerWatch`) from the moment the
-    session exists (its collective group has formed) until a run requests stop (the last step).
-    A peer that exits right after the last, collective, step is not a failure: each report waits
-    ``grace`` seconds and is dropped if this worker's last step has finished by then."""
+                    interval: float = 0.2, grace: float = 1.0, misses: int = 3,
+                    close_timeout: float | None = 30.0, reset_after: int | None = 100,
+                    create_timeout: float | None = 600.0, job: str = "worker"):
+    """A ``SessionRunHook`` that keeps a between-graph worker from waiting silently.
+
+    - From the moment the session exists until a run requests stop (the last step), it watches
+      the tasks :func:`~replicate.between_watch.watched_tasks` gives this worker (the chief: every
+      worker and ps; the others: the chief and every ps), every ``interval`` seconds; a task that
+      does not answer ``misses`` polls in a row or restarted is reported through ``on_failure``.
+      A worker that exits right after the last, collective, step is not a failure: each report
+      waits ``grace`` seconds and is dropped if this worker's last step has finished by then.
+    - Creating the session (``begin`` to ``after_create_session``: on a worker other than the
+      chief, ``MonitoredTrainingSession`` waits up to 2 hours for the chief to initialize or
+      restore, logging at INFO level only) takes at most ``create_timeout`` seconds, else
+      ``on_failure`` is called.
+    - The session's close waits at most ``close_timeout`` seconds (:func:`bound_close`).
+    - After ``reset_after`` steps in a row without a failure, the restart count goes back to 0
+      (:func:`reset_restarts`), so ``limit`` counts restarts close together, not over the job's
+      whole life.
+    """
     import tensorflow as tf
 
     class _PeerWatchHook(tf.compat.v1.train.SessionRunHook):
         def __init__(self):
             self.finished = False
-            self.watch = PeerWatch(cluster, task_index, self._lost, interval=interval)
+            self.steps = 0
+            self.created = threading.Event()
+            self.watch = PeerWatch(cluster, task_index, self._lost, interval=interval, job=job,
+                                   misses=misses)
 
         def _lost(self, message: str) -> None:
             time.sleep(grace)
             if not self.finished:
                 on_failure(message)
 
+        def begin(self) -> None:
+            if create_timeout is not None:
+                threading.Thread(target=self._creation_deadline, daemon=True,
+                                 name="replicate-create-deadline").start()
+
+        def _creation_deadline(self) -> None:
+            if not self.created.wait(create_timeout):
+                on_failure(f"between-graph: {job}:{task_index}: the session was not created "
+                           f"within {create_timeout:g} s (a worker waits for the chief to "
+                           "initialize or restore; is the chief's client running?)")
+
         def after_create_session(self, session, coord) -> None:
+            self.created.set()
+            if close_timeout is not None:
+                bound_close(session, close_timeout, on_failure)
             self.watch.arm()
 
         def after_run(self, run_context, run_values) -> None:
+            self.steps += 1
+            if reset_after is not None and self.steps == reset_after:
+                reset_restarts(f"{reset_after} steps without a failure")
             if run_context.stop_requested:
                 self.finished = True
                 self.watch.stop()

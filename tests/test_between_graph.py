@@ -462,10 +462,12 @@ def test_peer_watch_names_a_restarted_or_silent_peer(local):
     assert time.monotonic() - start < 2.5
     reports = []
     watch = PeerWatch(local.cluster, 0, reports.append, interval=0.05)
+    assert set(watch.peers) == {("worker", 1), ("ps", 0)}       # the chief: every worker and ps
     watch.arm()
     try:
         assert watch.check() is None
-        watch.baseline[1] = {name: value + 1 for name, value in watch.baseline[1].items()}
+        key = ("worker", 1)
+        watch.baseline[key] = {name: value + 1 for name, value in watch.baseline[key].items()}
         message = watch.check()
         assert re.match(r"between-graph: worker:1 \(127\.0\.0\.1:\d+\) restarted", message)
         deadline = time.monotonic() + 5

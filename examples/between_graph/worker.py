@@ -3,22 +3,25 @@
     python worker.py --cluster cluster.json --task 1 --template model_between.meta \
         --steps 5 --batch 16 --out final_1.npz [--checkpoint-dir DIR --save-steps 2]
 
-The worker starts this task's ``tf.distribute.Server`` (collective group leader: worker 0, as
+The worker starts this task's ``tf.distribute.Server`` (``replicate.task_server.start_server``:
+on 127.0.0.1 only for loopback addresses; collective group leader: worker 0, as
 ``replicate.between.server_config`` says), waits for every task of the cluster (a clear error
 after ``--wait`` seconds instead of a hang), imports the template pinned to its task
 (``replicate.between.import_meta_graph``) and trains with ``MonitoredTrainingSession``: the
 chief (task 0) initializes or restores and saves checkpoints; every worker starts from the
 chief's values (the template's ``local_init_op`` broadcasts them). Each worker feeds its *own*
-batches: batch ``s`` of task ``t`` is ``local_batch(t, s)``, chosen by the global step, so a
-restarted job replays exactly the batches of the steps it lost. At the end it writes its
-variables to ``--out``.
+batches: batch ``s`` of task ``t`` is ``local_batch(t, s)``, chosen by the global step
+(``replicate.step_feeder.StepFeeder``), so a restarted job replays exactly the batches of the
+steps it lost. At the end it writes its variables to ``--out``.
 
-Losing a worker: from the moment its session exists, each worker watches the others
-(``replicate.between_recovery.peer_watch_hook``). When one dies or restarts, or a step fails, the
+Losing a task: from the moment its session exists, each worker watches the tasks it depends on
+(``replicate.between_recovery.peer_watch_hook``: the chief watches every worker and ps task, the
+others watch the chief and every ps task). When one dies or restarts, or a step fails, the
 survivors re-execute themselves in place (same pid and port, a new TensorFlow runtime:
-TensorFlow's collectives refuse a restarted member otherwise) and wait for every task again; so
-after a crash only the lost worker needs starting again, and the job resumes from the chief's
-last checkpoint. ``--on-peer-failure exit`` exits with status 75 and the reason instead.
+TensorFlow's collectives refuse a restarted member otherwise) and wait for every task again
+(announcing the wait, at most ``--wait`` seconds, then exit 75); so after a crash only the lost
+task needs starting again, and the job resumes from the chief's last checkpoint.
+``--on-peer-failure exit`` exits with status 75 and the reason instead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -35,8 +39,11 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import tensorflow as tf  # noqa: E402
 
 from replicate.between import import_meta_graph, server_config, wait_for_cluster  # noqa: E402
-from replicate.between_recovery import error_reason, peer_watch_hook, recover  # noqa: E402
+from replicate.between_recovery import EXIT_CODE, error_reason, peer_watch_hook, recover  # noqa: E402
 from replicate.cluster import load  # noqa: E402
+from replicate.errors import ReplicateError  # noqa: E402
+from replicate.step_feeder import StepFeeder  # noqa: E402
+from replicate.task_server import start_server  # noqa: E402
 
 v1 = tf.compat.v1
 
@@ -54,30 +61,21 @@ def local_batch(kind: str, task: int, step: int, size: int) -> dict:
     return {"x:0": data.images[idx], "y:0": data.labels[idx]}
 
 
-class StepFeeder(v1.train.SessionRunHook):
-    """Feeds the batch of the current global step (read once per session, then counted)."""
+class Feeder(StepFeeder):
+    """replicate's StepFeeder for this task's batches, saying where each session begins."""
 
-    def __init__(self, kind: str, task: int, sizes: list[int], last: int, on_step=None):
-        self.kind, self.task, self.sizes, self.last, self.on_step = kind, task, sizes, last, on_step
-        self.step = 0
-
-    def begin(self) -> None:
-        self._global_step = v1.train.get_global_step()
+    def __init__(self, kind: str, task: int, size: int, last: int, on_step=None, delay: float = 0):
+        super().__init__(lambda step: local_batch(kind, task, step, size), last, on_step)
+        self.task, self.delay = task, delay
 
     def after_create_session(self, session, coord) -> None:
-        self.step = int(session.run(self._global_step))
+        super().after_create_session(session, coord)
         print(f"worker {self.task}: session at global step {self.step}", flush=True)
 
-    def before_run(self, run_context):
-        size = self.sizes[self.step % len(self.sizes)]
-        return v1.train.SessionRunArgs(None, feed_dict=local_batch(self.kind, self.task, self.step, size))
-
     def after_run(self, run_context, run_values) -> None:
-        self.step += 1
-        if self.on_step is not None:
-            self.on_step(self.step)
-        if self.step >= self.last:
-            run_context.request_stop()
+        super().after_run(run_context, run_values)
+        if self.delay:
+            time.sleep(self.delay)
 
 
 class Values(v1.train.SessionRunHook):
@@ -114,7 +112,17 @@ def main(argv: list[str] | None = None) -> int:
                              "this worker (resume from the chief's last checkpoint) or exit 75")
     parser.add_argument("--max-restarts", type=int, default=10)
     parser.add_argument("--watch-interval", type=float, default=0.2,
-                        help="seconds between two looks at the other workers")
+                        help="seconds between two looks at the tasks this worker depends on")
+    parser.add_argument("--close-timeout", type=float, default=30.0,
+                        help="seconds closing the session may take before this worker restarts "
+                             "or exits (closing waits for every task the session uses)")
+    parser.add_argument("--create-timeout", type=float, default=600.0,
+                        help="seconds creating the session may take (a worker other than the "
+                             "chief waits there for the chief to initialize or restore)")
+    parser.add_argument("--reset-after", type=int, default=100,
+                        help="healthy steps after which the restart count goes back to 0")
+    parser.add_argument("--step-delay", type=float, default=0.0,
+                        help="(fault drills) seconds to sleep after every step")
     parser.add_argument("--step-timeout", type=float, default=600.0,
                         help="seconds any one session run may take (0: no limit); the last "
                              "resort for hangs the watch cannot see, e.g. a peer lost while the "
@@ -125,14 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in args.batch.split(",")]
     size = sizes[args.task % len(sizes)]
     config = server_config(cluster, threads=args.threads)
-    server = tf.distribute.Server(cluster.cluster_spec(), job_name="worker", task_index=args.task,
-                                  config=config, start=True)
-    wait_for_cluster(cluster, timeout=args.wait)
+    # Kept on 127.0.0.1 when the cluster says so (re-executes once to preload the bind shim).
+    server = start_server(cluster, "worker", args.task, config=config)
 
     def failed(message: str) -> None:
         recover(message, restart=args.on_peer_failure == "restart", limit=args.max_restarts)
 
-    watch = peer_watch_hook(cluster, args.task, failed, interval=args.watch_interval)
+    try:
+        wait_for_cluster(cluster, timeout=args.wait)
+    except ReplicateError as exc:
+        print(f"{exc}; exiting with status {EXIT_CODE}", file=sys.stderr, flush=True)
+        return EXIT_CODE
+    watch = peer_watch_hook(cluster, args.task, failed, interval=args.watch_interval,
+                            close_timeout=args.close_timeout, reset_after=args.reset_after,
+                            create_timeout=args.create_timeout)
     graph = tf.Graph()
     with graph.as_default():
         import_meta_graph(args.template, task_index=args.task)
@@ -144,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"worker {args.task}: dying after step {step}", flush=True)
                 os._exit(9)
 
-        hooks = [StepFeeder(args.kind, args.task, [size], args.steps, die), values, watch]
+        feeder = Feeder(args.kind, args.task, size, args.steps, die, args.step_delay)
+        hooks = [feeder, values, watch]
         try:
             train(args, server, config, hooks, train_op)
         except tf.errors.OpError as exc:

@@ -31,6 +31,7 @@ import tensorflow as tf
 import replicate
 from replicate.demo import FULL_SIZE, SMALL_SIZE, batches, build_cnn, load
 from replicate.equivalence import Trainer, relative_difference
+from replicate.step_feeder import StepFeeder
 
 __all__ = ["make_feeds", "train_single", "train_in_graph", "StepFeeder", "train_monitored",
            "checkpoint_steps", "checkpoint_values", "largest_difference", "kill_and_restart",
@@ -99,38 +100,6 @@ def train_in_graph(result, master: str, feeds: list[dict], initial: dict,
     return values, losses
 
 
-class StepFeeder(v1.train.SessionRunHook):
-    """Feeds the batch of the current global step, so a resumed run sees the same data.
-
-    The step is read from the session whenever one is created (first start and every
-    recovery), and advanced after each successful step. ``starts`` lists the global step
-    each session began at; ``on_step(step)`` is called after every step.
-    """
-
-    def __init__(self, feeds: list[dict], on_step=None):
-        self.feeds = feeds
-        self.on_step = on_step
-        self.step = 0
-        self.starts: list[int] = []
-        self._global_step = None
-
-    def begin(self) -> None:
-        self._global_step = v1.train.get_global_step()
-
-    def after_create_session(self, session, coord) -> None:
-        self.step = int(session.run(self._global_step))
-        self.starts.append(self.step)
-        log.info("session created at global step %d", self.step)
-
-    def before_run(self, run_context):
-        return v1.train.SessionRunArgs(None, feed_dict=self.feeds[self.step])
-
-    def after_run(self, run_context, run_values) -> None:
-        self.step += 1
-        if self.on_step is not None:
-            self.on_step(self.step)
-
-
 def train_monitored(result, master: str, feeds: list[dict], checkpoint_dir: str,
                     save_steps: int, on_step=None) -> StepFeeder:
     """Train to ``len(feeds)`` global steps with MonitoredTrainingSession on ``master``.
@@ -143,7 +112,7 @@ def train_monitored(result, master: str, feeds: list[dict], checkpoint_dir: str,
     with graph.as_default():
         v1.train.import_meta_graph(result.meta_graph_def, clear_devices=False)
         train_op = graph.get_operation_by_name(result.analysis.train_op)
-        feeder = StepFeeder(feeds, on_step)
+        feeder = StepFeeder(lambda step: feeds[step], on_step=on_step)
         hooks = [feeder, v1.train.StopAtStepHook(last_step=len(feeds))]
         with v1.train.MonitoredTrainingSession(
                 master=master, is_chief=True, checkpoint_dir=checkpoint_dir, hooks=hooks,
