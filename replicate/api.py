@@ -46,11 +46,19 @@ BATCH_NORM_MODES = ("tower0", "sync")
 log = logging.getLogger(__name__)
 
 
+#: The largest device index accepted (``/gpu:4095``): no machine has more devices of a kind.
+MAX_DEVICE_INDEX = 4095
+#: The largest task or replica index accepted in a device string.
+MAX_TASK_INDEX = 2**20 - 1
+
+
 def normalize_device(device: str, what: str = "device") -> str:
     """The canonical spelling of ``device`` (``/gpu:0`` -> ``/device:GPU:0``).
 
     Raises:
-        DeviceError: the string is empty or not a TensorFlow device.
+        DeviceError: the string is empty or not a TensorFlow device, or a device, task or
+            replica index is negative or beyond :data:`MAX_DEVICE_INDEX` /
+            :data:`MAX_TASK_INDEX`.
     """
     import tensorflow as tf
 
@@ -63,6 +71,12 @@ def normalize_device(device: str, what: str = "device") -> str:
                           "'/job:worker/task:0/device:GPU:0')") from None
     if spec.device_type is None and spec.job is None:
         raise DeviceError(f"{what} '{device}' names no device type or job")
+    for field, value, bound in (("device index", spec.device_index, MAX_DEVICE_INDEX),
+                                ("task", spec.task, MAX_TASK_INDEX),
+                                ("replica", spec.replica, MAX_TASK_INDEX)):
+        if value is not None and not 0 <= value <= bound:
+            raise DeviceError(f"{what} '{device}': {field} {value} is out of range "
+                              f"(0 to {bound})")
     return spec.to_string()
 
 

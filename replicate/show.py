@@ -120,7 +120,7 @@ def draw(result, output: str, *, fmt: str | None = None, force: bool = False,
     from replicate import io
 
     fmt = picture_format(output, fmt)
-    io.check_writable(output, force)
+    io.check_writable(output, force, directory=False)
     start = time.perf_counter()
     boxes = cluster_graph(result, max_nodes=max_nodes, shared_max_nodes=shared_max_nodes,
                           depth=depth)
@@ -156,8 +156,12 @@ def show(source: Any, devices: Sequence[str], output: str, *, fmt: str | None = 
     import replicate
     from replicate import io
 
+    from replicate.api import _devices
+
+    _devices(devices, options.get("controller", "/cpu:0"))     # bad devices before the output
     fmt = picture_format(output, fmt)
-    io.check_writable(output, force, source=source if isinstance(source, str) else None)
+    io.check_writable(output, force, source=source if isinstance(source, str) else None,
+                      directory=False)
     if fmt != "dot":
         check_dot()
     result = replicate.transform(source, devices, progress=progress, **options)

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if len(controller) != 1:
         raise DeviceError(f"--controller '{args.controller}': give exactly one device")
     fmt = show.picture_format(args.output, args.format)
-    io.check_writable(args.output, args.force, source=args.input)
+    io.check_writable(args.output, args.force, source=args.input, directory=False)
     if fmt != "dot":
         check_dot()
     loaded = io.load(args.input)
