@@ -8,7 +8,8 @@ is labelled with the number of tensors it stands for. Edges between parts (the s
 a tower, a tower and the aggregation) are drawn once per pair of parts.
 
 OUT's extension picks the format: .svg (zoomable, with tooltips), .png, or .dot (the
-Graphviz source). SVG and PNG need Graphviz's `dot` program (apt-get install graphviz).
+Graphviz source). SVG and PNG are laid out by Graphviz through pygraphviz, whose wheel
+carries Graphviz (the viz extra; no system package needed).
 --max-nodes bounds the boxes per tower (big scopes are opened first; stray ops join the
 box they feed); --depth caps how deep a box's scope may go. Nothing is written on failure;
 OUT is refused if it exists, unless --force.
