@@ -503,7 +503,7 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         variable_bytes=sum(v.bytes for v in analysis.variables.values()),
         global_step=analysis.global_step, input_nodes=input_nodes, nodes_per_tower=per_tower,
         shared_nodes=len(ir.nodes) - tower_nodes, output_nodes=len(ir.nodes), gradients=grads,
-        merged_outputs=len(analysis.outputs), update_ops=list(analysis.update_ops),
+        merged_outputs=sum(f.role != "first" for f in analysis.outputs), update_ops=list(analysis.update_ops),
         batch_norm={"mode": batch_norm, "ops": list(analysis.couplings)},
         random={"ops": list(analysis.random_ops),
                 "reproduced": {n: d.kind for n, d in analysis.draws.items()}},

@@ -22,6 +22,7 @@ from replicate.viz.collapse import DEFAULT_MAX_NODES, DEFAULT_SHARED_MAX_NODES, 
 from replicate.viz.groups import roles_from_analysis
 from replicate.viz.render import FORMATS, check_dot, render
 from replicate.viz.style import short_device
+from replicate.wording import count
 
 __all__ = ["cluster_graph", "picture", "draw", "show", "picture_format", "title_of", "Shown",
            "DEFAULT_MAX_NODES", "DEFAULT_SHARED_MAX_NODES", "FORMATS"]
@@ -82,9 +83,9 @@ def title_of(result, name: str | None = None) -> str:
     report = result.report
     devices = [short_device(d) for d in report.devices]
     shown = ", ".join(devices) if len(devices) <= 4 else f"{devices[0]} … {devices[-1]}"
-    exact = "exact" if report.exact else f"not exact ({len(report.reasons)} reasons)"
+    exact = "exact" if report.exact else f"not exact ({count(len(report.reasons), 'reason')})"
     head = f"{name}: " if name else ""
-    return (f"{head}{len(devices)} towers on {shown}, shared state on "
+    return (f"{head}{count(len(devices), 'tower')} on {shown}, shared state on "
             f"{short_device(report.controller)} · {report.output_nodes:,} ops · {exact}")
 
 

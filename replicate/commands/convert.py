@@ -25,6 +25,7 @@ from replicate.commands._common import (Progress, add_device_arguments, add_grap
 from replicate.commands._cluster_args import add_cluster_arguments
 from replicate import outputs
 from replicate.errors import OutputError, ReplicateError
+from replicate.wording import count
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         print(result.report)
         dropped = " (collections and saver dropped: a GraphDef has none)" if (
             fmt in ("pb", "pbtxt") and loaded.meta is not None) else ""
-        print(f"wrote {args.output} ({fmt}, {len(devices)} towers){dropped}")
+        print(f"wrote {args.output} ({fmt}, {count(len(devices), 'tower')}){dropped}")
     return 0
 
 

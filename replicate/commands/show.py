@@ -28,6 +28,7 @@ from replicate.commands._common import (Progress, add_device_arguments, add_grap
                                         check_input, name_list, parse_devices, relabel,
                                         train_op_hint)
 from replicate.errors import DeviceError, ReplicateError
+from replicate.wording import count
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -108,6 +109,6 @@ def run(args: argparse.Namespace) -> int:
     progress.done("done")
     if not args.quiet:
         boxes = shown.boxes
-        print(f"wrote {args.output} ({fmt}, {len(devices)} towers, {boxes.number_of_nodes()} boxes "
+        print(f"wrote {args.output} ({fmt}, {count(len(devices), 'tower')}, {boxes.number_of_nodes()} boxes "
               f"for {boxes.graph['nodes']:,} ops; drawn in {shown.seconds:.1f} s)")
     return 0
