@@ -20,6 +20,8 @@ import os
 import sys
 import traceback
 
+from replicate import quiet
+
 __all__ = ["main", "COMMANDS"]
 
 #: Subcommands, in the order ``replicate --help`` lists them.
@@ -77,20 +79,29 @@ def _native_stderr_silenced(enabled: bool = True):
 
 
 def quiet_tensorflow(environ=None) -> None:
-    """Hide TensorFlow's start-up chatter (no GPU found, ``cuInit``, ``cudart``, the CPU
+    """Hide TensorFlow's informational and warning lines (no GPU found, ``cudart``, the CPU
     feature guard's "rebuild TensorFlow" lines, oneDNN notices) unless the user chose a level:
-    sets ``TF_CPP_MIN_LOG_LEVEL=2`` (errors still show) when it is not set. Must run before
-    TensorFlow is imported to take effect."""
+    sets ``TF_CPP_MIN_LOG_LEVEL=2`` when it is not set, so errors still show; the few
+    error-level lines that are chatter (``failed call to cuInit`` without a GPU) are dropped
+    by :func:`replicate.quiet.filtered_stderr`. Must run before TensorFlow is imported."""
     environ = os.environ if environ is None else environ
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _filter_wanted() -> bool:
+    """Whether to filter stderr (:mod:`replicate.quiet`): yes unless ``REPLICATE_RAW_STDERR=1``
+    asks to see everything TensorFlow prints (``--debug`` and ``-vv`` also turn it off)."""
+    return os.environ.get("REPLICATE_RAW_STDERR", "") in ("", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if a in COMMANDS), "")
+    verbose = bool({"--debug", "-vv"} & set(argv))
     try:
-        return _main(argv)
+        with quiet.filtered_stderr(not verbose and _filter_wanted()):
+            return _main(argv)
     except KeyboardInterrupt:
         print(f"replicate {command}: interrupted; no output was written".replace("  ", " "),
               file=sys.stderr)
