@@ -8,11 +8,13 @@ How the blocks run:
   and the checkpoint ``ckpt/model-20``: the README's Usage graph (``x:0``, ``y:0``,
   ``logits``, ``loss:0``, ``train``), exported and trained one step on one device. The docs
   call a user's model ``model.meta``; this is that model.
-- All python blocks of a file run in one subprocess, one after the other in one namespace
-  (a later block may use an earlier block's names, as a reader would), with
-  ``TF_USE_LEGACY_KERAS=1`` only when the file tells the reader to set it.
-- Shell blocks run with bash (``set -e``), ``$ `` prompts stripped, with this checkout's
-  ``replicate`` first on PYTHONPATH.
+- All blocks of a file run in document order in one subprocess (one TensorFlow import per
+  file): python blocks one after the other in one namespace (a later block may use an
+  earlier block's names, as a reader would), with ``TF_USE_LEGACY_KERAS=1`` only when the
+  file tells the reader to set it; shell blocks line by line, ``$ `` prompts stripped and
+  ``\\`` continuations joined — a plain ``replicate ...`` line through ``replicate.cli.main``
+  (what the console script runs), any other line in bash — with this checkout first on
+  PYTHONPATH. Any line that fails fails the test.
 - A block right after ``<!-- no-test: REASON -->`` is not run; REASON must say why (a
   cluster, a GPU, installing packages, a run of many minutes) and the test lists them.
 
@@ -141,53 +143,79 @@ def _compare(expected: str, actual: str, where: str) -> None:
         f"{where}: documented output\n{expected}\ndiffers from the actual\n{actual}")
 
 
+#: Defined first in each file's script: runs one shell block, line by line. A line that is a
+#: plain ``replicate ...`` command (no shell operators) runs in this process through
+#: ``replicate.cli.main`` — the console script's own entry point — so TensorFlow is imported
+#: once per file; any other line runs in bash.
+SHELL_RUNNER = r"""
+def _docs_shell(_docs_code):
+    import shlex, subprocess, sys
+    from replicate import cli as _docs_cli
+    _docs_lines, _docs_joined = [], ""
+    for _docs_line in _docs_code.splitlines():
+        _docs_line = _docs_line[2:] if _docs_line.startswith("$ ") else _docs_line
+        if _docs_line.rstrip().endswith("\\"):
+            _docs_joined += _docs_line.rstrip()[:-1] + " "
+            continue
+        _docs_lines.append(_docs_joined + _docs_line)
+        _docs_joined = ""
+    for _docs_line in _docs_lines:
+        _docs_bare = _docs_line.split(" #")[0].strip()
+        if not _docs_bare or _docs_bare.startswith("#"):
+            continue
+        _docs_words = shlex.split(_docs_bare)
+        sys.stdout.flush()
+        if _docs_words[0] == "replicate" and not set("&|;<>$`") & set(_docs_bare):
+            _docs_status = _docs_cli.main(_docs_words[1:])
+        else:
+            _docs_status = subprocess.run(["bash", "-e", "-c", _docs_line]).returncode
+        sys.stdout.flush()
+        if _docs_status != 0:
+            raise SystemExit(f"shell line failed with status {_docs_status}: {_docs_line}")
+"""
+
+
+def _script(blocks_: list[dict]) -> str:
+    """One python script running ``blocks_`` in order, a separator line before each."""
+    parts = [SHELL_RUNNER]
+    for k, block in enumerate(blocks_):
+        parts.append(f"print({SEPARATOR.format(k)!r}, flush=True)\n")
+        if block["lang"] in PYTHON:
+            parts.append(block["code"])
+        else:
+            parts.append(f"_docs_shell({block['code']!r})\n")
+    return "".join(parts)
+
+
+def _split(stdout: str) -> dict[int, list[str]]:
+    """The output of each block, by index, from the separators."""
+    parts, current = {}, None
+    for line in stdout.split("\n"):
+        match = re.fullmatch(SEPARATOR.format(r"(\d+)"), line)
+        if match:
+            current = int(match.group(1))
+            parts[current] = []
+        elif current is not None:
+            parts[current].append(line)
+    return parts
+
+
 @pytest.mark.parametrize("path", DOCS)
 def test_doc_blocks_run_as_written(path, model_files, tmp_path):
+    """Every runnable block of ``path`` in document order, in one subprocess."""
     cwd = _workdir(model_files, tmp_path)
-    env = _env(path)
     todo = [b for b in runnable(path) if not b["skip"]]
-    # python blocks: one process for the file, separators between the blocks
-    python = [b for b in todo if b["lang"] in PYTHON]
-    if python:
-        script = "".join(f"print({SEPARATOR.format(k)!r}, flush=True)\n{b['code']}"
-                         for k, b in enumerate(python))
-        shells = [b for b in todo if b["lang"] in SHELL]
-        # shell blocks that come before the first python block set up files it reads
-        for block in [b for b in shells if b["line"] < python[0]["line"]]:
-            _run_shell(block, path, cwd, env)
-        proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=300)
-        outputs = proc.stdout.split("\n")
-        parts, current = {}, None
-        for line in outputs:
-            match = re.fullmatch(SEPARATOR.format(r"(\d+)"), line)
-            if match:
-                current = int(match.group(1))
-                parts[current] = []
-            elif current is not None:
-                parts[current].append(line)
-        failed = python[max(parts) if parts else 0]
-        assert proc.returncode == 0, (f"{path}:{failed['line']}: the python block fails:\n"
-                                      f"{proc.stderr[-3000:]}")
-        for k, block in enumerate(python):
-            if block["output"] is not None:
-                _compare(block["output"], "\n".join(parts.get(k, [])), f"{path}:{block['line']}")
-        rest = [b for b in shells if b["line"] >= python[0]["line"]]
-    else:
-        rest = [b for b in todo if b["lang"] in SHELL]
-    for block in rest:
-        _run_shell(block, path, cwd, env)
-
-
-def _run_shell(block: dict, path: str, cwd: str, env: dict) -> None:
-    code = "\n".join(line[2:] if line.startswith("$ ") else line
-                     for line in block["code"].splitlines())
-    proc = subprocess.run(["bash", "-e", "-c", code], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, (f"{path}:{block['line']}: the shell block fails "
-                                  f"({proc.returncode}):\n{proc.stderr[-3000:]}")
-    if block["output"] is not None:
-        _compare(block["output"], proc.stdout, f"{path}:{block['line']}")
+    if not todo:
+        return
+    proc = subprocess.run([sys.executable, "-c", _script(todo)], cwd=cwd, env=_env(path),
+                          capture_output=True, text=True, timeout=600)
+    parts = _split(proc.stdout)
+    failed = todo[max(parts) if parts else 0]
+    assert proc.returncode == 0, (f"{path}:{failed['line']}: the {failed['lang']} block fails:\n"
+                                  f"{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}")
+    for k, block in enumerate(todo):
+        if block["output"] is not None:
+            _compare(block["output"], "\n".join(parts.get(k, [])), f"{path}:{block['line']}")
 
 
 REASONS = re.compile(r"cluster|GPU|install|minutes", re.I)
