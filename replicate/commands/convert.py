@@ -7,7 +7,10 @@ names, so a driver that imports OUT, restores a checkpoint of the single-device 
 feeds the same placeholders and runs the same train op trains on all devices, exactly as
 one device would on the same global batches.
 
-Nothing is written when anything fails (exit code 2); IN is never modified.
+Nothing is written when anything fails (exit code 2) or is interrupted before the outputs
+are put in place (exit code 130); IN is never modified. Outputs that are devices (/dev/null),
+FIFOs, directories where a file is expected, or symbolic links are refused even with
+--force; --tensorboard and --dump-dir create their last directory only, like -o.
 
 example:
   replicate convert model.meta -o model_x4.meta --devices /gpu:0,/gpu:1,/gpu:2,/gpu:3
@@ -40,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("input", metavar="IN", help="a .meta, .pb or .pbtxt file, or a SavedModel directory")
     parser.add_argument("-o", "--output", required=True, metavar="OUT",
-                        help="where to write the result (refused if it exists, unless --force)")
+                        help="where to write the result (refused if it exists, unless --force; "
+                             "always if it is a device, FIFO, link or the input)")
     add_device_arguments(parser, required=False)     # required unless --between-graph (run)
     add_graph_arguments(parser)
     add_strategy_arguments(parser)

@@ -12,7 +12,8 @@ Graphviz source). SVG and PNG are laid out by Graphviz through pygraphviz, whose
 carries Graphviz (the viz extra; no system package needed).
 --max-nodes bounds the boxes per tower (big scopes are opened first; stray ops join the
 box they feed); --depth caps how deep a box's scope may go. Nothing is written on failure;
-OUT is refused if it exists, unless --force.
+OUT is refused if it exists, unless --force, and always if it is a device, a FIFO, a
+directory or a symbolic link.
 
 example:
   replicate show model.meta --devices /gpu:0,/gpu:1,/gpu:2,/gpu:3 -o towers.svg
