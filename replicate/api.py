@@ -46,11 +46,19 @@ BATCH_NORM_MODES = ("tower0", "sync")
 log = logging.getLogger(__name__)
 
 
+#: The largest device index accepted (``/gpu:4095``): no machine has more devices of a kind.
+MAX_DEVICE_INDEX = 4095
+#: The largest task or replica index accepted in a device string.
+MAX_TASK_INDEX = 2**20 - 1
+
+
 def normalize_device(device: str, what: str = "device") -> str:
     """The canonical spelling of ``device`` (``/gpu:0`` -> ``/device:GPU:0``).
 
     Raises:
-        DeviceError: the string is empty or not a TensorFlow device.
+        DeviceError: the string is empty or not a TensorFlow device, or a device, task or
+            replica index is negative or beyond :data:`MAX_DEVICE_INDEX` /
+            :data:`MAX_TASK_INDEX`.
     """
     import tensorflow as tf
 
@@ -63,6 +71,12 @@ def normalize_device(device: str, what: str = "device") -> str:
                           "'/job:worker/task:0/device:GPU:0')") from None
     if spec.device_type is None and spec.job is None:
         raise DeviceError(f"{what} '{device}' names no device type or job")
+    for field, value, bound in (("device index", spec.device_index, MAX_DEVICE_INDEX),
+                                ("task", spec.task, MAX_TASK_INDEX),
+                                ("replica", spec.replica, MAX_TASK_INDEX)):
+        if value is not None and not 0 <= value <= bound:
+            raise DeviceError(f"{what} '{device}': {field} {value} is out of range "
+                              f"(0 to {bound})")
     return spec.to_string()
 
 
@@ -497,7 +511,7 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         variable_bytes=sum(v.bytes for v in analysis.variables.values()),
         global_step=analysis.global_step, input_nodes=input_nodes, nodes_per_tower=per_tower,
         shared_nodes=len(ir.nodes) - tower_nodes, output_nodes=len(ir.nodes), gradients=grads,
-        merged_outputs=len(analysis.outputs), update_ops=list(analysis.update_ops),
+        merged_outputs=sum(f.role != "first" for f in analysis.outputs), update_ops=list(analysis.update_ops),
         batch_norm={"mode": batch_norm, "ops": list(analysis.couplings)},
         random={"ops": list(analysis.random_ops),
                 "reproduced": {n: d.kind for n, d in analysis.draws.items()}},

@@ -2,6 +2,12 @@
 
 Every subcommand exits 0 on success and 2 on bad input, printing one line that names the
 file, node or option (``--debug`` adds the traceback). Nothing is written on failure.
+
+Exit status: 0 = success, every output is in place and whole; 2 = bad input, nothing written;
+130 = interrupted (Ctrl-C) before any output was put in place, so nothing was written (the
+files named keep their old contents). A Ctrl-C that arrives once the outputs are being put in
+place is held until they all are (see :func:`replicate.outputs.interrupts_held`): the command
+then exits 0 and says so on stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import logging
 import os
 import sys
 import traceback
+
+from replicate import quiet
 
 __all__ = ["main", "COMMANDS"]
 
@@ -70,10 +78,41 @@ def _native_stderr_silenced(enabled: bool = True):
         os.close(null)
 
 
+def quiet_tensorflow(environ=None) -> None:
+    """Hide TensorFlow's informational and warning lines (no GPU found, ``cudart``, the CPU
+    feature guard's "rebuild TensorFlow" lines, oneDNN notices) unless the user chose a level:
+    sets ``TF_CPP_MIN_LOG_LEVEL=2`` when it is not set, so errors still show; the few
+    error-level lines that are chatter (``failed call to cuInit`` without a GPU) are dropped
+    by :func:`replicate.quiet.filtered_stderr`. Must run before TensorFlow is imported."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _filter_wanted() -> bool:
+    """Whether to filter stderr (:mod:`replicate.quiet`): yes unless ``REPLICATE_RAW_STDERR=1``
+    asks to see everything TensorFlow prints (``--debug`` and ``-vv`` also turn it off)."""
+    return os.environ.get("REPLICATE_RAW_STDERR", "") in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit code."""
+    """Run the command line; return the exit code (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    with _native_stderr_silenced(not {"--debug", "-vv"} & set(argv)):
+    command = next((a for a in argv if a in COMMANDS), "")
+    verbose = bool({"--debug", "-vv"} & set(argv))
+    try:
+        with quiet.filtered_stderr(not verbose and _filter_wanted()):
+            return _main(argv)
+    except KeyboardInterrupt:
+        print(f"replicate {command}: interrupted; no output was written".replace("  ", " "),
+              file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    verbose = {"--debug", "-vv"} & set(argv)
+    if not verbose:
+        quiet_tensorflow()
+    with _native_stderr_silenced(not verbose):
         import tensorflow  # noqa: F401 - imported here, quietly, before any subcommand
     parser, modules = build_parser()
     args = parser.parse_args(argv)
@@ -81,18 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(message)s")
     if args.verbose < 2:
         logging.getLogger("tensorflow").setLevel(logging.ERROR)
+    from replicate import outputs
     from replicate.errors import ReplicateError
 
     try:
-        return int(modules[args.command].run(args) or 0)
+        with outputs.interrupts_held() as hold:
+            code = int(modules[args.command].run(args) or 0)
     except ReplicateError as exc:
         if args.debug:
             traceback.print_exc()
         print(f"replicate {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"replicate {args.command}: interrupted", file=sys.stderr)
-        return 130
+    if hold.received:
+        print(f"replicate {args.command}: interrupted after the outputs were in place; "
+              "they are complete", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -14,18 +14,17 @@ and renamed; a SavedModel directory is assembled next to its destination (the in
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any
 
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 
+from replicate import outputs
 from replicate.errors import InputError, OutputError
 
 __all__ = ["Loaded", "load", "export_graph", "write_atomic", "FORMATS", "output_format", "encode", "save",
@@ -180,58 +179,37 @@ def _load_saved_model(path: str, tags: tuple[str, ...]) -> Loaded:
     return Loaded(meta.graph_def, meta, None, path, "savedmodel", model, index)
 
 
-def check_writable(path: str, force: bool = False, source: str | None = None) -> None:
+def check_writable(path: str, force: bool = False, source: str | None = None,
+                   directory: bool | None = None) -> None:
     """Fail before any work when ``path`` cannot become the output (``source``, the
-    input, never can, even with ``force``).
+    input, never can, even with ``force``); the rules are :mod:`replicate.outputs`'.
+
+    Args:
+        directory: the output is a directory (a SavedModel); ``None`` when not known yet
+            (an existing real directory is then judged as one, anything else as a file).
 
     Raises:
-        OutputError: ``path`` is the input, exists without ``force``, or its directory is
-            missing, not a directory or not writable.
+        OutputError: ``path`` is the input, a link, a device or other non-regular file,
+            exists without ``force``, or its directory is missing, not a directory or not
+            writable.
     """
-    if source is not None and os.path.lexists(path):
-        inputs = {os.path.realpath(source)}
-        if os.path.basename(source) in ("saved_model.pb", "saved_model.pbtxt"):
-            inputs.add(os.path.realpath(os.path.dirname(source) or "."))
-        if os.path.realpath(path) in inputs:
-            raise OutputError(f"{path}: is the input; write the result somewhere else")
-    if os.path.lexists(path) and not force:
-        raise OutputError(f"{path}: already exists (use --force to overwrite)")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(directory):
-        raise OutputError(f"{path}: directory {directory} does not exist")
-    if not os.path.isdir(directory):
-        raise OutputError(f"{path}: {directory} is not a directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise OutputError(f"{path}: directory {directory} is not writable")
-
-
-def _default_mode(directory: bool = False) -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return (0o777 if directory else 0o666) & ~mask
+    if directory is None:
+        directory = os.path.isdir(path) and not os.path.islink(path)
+    if directory:
+        outputs.check_directory(path, force=force, source=source)
+    else:
+        outputs.check_file(path, force=force, source=source)
 
 
 def write_atomic(path: str, data: bytes, force: bool = False) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename.
+    """Write ``data`` to ``path`` through a temporary file and a rename
+    (:func:`replicate.outputs.write_file`).
 
     Raises:
-        OutputError: ``path`` exists and ``force`` is False, or it cannot be written.
+        OutputError: ``path`` exists and ``force`` is False, is not a regular file, or it
+            cannot be written.
     """
-    check_writable(path, force)
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".replicate-", dir=directory)
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, _default_mode())
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
+    outputs.write_file(path, data, force=force)
 
 
 def output_format(path: str, input_format: str, requested: str | None = None) -> str:
@@ -297,37 +275,25 @@ def save(meta: meta_graph_pb2.MetaGraphDef, path: str, fmt: str, *, force: bool 
                           "(its variables are copied); choose --format meta")
     from replicate.meta import replace_meta_graph
 
-    check_writable(path, force)
+    check_writable(path, force, directory=True)
     model = replace_meta_graph(source.saved_model, source.meta_index, meta)
     _replace_dir(path, _serialize(model), source.origin)
 
 
 def _replace_dir(path: str, data: bytes, source_dir: str) -> None:
     """Assemble a SavedModel directory next to ``path`` and rename it into place."""
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        tmp = tempfile.mkdtemp(prefix=".replicate-", dir=parent)
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
-    old = None
+    tmp = outputs.new_staging_directory(path, beside=True)
     try:
         with open(os.path.join(tmp, "saved_model.pb"), "wb") as fh:
             fh.write(data)
         for sub in _SAVED_MODEL_DIRS:
             if os.path.isdir(os.path.join(source_dir, sub)):
                 shutil.copytree(os.path.join(source_dir, sub), os.path.join(tmp, sub))
-        os.chmod(tmp, _default_mode(directory=True))
-        if os.path.lexists(path):
-            old = tmp + ".old"
-            os.rename(path, old)
-        os.rename(tmp, path)
     except (OSError, shutil.Error) as exc:
-        if old is not None and not os.path.lexists(path):
-            os.rename(old, path)
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(exc, "strerror", None) or str(exc)
         raise OutputError(f"{path}: cannot write ({reason})") from None
-    if old is not None and os.path.isdir(old) and not os.path.islink(old):
-        shutil.rmtree(old, ignore_errors=True)
-    elif old is not None:
-        os.unlink(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    outputs.commit_directory(tmp, path, replace=True)

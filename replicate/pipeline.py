@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from replicate import outputs
 from replicate.errors import OutputError, PassError, ReplicateError
 from replicate.ir import IR
 
@@ -73,8 +74,10 @@ def run_pipeline(ir: IR, passes: Sequence[Pass], *, verify_each: bool = False,
     done: list[str] = []
     records: list[PassRecord] = []
     if dump_dir:
+        outputs.check_directory(dump_dir)
         try:
-            os.makedirs(dump_dir, exist_ok=True)
+            if not os.path.isdir(dump_dir):
+                os.mkdir(dump_dir)
         except OSError as exc:
             raise OutputError(f"{dump_dir}: cannot create the dump directory ({exc.strerror})") from None
     for index, p in enumerate(passes):
@@ -99,10 +102,7 @@ def run_pipeline(ir: IR, passes: Sequence[Pass], *, verify_each: bool = False,
             from google.protobuf import text_format
 
             path = os.path.join(dump_dir, f"{index:02d}_{p.name}.pbtxt")
-            try:
-                with open(path, "w", encoding="utf-8") as fh:
-                    fh.write(text_format.MessageToString(ir.to_graph_def()))
-            except OSError as exc:
-                raise OutputError(f"{path}: cannot write the IR dump ({exc.strerror})") from None
+            outputs.write_file(path, text_format.MessageToString(ir.to_graph_def()).encode("utf-8"),
+                               force=True, hold=False)
         done.append(p.name)
     return ir, records

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from replicate.facts import Reason
+from replicate.wording import count, reductions
 
 __all__ = ["Report"]
 
@@ -69,7 +70,7 @@ class Report:
         return out
 
     def __str__(self) -> str:
-        lines = [f"replicate: {len(self.devices)} towers on {', '.join(self.devices)}; "
+        lines = [f"replicate: {count(len(self.devices), 'tower')} on {', '.join(self.devices)}; "
                  f"shared state on {self.controller}"]
         if self.tower0_values:
             lines.append(f"  NOT MERGED    fetching {', '.join(self.tower0_values)} by the original "
@@ -78,8 +79,7 @@ class Report:
             f"  (and {', '.join(self.train_ops[1:])}: every train op is replicated)"
             if len(self.train_ops) > 1 else ""))
         loss = self.loss or "(not found)"
-        kinds = ", ".join(f"{k}: {v}" for k, v in self.loss_reductions.items())
-        lines.append(f"  loss          {loss}  (reduction over the batch: {kinds or 'unknown'})")
+        lines.append(f"  loss          {loss}  ({reductions(self.loss_reductions)})")
         classes = list(dict.fromkeys(inp.get("class", 0) for inp in self.inputs))
         for inp in self.inputs:
             size = inp["static_size"] if inp["static_size"] is not None else "dynamic"
@@ -88,7 +88,7 @@ class Report:
         for name in self.shared_inputs:
             why = self.shared_why.get(name)
             lines.append(f"  shared input  {name}  (not split{': ' + why if why else ''})")
-        lines.append(f"  optimizers    {', '.join(self.optimizers) or 'none'}  ({self.updates} updates)")
+        lines.append(f"  optimizers    {', '.join(self.optimizers) or 'none'}  ({count(self.updates, 'update')})")
         lines.append(f"  variables     {self.variables} ({self.trainable_variables} updated by the optimizer), "
                      f"{_human_bytes(self.variable_bytes)}")
         if self.global_step:
@@ -97,9 +97,10 @@ class Report:
         lines.append(f"  gradients     {grads}")
         lines.append(f"  nodes         {self.input_nodes} in; {self.nodes_per_tower} per tower, "
                      f"{self.shared_nodes} shared; {self.output_nodes} out")
-        lines.append(f"  merged        {self.merged_outputs} forward tensors under their original names")
+        lines.append(f"  merged        {count(self.merged_outputs, 'forward tensor')} under their "
+                     "original names")
         if self.update_ops:
-            lines.append(f"  update ops    {len(self.update_ops)} run in tower 0 only "
+            lines.append(f"  update ops    {len(self.update_ops)} {'runs' if len(self.update_ops) == 1 else 'run'} in tower 0 only "
                          f"(first: {self.update_ops[0]})")
         if self.batch_norm.get("ops"):
             how = ("global statistics across towers, forward and backward" if self.batch_norm["mode"] == "sync"
@@ -108,7 +109,7 @@ class Report:
                          f"({', '.join(self.batch_norm['ops'][:3])}{'...' if len(self.batch_norm['ops']) > 3 else ''}); "
                          f"mode {self.batch_norm['mode']}: {how}")
         if self.mirrored:
-            lines.append(f"  mirrored      {len(self.mirrored)} variables copied on every tower device, "
+            lines.append(f"  mirrored      {count(len(self.mirrored), 'variable')} copied on every tower device, "
                          "updated in place from all-reduced gradients (checkpoints hold the "
                          "originals; run replicate/mirror/sync after restoring with a Saver "
                          "built after import)")
@@ -126,11 +127,11 @@ class Report:
                          + (f" ({rows} per-example: each tower draws its rows of the single-device "
                             "draw)" if rows else ""))
         if self.rebatched:
-            lines.append(f"  static batch  {len(self.rebatched)} constants rewritten per tower")
+            lines.append(f"  static batch  {count(len(self.rebatched), 'constant')} rewritten per tower")
         if self.exact:
             lines.append("  exact         yes: N towers train as one device on the same global batch")
         else:
-            lines.append(f"  exact         NO ({len(self.reasons)} reasons)")
+            lines.append(f"  exact         NO ({count(len(self.reasons), 'reason')})")
             lines.extend(f"    - {r}" for r in self.reasons)
         if self.check:
             lines.append(f"  check         {self.check.get('summary', '')}")

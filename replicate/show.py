@@ -22,6 +22,7 @@ from replicate.viz.collapse import DEFAULT_MAX_NODES, DEFAULT_SHARED_MAX_NODES, 
 from replicate.viz.groups import roles_from_analysis
 from replicate.viz.render import FORMATS, check_dot, render
 from replicate.viz.style import short_device
+from replicate.wording import count
 
 __all__ = ["cluster_graph", "picture", "draw", "show", "picture_format", "title_of", "Shown",
            "DEFAULT_MAX_NODES", "DEFAULT_SHARED_MAX_NODES", "FORMATS"]
@@ -82,9 +83,9 @@ def title_of(result, name: str | None = None) -> str:
     report = result.report
     devices = [short_device(d) for d in report.devices]
     shown = ", ".join(devices) if len(devices) <= 4 else f"{devices[0]} … {devices[-1]}"
-    exact = "exact" if report.exact else f"not exact ({len(report.reasons)} reasons)"
+    exact = "exact" if report.exact else f"not exact ({count(len(report.reasons), 'reason')})"
     head = f"{name}: " if name else ""
-    return (f"{head}{len(devices)} towers on {shown}, shared state on "
+    return (f"{head}{count(len(devices), 'tower')} on {shown}, shared state on "
             f"{short_device(report.controller)} · {report.output_nodes:,} ops · {exact}")
 
 
@@ -120,7 +121,7 @@ def draw(result, output: str, *, fmt: str | None = None, force: bool = False,
     from replicate import io
 
     fmt = picture_format(output, fmt)
-    io.check_writable(output, force)
+    io.check_writable(output, force, directory=False)
     start = time.perf_counter()
     boxes = cluster_graph(result, max_nodes=max_nodes, shared_max_nodes=shared_max_nodes,
                           depth=depth)
@@ -156,8 +157,12 @@ def show(source: Any, devices: Sequence[str], output: str, *, fmt: str | None = 
     import replicate
     from replicate import io
 
+    from replicate.api import _devices
+
+    _devices(devices, options.get("controller", "/cpu:0"))     # bad devices before the output
     fmt = picture_format(output, fmt)
-    io.check_writable(output, force, source=source if isinstance(source, str) else None)
+    io.check_writable(output, force, source=source if isinstance(source, str) else None,
+                      directory=False)
     if fmt != "dot":
         check_dot()
     result = replicate.transform(source, devices, progress=progress, **options)

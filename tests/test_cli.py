@@ -126,9 +126,9 @@ MORE_BAD = {
     "SavedModel from a .meta": ("{good}", "{out}/sm", ["--format", "savedmodel"],
                                 ["--format savedmodel needs a SavedModel input"]),
     "unwritable tensorboard dir": ("{good}", "{out}/o.meta", ["--tensorboard", "{afile}/tb"],
-                                   ["--tensorboard", "not a writable directory"]),
+                                   ["--tensorboard", "afile is not a directory"]),
     "dump dir is a file": ("{good}", "{out}/o.meta", ["--dump-dir", "{afile}"],
-                           ["--dump-dir", "exists and is not a directory"]),
+                           ["--dump-dir", "exists and is a file, not a directory"]),
     "unknown output name": ("{good}", "{out}/o.meta", ["--outputs", "logits:0,nope:0"],
                             ["good.meta", "nope"]),
 }

@@ -257,7 +257,7 @@ def test_server_entry_point_refuses_an_unknown_task(capsys):
 def test_cluster_command_refuses_bad_options(tmp_path, capsys):
     for argv, words in ((["--workers", "0"], "--workers 0"),
                         (["--port-base", "80"], "--port-base 80"),
-                        (["--json", str(tmp_path / "no" / "c.json")], "not a writable directory")):
+                        (["--json", str(tmp_path / "no" / "c.json")], "does not exist")):
         assert cli.main(["cluster", *argv]) == 2
         assert words in capsys.readouterr().err
     with pytest.raises(ReplicateError, match="at least one worker"):

@@ -109,9 +109,12 @@ def test_demo_cli_prints_agreement_within_tolerance():
     out = proc.stdout
     assert "data:  synthetic digits" in out
     line = next(l for l in out.splitlines() if l.startswith(AGREEMENT))
-    assert "OK" in line
-    first = float(re.search(r"difference (\S+) after 1 step", line).group(1))
-    assert first <= 1e-4
+    assert line.startswith("agreement: exact where checked: max relative parameter difference "
+                           "step 1 "), line
+    first = float(re.search(r"step 1 (\S+),", line).group(1))
+    last = float(re.search(r"step 6 (\S+) \(each within --rtol 0.0001\)", line).group(1))
+    assert first <= 1e-4 and last <= 1e-4
+    assert "OK" not in out and "drift after" not in out       # 6 steps: all checked, no drift line
     assert re.search(r"throughput: 1 device [\d,]+ examples/s, 3 towers [\d,]+ examples/s", out)
 
 

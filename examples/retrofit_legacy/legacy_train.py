@@ -16,8 +16,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import warnings
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # tf.compat.v1.layers need tf-keras
+# This script is the legacy code on purpose: tf.compat.v1.layers is what it used. Their
+# "is deprecated" notices (one per layer) say nothing a reader of this example needs.
+warnings.filterwarnings("ignore", message=r"`tf\.layers\.\w+` is deprecated", category=UserWarning)
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -26,7 +26,8 @@ import signal
 import sys
 import threading
 
-from replicate.errors import OutputError, ReplicateError
+from replicate import outputs
+from replicate.errors import ReplicateError
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -49,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="intra- and inter-op threads per task; 0 for TensorFlow's "
                              "default (default 1)")
     parser.add_argument("--json", metavar="FILE",
-                        help="write the cluster spec here (removed when the cluster stops)")
+                        help="write the cluster spec here (removed when the cluster stops; "
+                             "refused if it exists, unless --force)")
+    parser.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     parser.add_argument("--restart", action="store_true",
                         help="start a task that dies again on its port")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
@@ -72,16 +75,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ReplicateError(f"--port-base {args.port_base}: give a port in 1024..65535 with "
                              "room for every task")
     if args.json:
-        directory = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-            raise OutputError(f"--json {args.json}: {directory} is not a writable directory")
+        outputs.check_file(args.json, force=args.force, option="--json")
 
 
-def _write_json(path: str, text: str) -> None:
-    partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
-    os.replace(partial, path)
+def _write_json(path: str, text: str, force: bool) -> None:
+    outputs.write_file(path, (text + "\n").encode("utf-8"), force=force, option="--json")
 
 
 def _describe(local) -> str:
@@ -118,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         local.start()
         spec = local.cluster.to_json()
         if args.json:
-            _write_json(args.json, spec)
+            _write_json(args.json, spec, args.force)
         print(_describe(local))
         print(f"cluster spec{f' (in {args.json})' if args.json else ''}:\n{spec}")
         print("TF_CONFIG=" + json.dumps({"cluster": json.loads(spec)}, sort_keys=True))
@@ -126,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         code = _serve(local, args.restart, stop)
     finally:
         local.stop()
-        if args.json and os.path.exists(args.json):
+        if args.json and os.path.isfile(args.json) and not os.path.islink(args.json):
             os.remove(args.json)
         for signum, handler in previous.items():
             signal.signal(signum, handler)

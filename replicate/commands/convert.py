@@ -7,7 +7,10 @@ names, so a driver that imports OUT, restores a checkpoint of the single-device 
 feeds the same placeholders and runs the same train op trains on all devices, exactly as
 one device would on the same global batches.
 
-Nothing is written when anything fails (exit code 2); IN is never modified.
+Nothing is written when anything fails (exit code 2) or is interrupted before the outputs
+are put in place (exit code 130); IN is never modified. Outputs that are devices (/dev/null),
+FIFOs, directories where a file is expected, or symbolic links are refused even with
+--force; --tensorboard and --dump-dir create their last directory only, like -o.
 
 example:
   replicate convert model.meta -o model_x4.meta --devices /gpu:0,/gpu:1,/gpu:2,/gpu:3
@@ -17,13 +20,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
+import shutil
 
 from replicate.commands._common import (Progress, add_device_arguments, add_graph_arguments,
                                         add_strategy_arguments, check_input, name_list,
                                         relabel, targets, train_op_hint)
 from replicate.commands._cluster_args import add_cluster_arguments
+from replicate import outputs
 from replicate.errors import OutputError, ReplicateError
+from replicate.wording import count
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -38,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("input", metavar="IN", help="a .meta, .pb or .pbtxt file, or a SavedModel directory")
     parser.add_argument("-o", "--output", required=True, metavar="OUT",
-                        help="where to write the result (refused if it exists, unless --force)")
+                        help="where to write the result (refused if it exists, unless --force; "
+                             "always if it is a device, FIFO, link or the input)")
     add_device_arguments(parser, required=False)     # required unless --between-graph (run)
     add_graph_arguments(parser)
     add_strategy_arguments(parser)
@@ -76,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
     io.check_writable(args.output, args.force, source=args.input)
     for option, directory in (("--tensorboard", args.tensorboard), ("--dump-dir", args.dump_dir)):
         if directory:
-            _check_dir(option, directory)
+            outputs.check_directory(directory, source=args.input, option=option)
     loaded = io.load(args.input)
     fmt = io.output_format(args.output, loaded.format, args.format)
     if fmt == "savedmodel" and loaded.saved_model is None:
         raise OutputError(f"{args.output}: --format savedmodel needs a SavedModel input "
                           "(its variables are copied)")
+    io.check_writable(args.output, args.force, source=args.input, directory=fmt == "savedmodel")
     result = _transform(args, loaded, where, progress)
     progress.note("checking the result")
     from replicate.registry import check_message_size
@@ -89,17 +96,23 @@ def run(args: argparse.Namespace) -> int:
     check_message_size(result.meta_graph_def, args.output)
     _check_consistent(result.meta_graph_def, args.output)
     graph = _imported(result.graph_def, args.output)
+    staging = _stage_events(graph, args.tensorboard) if args.tensorboard else None
     progress.note(f"writing {args.output}")
-    io.save(result.meta_graph_def, args.output, fmt, force=args.force, source=loaded)
-    if args.tensorboard:
+    try:
+        io.save(result.meta_graph_def, args.output, fmt, force=args.force, source=loaded)
+    except BaseException:
+        if staging:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if staging:
         progress.note(f"writing the graph to {args.tensorboard}")
-        _write_events(graph, args.tensorboard)
+        outputs.commit_directory(staging, args.tensorboard, option="--tensorboard")
     progress.done("done")
     if not args.quiet:
         print(result.report)
         dropped = " (collections and saver dropped: a GraphDef has none)" if (
             fmt in ("pb", "pbtxt") and loaded.meta is not None) else ""
-        print(f"wrote {args.output} ({fmt}, {len(devices)} towers){dropped}")
+        print(f"wrote {args.output} ({fmt}, {count(len(devices), 'tower')}){dropped}")
     return 0
 
 
@@ -158,26 +171,23 @@ def _imported(graph_def, output: str):
     return graph
 
 
-def _check_dir(option: str, directory: str) -> None:
-    """Fail early when ``directory`` cannot be created or written."""
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise OutputError(f"{option} {directory}: exists and is not a directory")
-    parent = directory
-    while not os.path.exists(parent):
-        parent = os.path.dirname(os.path.abspath(parent))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{option} {directory}: {parent} is not a writable directory")
-
-
-def _write_events(graph, logdir: str) -> None:
-    """An event file holding exactly the rewritten graph (TensorBoard's Graphs tab)."""
+def _stage_events(graph, logdir: str) -> str:
+    """An event file holding exactly the rewritten graph (TensorBoard's Graphs tab), in a
+    staging directory that :func:`replicate.outputs.commit_directory` later renames into
+    ``logdir`` (created if absent; its parent must exist), like every output."""
     import tensorflow as tf
 
+    staging = outputs.new_staging_directory(logdir, "--tensorboard")
     try:
         with graph.as_default():
-            writer = tf.compat.v1.summary.FileWriter(logdir, graph=graph)
+            writer = tf.compat.v1.summary.FileWriter(staging, graph=graph)
             writer.flush()
             writer.close()
     except (OSError, ValueError, tf.errors.OpError) as exc:
+        shutil.rmtree(staging, ignore_errors=True)
         raise OutputError(f"--tensorboard {logdir}: cannot write ({exc})") from None
-    log.info("wrote the graph for TensorBoard to %s", logdir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("staged the graph for TensorBoard in %s", staging)
+    return staging

@@ -23,6 +23,7 @@ from replicate.commands._common import (add_device_arguments, add_graph_argument
                                         relabel, table, targets, train_op_hint)
 from replicate.commands._cluster_args import add_cluster_arguments
 from replicate.errors import ReplicateError
+from replicate.wording import count, reductions
 
 __all__ = ["HELP", "add_arguments", "run", "collect", "render"]
 
@@ -110,8 +111,10 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
                    + len(report.shared_inputs)},
         "mirrored": list(report.mirrored),
         "accumulate": dict(report.accumulate),
-        "merged_outputs": [f.tensor for f in analysis.outputs],
-        "named_outputs": [f.tensor for f in analysis.outputs if _named(ir, f.tensor)],
+        "merged_outputs": [f.tensor for f in analysis.outputs if f.role != "first"],
+        "named_outputs": [f.tensor for f in analysis.outputs
+                          if f.role != "first" and _named(ir, f.tensor)],
+        "tower0_outputs": [f.tensor for f in analysis.outputs if f.role == "first"],
         "output_nodes": report.output_nodes, "exact": report.exact,
         "reasons": [dict(node=r.node, what=r.what, fix=r.fix) for r in report.reasons],
         "warnings": _warnings(ir, analysis, report, loaded.meta, meta),
@@ -185,10 +188,10 @@ def render(info: dict[str, Any]) -> str:
     """The human-readable report of :func:`collect`'s data."""
     fmt = FORMAT_NAMES.get(info["format"], info["format"])
     lines = [f"{info['input']}  ({fmt}, {info['nodes']} nodes)", "", "Training"]
-    kinds = ", ".join(f"{v}" for v in info["loss_reductions"].values()) or "unknown"
+    kinds = reductions(info["loss_reductions"])
     lines.append(table(["role", "name", "note"], [
         ["train op", info["train_op"], "run by the driver; keeps its name"],
-        ["loss", info["loss"] or "(not found)", f"reduction over the batch: {kinds}"],
+        ["loss", info["loss"] or "(not found)", kinds],
         ["global step", info["global_step"] or "-", "incremented once per step"],
     ]))
     lines += ["", "Inputs"]
@@ -207,7 +210,7 @@ def render(info: dict[str, Any]) -> str:
     if len(var["list"]) > MAX_ROWS:
         lines.append(f"  ... {len(var['list']) - MAX_ROWS} more (--json lists all)")
     assumed = " (assumed; pass --devices)" if info.get("devices_assumed") else ""
-    lines += ["", f"Replication over {len(info['devices'])} towers: {', '.join(info['devices'])}"
+    lines += ["", f"Replication over {count(len(info['devices']), 'tower')}: {', '.join(info['devices'])}"
                   f"{assumed}; shared state on {info['controller']}"]
     ops = ", ".join(f"{op} {n}" for op, n in list(info["replicated"]["ops"].items())[:8])
     shared = info["shared"]
@@ -218,7 +221,9 @@ def render(info: dict[str, Any]) -> str:
                                     f"optimizer updates, {shared['inputs']} inputs, savers, summaries"],
         ["merged", len(info["merged_outputs"]), "forward tensors under their original names"
          + (": " + ", ".join(info["named_outputs"][:6]) if info["named_outputs"] else "")],
-    ]))
+    ] + ([["tower 0", len(info["tower0_outputs"]),
+           "forward tensors under their original names holding tower 0's value only (not "
+           "mergeable; see the warnings)"]] if info.get("tower0_outputs") else [])))
     if info.get("mirrored"):
         lines.append(f"Mirrored: {len(info['mirrored'])} variables (weights and optimizer state) "
                      "copied on every tower device; the update runs on each device")
@@ -231,7 +236,7 @@ def render(info: dict[str, Any]) -> str:
     if info["exact"]:
         lines.append("Exact: yes (N towers train as one device on the same global batch)")
     else:
-        lines.append(f"Exact: NO ({len(info['reasons'])} reasons)")
+        lines.append(f"Exact: NO ({count(len(info['reasons']), 'reason')})")
         lines.append(table(["node", "why", "what to do"],
                            [[r["node"], r["what"], r["fix"]] for r in info["reasons"]]))
     lines += ["", f"Warnings: {len(info['warnings']) or 'none'}"]

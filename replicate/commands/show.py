@@ -8,10 +8,12 @@ is labelled with the number of tensors it stands for. Edges between parts (the s
 a tower, a tower and the aggregation) are drawn once per pair of parts.
 
 OUT's extension picks the format: .svg (zoomable, with tooltips), .png, or .dot (the
-Graphviz source). SVG and PNG need Graphviz's `dot` program (apt-get install graphviz).
+Graphviz source). SVG and PNG are laid out by Graphviz through pygraphviz, whose wheel
+carries Graphviz (the viz extra; no system package needed).
 --max-nodes bounds the boxes per tower (big scopes are opened first; stray ops join the
 box they feed); --depth caps how deep a box's scope may go. Nothing is written on failure;
-OUT is refused if it exists, unless --force.
+OUT is refused if it exists, unless --force, and always if it is a device, a FIFO, a
+directory or a symbolic link.
 
 example:
   replicate show model.meta --devices /gpu:0,/gpu:1,/gpu:2,/gpu:3 -o towers.svg
@@ -27,6 +29,7 @@ from replicate.commands._common import (Progress, add_device_arguments, add_grap
                                         check_input, name_list, parse_devices, relabel,
                                         train_op_hint)
 from replicate.errors import DeviceError, ReplicateError
+from replicate.wording import count
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if len(controller) != 1:
         raise DeviceError(f"--controller '{args.controller}': give exactly one device")
     fmt = show.picture_format(args.output, args.format)
-    io.check_writable(args.output, args.force, source=args.input)
+    io.check_writable(args.output, args.force, source=args.input, directory=False)
     if fmt != "dot":
         check_dot()
     loaded = io.load(args.input)
@@ -107,6 +110,6 @@ def run(args: argparse.Namespace) -> int:
     progress.done("done")
     if not args.quiet:
         boxes = shown.boxes
-        print(f"wrote {args.output} ({fmt}, {len(devices)} towers, {boxes.number_of_nodes()} boxes "
+        print(f"wrote {args.output} ({fmt}, {count(len(devices), 'tower')}, {boxes.number_of_nodes()} boxes "
               f"for {boxes.graph['nodes']:,} ops; drawn in {shown.seconds:.1f} s)")
     return 0

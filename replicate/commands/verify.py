@@ -31,6 +31,7 @@ from replicate.commands._common import (add_device_arguments, add_strategy_argum
                                         parse_devices, relabel, strategy_options)
 from replicate.equivalence import Comparison
 from replicate.errors import InputError, ReplicateError
+from replicate.wording import count
 
 __all__ = ["HELP", "add_arguments", "run", "render", "verify", "Verification", "default_batch"]
 
@@ -257,13 +258,23 @@ def _names(names: list[str]) -> str:
     return shown + (f", ... ({len(names) - MAX_NAMES} more)" if len(names) > MAX_NAMES else "")
 
 
+def verdict_line(ok: bool, max_rel: float, worst: str | None, rtol: float) -> str:
+    """The one line that says pass or fail, in words that cannot be read the other way."""
+    if ok:
+        return (f"verdict: agrees: every parameter is within --rtol {rtol:g} of one device's "
+                f"(largest relative difference {max_rel:.3g})")
+    where = f" in {worst}" if worst else ""
+    return (f"verdict: DIFFERS: the largest relative parameter difference, {max_rel:.3g}{where}, "
+            f"is above --rtol {rtol:g}: the rewrite does not train as one device does")
+
+
 def render(result, requested: list[str]) -> str:
     """The text report of a :class:`replicate.equivalence.Verification`."""
     c = result.comparison
     counts = [result.batch // len(result.devices) + (k < result.batch % len(result.devices))
               for k in range(len(result.devices))]
-    lines = [f"{result.source}: {len(result.devices)} towers on {', '.join(result.devices)} "
-             f"(standing in for {', '.join(requested)}), {result.steps} steps, global batch "
+    lines = [f"{result.source}: {count(len(result.devices), 'tower')} on {', '.join(result.devices)} "
+             f"(standing in for {', '.join(requested)}), {count(result.steps, 'step')}, global batch "
              f"{result.batch} ({' + '.join(map(str, counts))}), seed {result.seed}"]
     lines.append("inputs: " + ("; ".join(i.describe() for i in result.inputs) or "none (the graph reads its own)"))
     lines.append(f"max parameter difference: {c.max_abs:.3g} absolute, {c.max_rel:.3g} relative"
@@ -271,17 +282,18 @@ def render(result, requested: list[str]) -> str:
     if c.reference_rel is not None:
         lines.append(f"rounding reference (1 device, each batch reordered): {c.reference_rel:.3g} "
                      "relative (for comparison only; it does not move the bar)")
-    lines.append(f"verdict: {'agrees' if result.ok else 'DIFFERS'} (every parameter within "
-                 f"--rtol {result.rtol:g} of one device's, relative to its scale)")
+    lines.append(verdict_line(result.ok, c.max_rel, c.worst, result.rtol))
     if not result.exact:
         lines.append("not exact by construction: " + "; ".join(result.reasons[:3]))
         if any("random op" in r for r in result.reasons):
             lines.append("hint: random ops draw separate streams per tower; feed values that turn "
                          "them off (e.g. --feed keep_prob=1.0) to compare exactly")
     if result.unchanged:
-        lines.append(f"warning: {len(result.unchanged)} variables never change in {result.steps} "
-                     f"steps: {_names(result.unchanged)}")
+        lines.append(f"warning: {count(len(result.unchanged), 'variable')} never "
+                     f"{'changes' if len(result.unchanged) == 1 else 'change'} in "
+                     f"{count(result.steps, 'step')}: {_names(result.unchanged)}")
     if result.no_gradient:
-        lines.append(f"warning: {len(result.no_gradient)} trainable variables get no gradient "
+        lines.append(f"warning: {count(len(result.no_gradient), 'trainable variable')} "
+                     f"{'gets' if len(result.no_gradient) == 1 else 'get'} no gradient "
                      f"(the train op does not update them): {_names(result.no_gradient)}")
     return "\n".join(lines)

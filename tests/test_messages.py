@@ -1,0 +1,115 @@
+"""What replicate prints reads right (#25.4): plurals, reductions in words, a verify verdict
+that cannot be read as a pass, a demo line that claims exactness only where it was checked,
+and inspect never listing a tensor both as merged and as not mergeable."""
+
+import re
+
+import pytest
+import tensorflow as tf
+
+import models
+import replicate
+from replicate.commands import inspect as inspect_cmd
+from replicate.commands.verify import verdict_line
+from replicate.demo.report import drift_line, verdict
+from replicate.demo.runner import Drift, SideBySide
+from replicate.wording import count, reductions
+
+v1 = tf.compat.v1
+
+
+def test_counts_take_the_right_plural():
+    assert [count(n, "tower") for n in (0, 1, 2)] == ["0 towers", "1 tower", "2 towers"]
+    assert count(1, "reason") == "1 reason"
+
+
+def test_reductions_in_words():
+    assert reductions({"gradients": "mean"}) == "a mean over the batch"
+    assert "divided by a count of examples" in reductions({"gradients": "ratio"})
+    assert reductions({"gradients": "mean", "gradients_1": "sum"}) == (
+        "'gradients': a mean over the batch; 'gradients_1': a sum over the batch")
+
+
+def _unseeded_dropout():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = v1.get_variable("w", [4, 2])
+        hidden = tf.nn.dropout(x, rate=0.5)
+        loss = tf.reduce_mean(tf.square(tf.matmul(hidden, w)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+def test_report_of_one_tower_and_one_reason_is_grammatical():
+    report = str(replicate.transform(_unseeded_dropout(), ["/cpu:0"]).report)
+    assert report.startswith("replicate: 1 tower on /device:CPU:0;")
+    assert "1 towers" not in report
+    reasons = re.search(r"exact +NO \((\d+) reasons?\)", report)
+    assert reasons, report
+    n = int(reasons.group(1))
+    assert f"NO ({count(n, 'reason')})" in report
+    assert "loss          loss:0  (a mean over the batch)" in report
+    assert "reduction over the batch: gradients" not in report
+
+
+def test_report_of_two_towers_uses_the_plural():
+    report = str(replicate.transform(models.mlp().graph, ["/cpu:0", "/cpu:1"]).report)
+    assert report.startswith("replicate: 2 towers on ")
+
+
+def test_verify_verdict_cannot_be_read_as_a_pass():
+    passed = verdict_line(True, 3e-7, "w", 1e-5)
+    failed = verdict_line(False, 0.25, "dense/kernel", 1e-5)
+    assert passed.startswith("verdict: agrees: every parameter is within --rtol 1e-05")
+    assert failed.startswith("verdict: DIFFERS: the largest relative parameter difference, 0.25 "
+                             "in dense/kernel, is above --rtol 1e-05")
+    assert "within" not in failed
+
+
+def _run(drift, losses=0.0):
+    return SideBySide(losses=[(1.0, 1.0 + losses)], accuracies=[(0.5, 0.5)], seconds=[(1.0, 1.0)],
+                      per_variable={"w": drift[-1].max_rel}, drift=drift, batch=8, warmup=0)
+
+
+def test_demo_claims_exactness_only_where_checked_and_sets_drift_beside_the_reference():
+    result = _run([Drift(1, 2e-7, 1e-7, 0.0, 0.0), Drift(10, 8e-7, 3e-7, 5e-7, 2e-7),
+                   Drift(300, 0.99, 4e-3, 0.87, 3.9e-3)])
+    ok, line = verdict(result, 1e-4)
+    assert ok
+    assert line == ("agreement: exact where checked: max relative parameter difference "
+                    "step 1 2.0e-07, step 10 8.0e-07 (each within --rtol 0.0001)")
+    drift = drift_line(result)
+    assert drift.startswith("drift after 300 steps: towers vs 1 device 9.9e-01 max relative "
+                            "(4.0e-03 of the parameters' norm)")
+    assert "1 device vs itself with each batch permuted: 8.7e-01 (3.9e-03)" in drift
+    assert not re.search(r"\bOK\b|agree|exact", drift)          # no verdict on the drift
+
+
+def test_demo_says_differs_when_a_checked_step_is_off():
+    ok, line = verdict(_run([Drift(1, 2e-7, 1e-7), Drift(10, 3e-2, 1e-2)]), 1e-4)
+    assert not ok
+    assert line.startswith("agreement: DIFFERS:") and "step 10 is above --rtol 0.0001" in line
+    assert "exact" not in line
+
+
+def test_demo_without_reference_says_so():
+    line = drift_line(_run([Drift(1, 0.0, 0.0), Drift(50, 0.1, 0.01)]))
+    assert "no one-device reference was run (--no-reference)" in line
+
+
+def test_inspect_never_lists_a_tensor_as_merged_and_not_mergeable(tmp_path):
+    path = str(tmp_path / "m.meta")
+    with models.mlp().graph.as_default():
+        v1.train.export_meta_graph(path)
+    info = inspect_cmd.collect(path, ["/cpu:0", "/cpu:1"], "/cpu:0")
+    assert "tower0_outputs" in info
+    assert not set(info["merged_outputs"]) & set(info["tower0_outputs"])
+    # the table row for tower-0-only tensors is separate from the merged row
+    info["tower0_outputs"] = [info["merged_outputs"][0]]
+    info["merged_outputs"] = info["merged_outputs"][1:]
+    text = inspect_cmd.render(info)
+    merged_row = next(line for line in text.splitlines() if line.strip().startswith("merged"))
+    assert info["tower0_outputs"][0] not in merged_row
+    assert re.search(r"tower 0 +1 +forward tensors under their original names holding tower 0's "
+                     r"value only", text)
