@@ -439,6 +439,7 @@ def _certify(report: Report, graph: Any, towers: int, *, train_op: str, loss: st
     if report.exact and cert.ran and not cert.ok:
         worst = cert.worst
         report.exact = False
+        report.check["contradicted"] = True
         report.reasons.append(Reason(worst["worst"], f"the numeric check found '{worst['worst']}' "
                                      f"{worst['max_rel']:.2e} off one device after "
                                      f"{worst['steps']} steps at a global batch of {worst['batch']}, "

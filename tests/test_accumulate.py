@@ -176,7 +176,7 @@ def _export(tmp_path, model, name="model.meta"):
 def test_cli_convert_end_to_end_with_unchanged_driver(tmp_path, capsys):
     model = models.mlp("adam")
     path, out = _export(tmp_path, model), tmp_path / "out.meta"
-    assert main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0,/cpu:1",
+    assert main(["convert", str(path), "-o", str(out), "--no-check", "--devices", "/cpu:0,/cpu:1",
                  "--accumulate", "3"]) == 0
     assert "accumulate    3 micro-batches per device" in capsys.readouterr().out
     written = v1.MetaGraphDef()
@@ -203,7 +203,7 @@ def test_cli_inspect_and_verify(tmp_path, capsys):
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
 def test_cli_bad_values_exit_2_with_one_line(tmp_path, capsys, value):
     path, out = _export(tmp_path, models.mlp("sgd")), tmp_path / "out.meta"
-    code = main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0",
+    code = main(["convert", str(path), "-o", str(out), "--no-check", "--devices", "/cpu:0",
                  f"--accumulate={value}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--accumulate" in err, err
@@ -212,7 +212,7 @@ def test_cli_bad_values_exit_2_with_one_line(tmp_path, capsys, value):
 
 def test_cli_static_batch_smaller_than_k_exits_2(tmp_path, capsys):
     path, out = _export(tmp_path, models.mlp("sgd", batch=4)), tmp_path / "out.meta"
-    code = main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0", "--accumulate", "5"])
+    code = main(["convert", str(path), "-o", str(out), "--no-check", "--devices", "/cpu:0", "--accumulate", "5"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "accumulate=5" in err, err
     assert not out.exists()

@@ -203,6 +203,7 @@ def test_convert_writes_graph_dumps_and_tensorboard_events(tmp_path, files):
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out} (meta, 2 towers)" in proc.stdout
     assert "exact         yes" in proc.stdout
+    assert "  check         ran on logical CPUs" in proc.stdout      # convert checks by default
     meta = v1.MetaGraphDef.FromString(out.read_bytes())
     assert any(n.name.startswith("tower_1/") for n in meta.graph_def.node)
     assert meta.collection_def["train_op"].node_list.value == ["train"]
@@ -273,3 +274,29 @@ def test_inspect_json_from_the_console_script(warned):
     assert info["exact"] is True and info["reasons"] == []
     assert len(info["warnings"]) == 4 and "'frozen' gets no gradient" in info["warnings"][2]
     assert "logits:0" in info["merged_outputs"]
+
+
+def test_convert_check_contradicting_a_claim_exits_1(files, tmp_path, capfd, monkeypatch):
+    """The numeric check runs by default; when it contradicts a claim of exactness (planted
+    here: the analysis is told no random draw needs care, in a model with dropout) OUT is
+    written, the report says inexact with the variable, and the exit status is 1."""
+    from replicate.passes import _draws
+
+    path = str(tmp_path / "dropout.meta")
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(3)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.compat.v1.get_variable("w", [4, 2], use_resource=True)
+        h = tf.nn.dropout(tf.matmul(x, w), rate=0.5, seed=1)
+        loss = tf.reduce_mean(tf.square(h), name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        tf.compat.v1.train.Saver().export_meta_graph(path)
+    out = tmp_path / "out.meta"
+    assert cli.main(["convert", path, "-o", str(out), "--devices", DEVICES, "--no-check"]) == 0
+    assert "  check " not in capfd.readouterr().out
+    monkeypatch.setattr(_draws, "reproducible", lambda ir, flow, names: ({}, []))
+    code = cli.main(["convert", path, "-o", str(out), "--devices", DEVICES, "--force"])
+    printed = capfd.readouterr().out
+    assert code == 1 and out.exists()
+    assert "the numeric check found 'w'" in printed and "exact         NO" in printed

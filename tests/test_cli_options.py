@@ -16,7 +16,7 @@ def _meta(tmp_path):
 
 def test_strategies_reach_the_transform(tmp_path, capsys):
     path, out = _meta(tmp_path), tmp_path / "out.meta"
-    code = main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0,/cpu:1",
+    code = main(["convert", str(path), "-o", str(out), "--no-check", "--devices", "/cpu:0,/cpu:1",
                  "--batch-norm", "sync", "--aggregation", "packed_allreduce",
                  "--param-devices", "/cpu:2,/cpu:3"])
     assert code == 0
@@ -35,7 +35,7 @@ def test_cluster_names_tasks(tmp_path, capsys):
     spec = tmp_path / "cluster.json"
     spec.write_text(json.dumps({"ps": ["127.0.0.1:1", "127.0.0.1:2"],
                                 "worker": ["127.0.0.1:3", "127.0.0.1:4"]}))
-    assert main(["convert", str(path), "-o", str(out), "--cluster", str(spec), "--devices", "worker",
+    assert main(["convert", str(path), "-o", str(out), "--no-check", "--cluster", str(spec), "--devices", "worker",
                  "--controller", "ps", "-q"]) == 0
     meta = tf.compat.v1.MetaGraphDef()
     meta.ParseFromString(out.read_bytes())
@@ -46,6 +46,6 @@ def test_cluster_names_tasks(tmp_path, capsys):
     assert main(["inspect", str(path), "--cluster", str(spec), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["devices_assumed"] is False
-    assert main(["convert", str(path), "-o", str(out), "--force", "--cluster", str(spec),
+    assert main(["convert", str(path), "-o", str(out), "--no-check", "--force", "--cluster", str(spec),
                  "--devices", "/job:chief/task:0"]) == 2
     assert "--devices" in capsys.readouterr().err

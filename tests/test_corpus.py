@@ -1,9 +1,9 @@
 """Issue 13: classic TF1 programs convert exactly under their own drivers (tests/corpus/).
 
 One test per program: its harness runs in a subprocess (``tests/corpus/harness.py PROGRAM
---mode quick``: on the uneven global batch, the single-device program replayed, the API at 2
-and 3 towers, ``replicate convert`` at 2 towers for the programs in ``harness.QUICK_CLI``, one
-API run of every other variant) and every record is judged:
+--mode quick``: on the uneven global batch, the single-device program replayed, the API at 3
+towers, ``replicate convert`` at 2 towers for the programs in ``harness.QUICK_CLI``, one API
+run of every other variant) and every record is judged:
 
 - soundness: whenever the report claims exact, every variable and fetched value agrees
   with single-device training within 1e-5 (relative to scale) after the driver's steps;

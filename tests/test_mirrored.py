@@ -166,7 +166,7 @@ def test_cli_convert_mirrored_and_bad_value(tmp_path, capsys):
 
     path, out = tmp_path / "in.meta", tmp_path / "out.meta"
     v1.train.export_meta_graph(str(path), graph=models.mlp("adam").graph)
-    assert main(["convert", str(path), "-o", str(out), "--devices", "/cpu:0,/cpu:1",
+    assert main(["convert", str(path), "-o", str(out), "--no-check", "--devices", "/cpu:0,/cpu:1",
                  "--param-devices", "mirrored"]) == 0
     assert "mirrored" in capsys.readouterr().out
     meta = v1.MetaGraphDef()

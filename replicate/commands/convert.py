@@ -7,6 +7,11 @@ names, so a driver that imports OUT, restores a checkpoint of the single-device 
 feeds the same placeholders and runs the same train op trains on all devices, exactly as
 one device would on the same global batches.
 
+Unless --no-check, the original and the rewrite are trained a few steps side by side on
+logical CPUs with synthetic inputs (ops that read files, call Python or reach other processes
+are never run; the report says what was skipped); exit code 1 means OUT was written but the
+numbers contradict a claim of exactness, and the report names the variable.
+
 Nothing is written when anything fails (exit code 2) or is interrupted before the outputs
 are put in place (exit code 130); IN is never modified. Outputs that are devices (/dev/null),
 FIFOs, directories where a file is expected, or symbolic links are refused even with
@@ -65,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify-each", action="store_true", help="validate the IR after every pass")
     parser.add_argument("--tensorboard", metavar="LOGDIR",
                         help="also write the rewritten graph as an event file for TensorBoard")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="skip the numeric check: by default convert trains the original and "
+                        "the rewrite a few steps side by side on logical CPUs, on synthetic inputs, "
+                        "and a claimed exact that the numbers contradict is reported inexact "
+                        "(exit code 1); graphs that read files, call Python or reach other "
+                        "processes are never run")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
 
 
@@ -113,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         dropped = " (collections and saver dropped: a GraphDef has none)" if (
             fmt in ("pb", "pbtxt") and loaded.meta is not None) else ""
         print(f"wrote {args.output} ({fmt}, {count(len(devices), 'tower')}){dropped}")
+    if result.report.check.get("contradicted"):
+        return 1            # written, but the numbers contradict the analysis: the report says where
     return 0
 
 
@@ -140,7 +153,7 @@ def _transform(args: argparse.Namespace, loaded, where: dict, progress):
         return transform(source, train_op=train_op,
                          loss=args.loss, outputs=name_list(args.outputs),
                          verify_each=args.verify_each, dump_dir=args.dump_dir, progress=progress,
-                         **where)
+                         check=args.check, **where)
     except ReplicateError as exc:
         raise relabel(exc, args.input) from None
 

@@ -55,7 +55,7 @@ SEED = 1234
 #: the others (in quick mode) only its first API run. Quick mode is the test suite's: one
 #: global batch (the uneven one), the judge's replay, the API on 2 and 3 towers, the CLI on 2.
 PLANS = {
-    "quick": {"self": [(1, 1)], "api": [(2, 1), (3, 1)], "cli": [(2, 1)]},
+    "quick": {"self": [(1, 1)], "api": [(3, 1)], "cli": [(2, 1)]},
     "full": {"self": [(1, 0)], "api": [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1)],
              "cli": [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1)]},
 }
@@ -63,10 +63,10 @@ PLANS = {
 
 #: Quick mode converts through the CLI only for these programs: each CLI run costs a
 #: TensorFlow import (~5 s of CPU) and the test suite's budget is about 2 minutes for the
-#: whole corpus. They cover the CLI's distinct paths: fed state through import_meta_graph
-#: (ptb), several train ops (dcgan), the report parsed on a program that runs (cifar10) and
-#: an exact one (autoencoder). The full report converts every program through the CLI.
-QUICK_CLI = {"cifar10_tutorial", "ptb_word_lm", "dcgan", "autoencoder"}
+#: whole corpus. They cover several train ops (dcgan) and the report parsed on a program that
+#: runs (cifar10); the test suite's own CLI tests cover the rest. The full report converts
+#: every program through the CLI.
+QUICK_CLI = {"cifar10_tutorial", "dcgan"}
 
 
 def _environment() -> None:
@@ -307,7 +307,7 @@ def cli_run(module, meta_path, names, devices, options, base, data, workdir, dri
     tf = _tf()
     out = os.path.join(workdir, "out.meta")
     cmd = [sys.executable, "-m", "replicate", "convert", meta_path, "-o", out,
-           "--devices", ",".join(devices)]
+           "--devices", ",".join(devices), "--no-check"]    # the harness compares under the driver
     for key, value in options.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
