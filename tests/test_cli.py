@@ -100,10 +100,15 @@ def files(tmp_path_factory):
 BAD = {
     # case: (input, output, extra args, words the one stderr line must contain)
     "missing file": ("{dir}/missing.meta", "{out}/o.meta", [], ["missing.meta", "no such file"]),
-    "not a graph": ("{notes}", "{out}/o.meta", [], ["notes.meta", "not a TensorFlow graph"]),
-    "truncated": ("{truncated}", "{out}/o.meta", [], ["truncated.meta", "not a TensorFlow graph"]),
     "corrupt": ("{corrupt}", "{out}/o.meta", [], ["corrupt.meta", "corrupt"]),
     "no optimizer": ("{forward}", "{out}/o.meta", [], ["forward.meta", "no train op"]),
+}
+
+#: More refusals, checked in-process like MORE_BAD (each subprocess costs a TensorFlow
+#: import, ~10 s here): the three above show the whole process's exit code and one line.
+BAD_IN_PROCESS = {
+    "not a graph": ("{notes}", "{out}/o.meta", [], ["notes.meta", "not a TensorFlow graph"]),
+    "truncated": ("{truncated}", "{out}/o.meta", [], ["truncated.meta", "not a TensorFlow graph"]),
     "unknown train op": ("{ambiguous}", "{out}/o.meta", ["--train-op", "nope"],
                          ["ambiguous.meta", "train op 'nope' is not a node of the graph"]),
     "malformed device": ("{good}", "{out}/o.meta", ["--devices", "/cpu:0,gpu1"],
@@ -132,6 +137,9 @@ MORE_BAD = {
     "unknown output name": ("{good}", "{out}/o.meta", ["--outputs", "logits:0,nope:0"],
                             ["good.meta", "nope"]),
 }
+
+
+MORE_BAD.update(BAD_IN_PROCESS)
 
 
 def _bad_case(cases, case, tmp_path, files):

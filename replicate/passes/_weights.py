@@ -97,7 +97,42 @@ def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reaso
             scope.kind, scope.weights, scope.corrections = "other", ("count", primary_class), []
             continue
         weighting = weigh(terms)
+        reasons.extend(_zero_shares(flow, terms, weighting))
         scope.kind = weighting.kind
         scope.weights = weighting.primary
         scope.corrections = weighting.corrections
     return reasons
+
+
+#: Tower weights that are a tower's share of a value the data decides (a mask's sum, the size
+#: of a masked selection): zero in a tower that has examples but none of them counted.
+_DATA_SHARES = frozenset({"value", "size", "shifted"})
+
+
+def _zero_shares(flow, terms: list, weighting) -> list[Reason]:
+    """A loss whose terms are weighted differently, one of them by a share the data decides,
+    is exact only while no tower's share is zero: a tower with no masked-in example gets a
+    0/0 weight ratio and loses its other terms (a masked mean plus a plain mean was claimed
+    exact, 0.08 off). A reason until the towers divide by the global denominator."""
+    if not weighting.corrections:
+        return []
+    data = [t for t in terms if t.kind != "shared" and t.spec and t.spec[0] in _DATA_SHARES
+            and not _positive_shift(flow, t.spec)]
+    if not data:
+        return []
+    t = data[0]
+    what = t.spec[1] if len(t.spec) > 1 else t.root
+    return [Reason(node_of(t.root), f"the loss adds a term normalized by '{what}' (a masked count "
+                   "or selection) to terms weighted otherwise; a tower where that count is zero "
+                   "(no masked-in example) drops its share of the other terms",
+                   "normalize every term by the same count, or keep each tower's count above "
+                   "zero (tf.maximum(count, 1.0) or count + 1e-7); exact for a single term")]
+
+
+def _positive_shift(flow, spec: tuple) -> bool:
+    """A shifted denominator ``count + c`` or ``maximum(count, c)`` with a constant ``c > 0``:
+    never zero in a tower."""
+    if spec[0] != "shifted":
+        return False
+    value = flow.ctx.const(spec[4])
+    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) > 0
