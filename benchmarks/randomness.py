@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                     print(line)
             if proc.returncode:
                 print(proc.stderr[-2000:])
-    path = common.write_json("randomness", {"machine": common.machine(), "results": results})
+    path = common.write_json("randomness.json", {"machine": common.machine(), "results": results})
     print(f"\nwritten {path}")
     return 0
 
