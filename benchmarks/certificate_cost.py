@@ -39,7 +39,7 @@ def _small(name: str) -> tf.Graph:
     return (test_models.mlp("sgd") if name == "mlp" else test_models.cnn()).graph
 
 
-def measure(name: str, towers: int, rounds: int) -> dict:
+def measure(name: str, towers: int, rounds: int, options: dict) -> dict:
     graph = _small(name) if name in ("mlp", "cnn") else graphs.build(name)
     devices = [f"/cpu:{k}" for k in range(towers)]
     times = {False: [], True: []}
@@ -47,15 +47,15 @@ def measure(name: str, towers: int, rounds: int) -> dict:
     for _ in range(rounds):
         for check in (False, True):
             start = time.perf_counter()
-            res = replicate.transform(graph, devices, check=check)
+            res = replicate.transform(graph, devices, check=check, **options)
             times[check].append(time.perf_counter() - start)
             if check:
                 last = res.report
     plain, checked = statistics.median(times[False]), statistics.median(times[True])
-    out = {"graph": name, "towers": towers, "nodes": len(graph.as_graph_def().node),
+    out = {"graph": name, "towers": towers, "options": options, "exact": last.exact, "nodes": len(graph.as_graph_def().node),
            "transform_s": plain, "with_check_s": checked, "added_s": checked - plain,
            "check": {k: v for k, v in last.check.items() if k != "runs"}, "runs": last.check.get("runs")}
-    print(f"{name:14s} {out['nodes']:6d} nodes, {towers} towers: transform {plain:6.2f} s, with check "
+    print(f"{name:14s} {options or ''} exact={last.exact} {out['nodes']:6d} nodes, {towers} towers: transform {plain:6.2f} s, with check "
           f"{checked:6.2f} s (+{checked - plain:.2f} s, x{checked / plain:.1f}); {last.check.get('summary')}")
     return out
 
@@ -65,13 +65,15 @@ def main(argv=None) -> int:
     parser.add_argument("--graphs", default="mlp,cnn,resnet_v1_50")
     parser.add_argument("--towers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-norm", default="tower0", choices=("tower0", "sync"))
     args = parser.parse_args(argv)
     cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
         cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(args.towers + 1)])
     tf.compat.v1.disable_eager_execution()
     print(common.machine())
-    results = [measure(name, args.towers, args.rounds) for name in args.graphs.split(",")]
+    options = {"batch_norm": args.batch_norm} if args.batch_norm != "tower0" else {}
+    results = [measure(name, args.towers, args.rounds, options) for name in args.graphs.split(",")]
     path = common.write_json("certificate_cost.json", {"machine": common.machine(), "results": results})
     print(f"written {path}")
     return 0

@@ -7,7 +7,10 @@ values, on synthetic inputs (right shapes and dtypes, labels and ids in range; s
 (``4N - 1`` examples over N towers) and, when the batch size is dynamic, one step where a tower
 gets no example. The largest relative parameter difference decides: a rewrite the report calls
 exact that differs by more than ``rtol`` is reported inexact, naming the first variable that
-differs and by how much.
+differs and by how much, unless the graph is that sensitive to rounding itself: a run above
+``rtol`` is compared with one device trained on the same batches with their examples permuted,
+and agrees within ``ROUNDING_FACTOR`` times that drift (graphs without random draws only; the
+report shows both figures). Only reports that claim exactness are checked.
 
 A model is a program: converting a file must not touch the outside world, so a graph whose
 step would run an op that reads or writes files, calls Python or reaches other processes
@@ -38,6 +41,14 @@ STEPS = 3
 #: Largest relative parameter difference of an exact rewrite (float rounding).
 RTOL = 1e-5
 
+#: A difference above ``RTOL`` still agrees when it is within this factor of the graph's own
+#: rounding sensitivity: one device trained on the same batches with their examples permuted
+#: (the same computation in another summation order). Deep batch-norm nets on small synthetic
+#: batches amplify rounding: slim ResNet-50 at a batch of 7 differs from itself by 0.17 that
+#: way after one Momentum step. Such a graph cannot tell a weighting bug below that level
+#: from rounding, and the report says so.
+ROUNDING_FACTOR = 10
+
 
 @dataclasses.dataclass
 class Certificate:
@@ -65,8 +76,10 @@ class Certificate:
 
     @property
     def ok(self) -> bool:
-        """True when it ran and every variable agreed within ``rtol`` in every run."""
-        return self.ran and self.max_rel <= self.rtol
+        """True when it ran and every run agreed within ``rtol``, or within
+        ``ROUNDING_FACTOR`` times the graph's own rounding sensitivity at that batch."""
+        return self.ran and all(r["max_rel"] <= max(self.rtol, ROUNDING_FACTOR * r.get("rounding", 0.0))
+                                for r in self.runs)
 
     @property
     def worst(self) -> dict[str, Any] | None:
@@ -78,7 +91,9 @@ class Certificate:
         if not self.ran:
             return f"skipped: {self.skipped}"
         runs = "; ".join(f"batch {r['batch']} x {r['steps']} steps: max relative difference "
-                         f"{r['max_rel']:.1e}" for r in self.runs)
+                         f"{r['max_rel']:.1e}" + (f" (one device on the permuted batch: "
+                                                  f"{r['rounding']:.1e})" if "rounding" in r else "")
+                         for r in self.runs)
         return f"ran on logical CPUs with synthetic inputs in {self.seconds:.1f} s ({runs})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,9 +103,11 @@ class Certificate:
 
 
 def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
-            strategy: dict[str, Any]) -> Certificate:
+            strategy: dict[str, Any], yardstick: bool = True) -> Certificate:
     """Run the original ``source`` and its rewrite for ``towers`` towers with ``strategy``
-    (the transform's options) side by side; see the module docstring."""
+    (the transform's options) side by side; see the module docstring. ``yardstick``: measure
+    the graph's rounding sensitivity when a run differs (False for graphs with random draws,
+    whose masks follow the examples' positions, so a permuted batch is another computation)."""
     from replicate.commands.verify import default_batch, verify
 
     start = time.perf_counter()
@@ -112,12 +129,40 @@ def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
             cert.notes.append(f"batch {batch} not run: {text}")
             continue
         c = found.comparison
-        cert.runs.append({"batch": found.batch, "steps": steps, "max_rel": c.max_rel, "worst": c.worst})
+        run = {"batch": found.batch, "steps": steps, "max_rel": c.max_rel, "worst": c.worst}
+        if c.max_rel > RTOL and train_op is not None and yardstick:
+            run["rounding"] = _rounding(source, train_op, found, steps)
+        cert.runs.append(run)
         if batch is None and found.batch != uneven:
             break                                          # a static batch: no other size fits
     cert.seconds = time.perf_counter() - start
     log.info("certificate: %s", cert.describe())
     return cert
+
+
+def _rounding(source: Any, train_op: str, found, steps: int) -> float:
+    """How far one device drifts from itself when each batch's examples are permuted."""
+    import numpy as np
+
+    from replicate.equivalence import Trainer, relative_difference
+    from replicate.synthetic import make_feed
+
+    rng, order = np.random.RandomState(11), np.random.RandomState(12).permutation(found.batch)
+    a = Trainer(source, train_op, len(found.devices) + 1)
+    b = Trainer(source, train_op, len(found.devices) + 1)
+    try:
+        b.load(a.values())
+        for _ in range(steps):
+            feed = make_feed(found.inputs, found.batch, rng)
+            a.step(feed)
+            b.step({k: (np.asarray(v)[order] if np.ndim(v) and len(v) == found.batch else v)
+                    for k, v in feed.items()})
+        va, vb = a.values(), b.values()
+    finally:
+        a.close()
+        b.close()
+    return max((relative_difference(va[n], vb[n]) for n in va
+                if n in vb and np.issubdtype(np.asarray(va[n]).dtype, np.floating)), default=0.0)
 
 
 def _short(text: str) -> str:
