@@ -181,8 +181,7 @@ def _sequences(batch: int, steps: int = 3):
             for _ in range(steps)]
 
 
-@pytest.mark.parametrize("where", ["input", "output"])
-@pytest.mark.parametrize("towers,batch", [(2, 7), (3, 2)])
+@pytest.mark.parametrize("where,towers,batch", [("input", 2, 7), ("output", 3, 2)])
 def test_dropout_in_a_loop_body_is_exact(where, towers, batch):
     """DropoutWrapper in dynamic_rnn draws inside a while_v2 body, once per time step: every
     tower's loop draws the global mask at each step and keeps its rows."""
