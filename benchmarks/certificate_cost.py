@@ -67,9 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-norm", default="tower0", choices=("tower0", "sync"))
     args = parser.parse_args(argv)
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(args.towers + 1)])
+    common.logical_cpus(args.towers + 1)
     tf.compat.v1.disable_eager_execution()
     print(common.machine())
     options = {"batch_norm": args.batch_norm} if args.batch_norm != "tower0" else {}

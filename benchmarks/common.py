@@ -123,6 +123,15 @@ def fmt_ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
 
+def logical_cpus(count: int) -> None:
+    """Split the physical CPU into ``count`` logical devices (before any session exists)."""
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+
+
 def write_json(name: str, data: dict, directory: str = RESULTS_DIR) -> str:
     """Write ``data`` to ``directory/name`` (atomically); return the path."""
     os.makedirs(directory, exist_ok=True)

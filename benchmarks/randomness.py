@@ -17,6 +17,7 @@ rows until the slice. Results go to ``benchmarks/results/randomness.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -140,10 +141,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         model, n = args.child[0], int(args.child[1])
-        cpus = tf.config.list_physical_devices("CPU")
-        tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
-        import json
+        common.logical_cpus(n)
         print("RESULT " + json.dumps(measure(model, n, args.rounds, args.per_round)))
         return 0
     results = []
@@ -155,7 +153,6 @@ def main(argv=None) -> int:
                                   capture_output=True, text=True)
             for line in proc.stdout.splitlines():
                 if line.startswith("RESULT "):
-                    import json
                     results.append(json.loads(line[7:]))
                 else:
                     print(line)

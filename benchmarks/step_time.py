@@ -128,12 +128,6 @@ def _print_table(model: str, n: int, batch: int, timed: dict, notes: dict) -> No
             print(f"  {label:40s} {note}")
 
 
-def _configure_devices(count: int) -> None:
-    cpus = tf.config.list_physical_devices("CPU")
-    tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
-
-
 def _measure(name: str, n: int, args: argparse.Namespace) -> dict:
     """Build and time every variant of one model on ``n`` devices (in this process)."""
     spec = models.SPECS[name]
@@ -190,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.devices.split(",")]
     names = args.models.split(",")
     if args.child:
-        _configure_devices(counts[0])
+        common.logical_cpus(counts[0])
         entry = _measure(names[0], counts[0], args)
         with open(args.child, "w") as f:
             json.dump(entry, f, default=str)

@@ -30,7 +30,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
-from replicate.ir import IR, make_attr
+from replicate.ir import IR, Node, make_attr
 
 __all__ = ["rewrite_branches", "rewire_call", "SUFFIX", "FUNCTION_ATTRS"]
 
@@ -87,8 +87,6 @@ def rewire_call(ir: IR, copy: str, branches: tuple[str, str], batch: str, offset
         value.CopyFrom(node.attrs[key])
         value.func.name = name
         attrs[key] = value
-    from replicate.ir import Node
-
     ir.add_node(Node(copy, node.op, inputs, list(node.control), node.device, attrs))
 
 
