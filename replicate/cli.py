@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         with quiet.filtered_stderr(not verbose and _filter_wanted()):
             return _main(argv)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a late second interrupt must not turn 130 into -2
         print(f"replicate {command}: interrupted; no output was written".replace("  ", " "),
               file=sys.stderr)
         return 130

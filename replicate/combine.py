@@ -107,7 +107,7 @@ def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple,
                       attrs={"T": dtypes.as_dtype(ir.output_dtype(spec[1])), "out_type": dtypes.int64}).name
         ir.add(name, "Cast", [size], device=towers.devices[k], attrs={"SrcT": dtypes.int64, "DstT": tf_dtype})
     else:
-        src = dtypes.as_dtype(ir.output_dtype(spec[1]))
+        src = dtypes.as_dtype(ir.output_dtype(copy))
         ir.add(name, "Cast", [copy], device=towers.devices[k], attrs={"SrcT": src, "DstT": tf_dtype})
 
 

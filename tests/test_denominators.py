@@ -59,17 +59,25 @@ def test_shifted_denominator_is_exact(shift, towers, batch):
         np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
 
 
-def test_a_shift_by_a_batch_value_is_not_claimed():
-    """``sum(w) + sum(w)`` squared, or a shift that itself depends on the batch, stays a reason."""
+def test_a_shift_by_a_batch_value_is_synchronized():
+    """A denominator shifted by another batch value (a batch maximum) is no tower share: the
+    sums and the maximum are synchronized instead, every tower divides by the batch's value
+    (tests/test_nonlinear_losses.py), and the result is exact."""
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, 4], name="x")
-        w = v1.get_variable("w", [4], use_resource=True)
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=3),
+                            use_resource=True)
         e = tf.reduce_sum(tf.square(x * w), axis=1)
         den = tf.reduce_sum(tf.abs(x)) + tf.reduce_max(x)
         v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(e) / den, name="train")
-    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
-    assert not res.report.exact
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.synced) >= {"Max", "Sum_1"}, res.report.synced
+    rng = np.random.RandomState(2)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32)} for b in (7, 2, 4)]
+    cmp = compare(graph, res.graph, "train", feeds)
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
 
 
 def _two_terms(den: str) -> tf.Graph:

@@ -97,7 +97,15 @@ class Flow:
             fact = self.fact(loss)
             for src in sorted(fact.taint if fact is not None else ()):
                 found.setdefault(src, None)
+        for terms, _ in self.losses.values():
+            for term in terms:
+                for src in term.sync:
+                    found.setdefault(src, None)
         return list(found)
+
+    def loss_syncs(self) -> set[str]:
+        """Batch reductions a loss term is a nonlinear function of: synchronized in every mode."""
+        return {src for terms, _ in self.losses.values() for t in terms for src in t.sync}
 
 
 def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str], scopes: list[str],

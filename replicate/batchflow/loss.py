@@ -10,9 +10,16 @@ each ``R_j`` a sum, a mean (weighted by the elements each tower reduces) or a ra
 does not depend on the batch (a regularizer). Then weighting tower ``k``'s gradient of ``R_j``
 by ``w_jk`` and of ``S`` by ``s_k`` with ``sum_k s_k = 1`` gives the exact gradient. When all
 terms share one weighting, it is applied to the aggregated gradients (the *primary* weights);
-a term weighted differently gets a per-tower *correction* of the gradient entering it. Anything
-else — a product or square root of a batch reduction, an op that mixes examples — is a reason
-with the op that breaks linearity.
+a term weighted differently gets a per-tower *correction* of the gradient entering it.
+
+A nonlinear function of batch reductions (a root mean square, the square of a mean, a
+log-sum-exp over the batch, a mean over a batch standard deviation) is a term whose reductions
+are *synchronized*: every tower reads the global sums, means, maxima and minima it is computed
+from, so the term's value is the single-device one in every tower and it is weighed like ``S``;
+the gradient flowing into each synchronized reduction reaches the tower's own examples
+(:mod:`replicate.passes.sync`). Anything else — a product of a batch reduction with a
+per-example value, an op that mixes examples, a reduction inside a function body — is a
+reason with the op that breaks linearity.
 """
 
 from __future__ import annotations
@@ -47,12 +54,15 @@ class Term:
         kind: ``sum``, ``mean``, ``ratio`` or ``shared``.
         spec: tower weights of the term (see :func:`replicate.combine.weight`).
         cls: the batch class it reduces (None for ``shared``).
+        sync: for a ``shared`` term computed from batch reductions, those reductions (nodes),
+            which every tower must read as the global batch's values.
     """
 
     root: str
     kind: str
     spec: tuple
     cls: int | None
+    sync: tuple = ()
 
 
 #: Ops through which no gradient flows back: a coefficient computed through them is a constant
@@ -113,6 +123,14 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
         if not failure:
             failure.append(Reason(node, what, fix))
 
+    def synced(ref: str, name: str) -> bool:
+        """Add ``ref`` as a term read from synchronized reductions, if it can be one."""
+        found = sync_sources(ctx, ref)
+        if found is None:
+            return False
+        terms.append(Term(ref, "shared", (), found[1], found[0]))
+        return True
+
     def walk(ref: str, depth: int) -> None:
         if failure:
             return
@@ -167,6 +185,8 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
         if node.op in ("Mul", "MulNoNan") or node.op in _DIVS:
             facts = [ctx.fact(r) for r in node.inputs[:2]]
             dependent = [i for i, f in enumerate(facts) if f is not None and f.dependent]
+            if len(dependent) != 1 and synced(ref, name):
+                return
             if node.op in _DIVS and dependent != [0]:
                 fail(name, f"the loss divides by a value that depends on the batch ('{node.inputs[1]}')",
                      "divide by a constant, a fed batch size, or a batch sum of weights")
@@ -186,6 +206,8 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
         if node.op in _LINEAR_REDUCTIONS and fact.merge in ("sum", "mean", "ratio"):
             walk(node.inputs[0], depth + 1)     # a reduction over non-batch axes of a reduced value
             return
+        if synced(ref, name):
+            return
         what = fact.why or f"{node.op} of a value reduced over the batch"
         fail(fact.src or name, f"the loss is not a sum, mean or ratio over the batch: {what}",
              "make the loss a linear combination of batch means or sums, or pass batch_norm='sync' "
@@ -193,6 +215,56 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
 
     walk(loss, 0)
     return terms, (failure[0] if failure else None)
+
+
+#: Batch reductions every tower can read as the global batch's value (sync pass); an extreme's
+#: gradient goes to one example, so the sync pass refuses a Max or Min that has gradient code.
+_SYNCABLE = {"Sum": ("sum", "mean"), "Mean": ("mean",), "L2Loss": ("sum",),
+             "Max": ("max",), "Min": ("min",)}
+
+
+def sync_sources(ctx: Context, ref: str, limit: int = 400) -> tuple[tuple[str, ...], int | None] | None:
+    """The batch reductions ``ref`` is computed from (and the batch class of the first), when reading their global values makes
+    ``ref`` the single-device value in every tower; None when it cannot be proven: a
+    batch-dependent input that is no reduction, a reduction of an unsupported kind or inside
+    a function body, a stateful or random op on the way."""
+    from replicate.batchflow.effects import effects
+    from replicate.batchflow.rules.functional import INSIDE
+
+    ir = ctx.ir
+    work, seen, sources, cls = [ref], set(), [], None
+    while work:
+        cur = tensor_name(*parse_tensor(work.pop()))
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if len(seen) > limit:
+            return None
+        fact = ctx.fact(cur)
+        if fact is None or fact.kind not in (SHARED, RED):
+            return None
+        if fact.kind == SHARED and not fact.taint:
+            continue
+        name = node_of(cur)
+        node = ir.nodes.get(name)
+        if node is None or INSIDE in name:
+            return None
+        if fact.kind == RED and fact.src == name and fact.merge in _SYNCABLE.get(node.op, ()):
+            sources.append(name)
+            if cls is None:
+                cls = ctx.classes.find(fact.cls) if fact.cls is not None else None
+            below = ctx.fact(node.inputs[0])
+            for src in sorted(below.taint if below is not None else ()):
+                if src in sources or INSIDE in src or src not in ir.nodes:
+                    continue
+                if ir.nodes[src].op not in _SYNCABLE or "moments" in src:
+                    return None     # batch norm's statistics follow the batch_norm option
+                work.append(f"{src}:0")
+            continue
+        if effects(ir, node) or ir.function(node.op) is not None:
+            return None
+        work.extend(node.inputs)
+    return (tuple(dict.fromkeys(sources)), cls) if sources else None
 
 
 def _canonical(ctx: Context, spec: tuple) -> tuple:

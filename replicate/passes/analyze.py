@@ -15,6 +15,7 @@ The graph itself is not changed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import networkx as nx
@@ -23,6 +24,7 @@ from replicate import ops
 from replicate.batchflow.analysis import analyze as settle
 from replicate.batchflow.context import Demand
 from replicate.batchflow.effects import draws, writes
+from replicate.batchflow.loss import sync_sources
 from replicate.batchflow.rules.functional import INSIDE
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
@@ -109,7 +111,8 @@ class Analyze:
                            "without the cond around the batch statistics")
                     for c in couplings if INSIDE in c]
         couplings = [c for c in couplings if INSIDE not in c]
-        auto = [c for c in couplings if _exactness.size_like(ir, c)]
+        loss_syncs = flow.loss_syncs()
+        auto = [c for c in couplings if _exactness.size_like(ir, c) or c in loss_syncs]
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
         _state_written_per_tower(ir, flow, region, evicted)
         if evicted:
@@ -130,6 +133,9 @@ class Analyze:
         frontier, outputs, unmergeable, doubtful = classify(ir, region, dependent, in_grad, grad_scopes,
                                                             apply_ops, flow, losses, self.outputs,
                                                             self.merge_forward, dead)
+        if loss_syncs:
+            outputs = [_global_after_sync(flow, f, loss_syncs) for f in outputs]
+            frontier = [_global_after_sync(flow, f, loss_syncs) for f in frontier]
         tower0_values: list[str] = []
         reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings,
                                           tower0_values)
@@ -334,3 +340,15 @@ def _large_const(ir: IR, node) -> bool:
     value = node.attrs.get("value")
     return value is not None and value.ByteSize() > LARGE_CONST_BYTES
 
+
+
+def _global_after_sync(flow, f, syncs: set[str]):
+    """A forward value computed only from synchronized reductions is the single-device value
+    in every tower: read tower 0's copy (its merge by example shares would count it N times)."""
+    if f.gradient or f.role in ("concat", "first", "sparse_values", "sparse_indices") \
+            or node_of(f.tensor) in syncs:
+        return f
+    found = sync_sources(flow.ctx, f.tensor)
+    if found is None or not set(found[0]) <= syncs:
+        return f
+    return dataclasses.replace(f, role="first", recompute=())

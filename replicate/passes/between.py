@@ -41,6 +41,7 @@ from tensorflow.python.framework import dtypes
 from replicate import ops
 from replicate.combine import WEIGHTS
 from replicate.errors import AnalysisError
+from replicate.facts import Reason
 from replicate.ir import IR, node_of
 from replicate.passes._between_sparse import WRITES as _WRITES
 from replicate.passes._between_sparse import gather_rows, place_sparse
@@ -101,6 +102,13 @@ class Between:
                                 "rows that are part batch, part shared) is not supported: the "
                                 "workers would gather each other's shares of the shared rows "
                                 "instead of summing them; train it in-graph")
+        local_syncs = [n for n in ir.facts.get("synced", []) if n in analysis.flow.loss_syncs()]
+        if local_syncs:
+            analysis.reasons.append(Reason(local_syncs[0], "the loss is a nonlinear function of this "
+                                           "batch reduction, which each worker synchronizes over its "
+                                           "own towers only: workers see their local batch's value",
+                                           "train in-graph (one worker, several towers), or make the "
+                                           "loss a sum of batch means or sums"))
         if local == 1:
             self._single_tower_allreduce(ir, analysis, ir.facts["aggregates"], towers.devices[0])
         else:

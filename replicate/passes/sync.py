@@ -83,8 +83,15 @@ class Sync:
         handled = set(synced)
         analysis.reasons[:] = [r for r in analysis.reasons if r.node not in handled]
         for name in left:
-            analysis.reasons.append(Reason(name, f"{ir.nodes[name].op} cannot be synchronized "
-                                           "across towers", "use FusedBatchNormV3 or a mean/sum"))
+            op = ir.nodes[name].op
+            if op in ("Max", "Min"):
+                analysis.reasons.append(Reason(name, f"the gradient of a batch {op.lower()}imum goes to "
+                                               "the example that attains it, which one tower holds; "
+                                               "it cannot be synchronized across towers",
+                                               "stop its gradient (tf.stop_gradient) or use a mean or sum"))
+            else:
+                analysis.reasons.append(Reason(name, f"{op} cannot be synchronized across towers",
+                                               "use FusedBatchNormV3 or a mean/sum"))
         _drop_covered_update_reasons(ir, analysis, handled)
         ir.facts["synced"] = synced
         log.info("sync: %d batch statistics synchronized across towers", len(synced))

@@ -1,0 +1,94 @@
+"""Losses that are nonlinear functions of batch reductions: a root mean square error, the
+square of a mean, a log-sum-exp over the batch, a mean divided by a batch standard deviation.
+
+Each tower's own mean is not the batch's, so no weighting of the towers' gradients gives
+``f'(mean) * d mean``. The reductions are synchronized instead (every tower reads the global
+value, the gradient reaches each tower's own examples): exact in every mode, with an empty
+tower, with accumulation, and the fetched loss is the single-device value. Checked with SGD,
+whose update shows any misweighting directly.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.equivalence import compare
+
+v1 = tf.compat.v1
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+
+LOSSES = {
+    "rmse": lambda e, p, m: tf.sqrt(tf.reduce_mean(e) + 1e-6),
+    "square_of_mean": lambda e, p, m: tf.square(tf.reduce_mean(p)) + tf.reduce_mean(e),
+    "logsumexp": lambda e, p, m: tf.reduce_logsumexp(e),
+    "over_std": lambda e, p, m: tf.reduce_mean(e) / (tf.math.reduce_std(p) + 1.0),
+    "sqrt_of_masked_mean": lambda e, p, m: tf.sqrt(tf.identity(
+        tf.reduce_sum(e * m) / (tf.reduce_sum(m) + 1.0), name="ratio")),
+}
+
+
+def _graph(kind: str) -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        m = v1.placeholder(tf.float32, [None], name="m")
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1),
+                            use_resource=True)
+        p = tf.reduce_sum(x * w, axis=1)
+        e = tf.square(p - y)
+        loss = tf.identity(LOSSES[kind](e, p, m), name="loss")
+        v1.train.GradientDescentOptimizer(0.2).minimize(loss, name="train")
+    return graph
+
+
+def _feeds():
+    """Uneven batches, and one of 2 examples: three towers, one of them empty."""
+    rng = np.random.RandomState(3)
+    out = []
+    for batch in (7, 2, 5):
+        out.append({"x:0": rng.randn(batch, 4).astype(np.float32),
+                    "y:0": rng.randn(batch).astype(np.float32),
+                    "m:0": (rng.rand(batch) > 0.4).astype(np.float32)})
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulate": 2}], ids=["plain", "accumulate"])
+@pytest.mark.parametrize("kind", sorted(LOSSES))
+def test_nonlinear_function_of_batch_reductions_is_exact(kind, options):
+    graph = _graph(kind)
+    res = replicate.transform(graph, DEVICES, **options)
+    assert res.report.exact, [str(r) for r in res.report.reasons]
+    assert res.report.synced, "the reductions the loss is computed from are synchronized"
+    # a value between the reductions and the loss, fetched by name, is the batch's too
+    fetch = ("loss:0", "ratio:0") if kind == "sqrt_of_masked_mean" else ("loss:0",)
+    cmp = compare(graph, res.graph, "train", _feeds(), fetch=fetch)
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(single, multi, rtol=1e-5)
+
+
+def _extreme_with_gradient() -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = v1.get_variable("w", [4], use_resource=True)
+        e = tf.square(tf.reduce_sum(x * w, axis=1))
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.sqrt(tf.reduce_max(e)), name="train")
+    return graph
+
+
+def test_a_batch_maximum_with_a_gradient_is_a_reason():
+    """The gradient of a maximum goes to the one example attaining it: not synchronizable."""
+    res = replicate.transform(_extreme_with_gradient(), DEVICES)
+    assert not res.report.exact
+    assert any("maximum goes to the example" in str(r) for r in res.report.reasons), res.report.reasons
+
+
+def test_between_graph_workers_do_not_claim_a_worker_local_synchronization():
+    """Workers synchronize within their own towers only: a nonlinear loss is a reason there."""
+    cluster = tf.train.ClusterSpec({"worker": ["127.0.0.1:1", "127.0.0.1:2"]})
+    res = replicate.transform(_graph("rmse"), "/cpu:0,/cpu:1", between_graph=True, cluster=cluster)
+    assert not res.report.exact
+    assert "own towers only" in str(res.report.reasons[0])
