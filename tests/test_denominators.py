@@ -100,19 +100,19 @@ def _two_terms(den: str) -> tf.Graph:
 @pytest.mark.parametrize("den", ["plain", "eps", "maximum"])
 def test_a_tower_without_masked_examples_keeps_its_other_terms(den):
     """Tower 0 (3 of 7 examples) has no masked-in example. With a plain count its weight
-    ratio is 0/0 and its share of the plain mean was dropped (claimed exact, 0.08 off): now a
-    reason. A count that cannot be zero keeps it exact."""
+    ratio was 0/0 and its share of the plain mean was dropped (claimed exact, 0.08 off), then
+    a reason. Now the count is synchronized: every tower divides its masked sum by the
+    batch's count, so its term is a plain share and a zero count adds zero. A count that
+    cannot be zero needs no synchronization (its weights never vanish)."""
     graph = _two_terms(den)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     rng = np.random.RandomState(0)
     mask = np.array([0, 0, 0, 1, 1, 0, 1], np.float32)
     feeds = [{"x:0": rng.randn(7, 4).astype(np.float32), "y:0": rng.randint(0, 3, 7), "m:0": mask}
              for _ in range(3)]
-    cmp = compare(graph, res.graph, "train", feeds)
-    if den == "plain":
-        assert not res.report.exact
-        assert any("masked count" in r.what for r in res.report.reasons), res.report.reasons
-        assert cmp.max_rel > 1e-3                       # the test can see the bug
-    else:
-        assert res.report.exact, res.report.reasons
-        assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert res.report.exact, res.report.reasons
+    assert bool(res.report.synced) == (den == "plain"), res.report.synced
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(single, multi, rtol=1e-5)

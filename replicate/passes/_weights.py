@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate.batchflow.loss import weigh
+from replicate.batchflow.loss import ONES, Term, sync_sources, weigh
 from replicate.errors import AnalysisError
 from replicate.facts import GradScope, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -88,6 +88,9 @@ def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reaso
             if loss is None:
                 continue
             found, reason = flow.losses[loss]
+            if reason is None:
+                found = _global_denominators(flow, found)
+                flow.losses[loss] = (found, None)
             if reason is not None:
                 if not any(r.node == reason.node and r.what == reason.what for r in reasons):
                     reasons.append(reason)
@@ -127,6 +130,27 @@ def _zero_shares(flow, terms: list, weighting) -> list[Reason]:
                    "(no masked-in example) drops its share of the other terms",
                    "normalize every term by the same count, or keep each tower's count above "
                    "zero (tf.maximum(count, 1.0) or count + 1e-7); exact for a single term")]
+
+
+def _global_denominators(flow, terms: list[Term]) -> list[Term]:
+    """Terms normalized by a batch sum the data decides (a mask's count), beside terms weighted
+    otherwise, divide by the synchronized global sum instead: each tower's term is then its
+    exact share, a plain sum over its examples, and a tower whose count is zero adds zero
+    instead of losing its share of the other terms. A single weighting needs no
+    synchronization (its weights are shares of the global count) and keeps accumulation's
+    memory savings; a denominator that cannot be synchronized stays a reason (_zero_shares)."""
+    batch = [t for t in terms if t.kind != "shared"]
+    if len({t.spec for t in batch}) < 2:
+        return terms
+    out = []
+    for t in terms:
+        if t.kind == "ratio" and t.spec and t.spec[0] in ("value", "shifted") \
+                and not _positive_shift(flow, t.spec):
+            found = sync_sources(flow.ctx, t.spec[3] if t.spec[0] == "shifted" else t.spec[1])
+            if found is not None:
+                t = Term(t.root, "sum", ONES, t.cls, found[0])
+        out.append(t)
+    return out
 
 
 def _positive_shift(flow, spec: tuple) -> bool:

@@ -344,10 +344,16 @@ def _large_const(ir: IR, node) -> bool:
 
 def _global_after_sync(flow, f, syncs: set[str]):
     """A forward value computed only from synchronized reductions is the single-device value
-    in every tower: read tower 0's copy (its merge by example shares would count it N times)."""
+    in every tower: read tower 0's copy (its merge by example shares would count it N times).
+    A ratio over a synchronized denominator is each tower's share: summed."""
     if f.gradient or f.role in ("concat", "first", "sparse_values", "sparse_indices") \
             or node_of(f.tensor) in syncs:
         return f
+    spec = f.weights
+    if f.role == "ratio" and spec and spec[0] in ("value", "shifted"):
+        den = sync_sources(flow.ctx, spec[3] if spec[0] == "shifted" else spec[1])
+        if den is not None and set(den[0]) <= syncs:   # a share of the batch's denominator
+            return dataclasses.replace(f, role="sum", weights=("ones",))
     found = sync_sources(flow.ctx, f.tensor)
     if found is None or not set(found[0]) <= syncs:
         return f
