@@ -138,6 +138,10 @@ class Analysis:
     classes: dict[int, int | None] = dataclasses.field(default_factory=dict)
     demoted: dict[str, str] = dataclasses.field(default_factory=dict)
     auto_sync: list[str] = dataclasses.field(default_factory=list)
+    #: Loss denominators (tensor -> the batch reductions it is computed from) that the
+    #: gradient code reads as the global batch's values (sync pass); the forward pass keeps
+    #: each tower's own.
+    denominators: dict[str, tuple] = dataclasses.field(default_factory=dict)
     flow: Any = None
     draws: dict[str, Any] = dataclasses.field(default_factory=dict)
 

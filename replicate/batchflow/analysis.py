@@ -107,6 +107,12 @@ class Flow:
         """Batch reductions a loss term is a nonlinear function of: synchronized in every mode."""
         return {src for terms, _ in self.losses.values() for t in terms for src in t.sync}
 
+    def denominators(self) -> dict[str, tuple[str, ...]]:
+        """Loss denominators the gradient code reads as the global batch's values -> the batch
+        reductions each is computed from (:class:`~replicate.batchflow.loss.Term`)."""
+        return {t.denominator[0]: t.denominator[1:] for terms, _ in self.losses.values()
+                for t in terms if t.denominator}
+
 
 def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str], scopes: list[str],
             losses: list[str], forced: dict[str, int] | None = None) -> Flow:

@@ -56,6 +56,10 @@ class Term:
         cls: the batch class it reduces (None for ``shared``).
         sync: for a ``shared`` term computed from batch reductions, those reductions (nodes),
             which every tower must read as the global batch's values.
+        denominator: for a ratio turned into a ``sum`` term, its denominator tensor and then
+            the reductions it is computed from; the towers' gradient code reads the global
+            batch's denominator (the forward pass keeps each tower's own ratio, so merges stay
+            as they are).
     """
 
     root: str
@@ -63,6 +67,7 @@ class Term:
     spec: tuple
     cls: int | None
     sync: tuple = ()
+    denominator: tuple = ()
 
 
 #: Ops through which no gradient flows back: a coefficient computed through them is a constant

@@ -75,26 +75,8 @@ def collect(ir: IR, analysis: Analysis) -> None:
     for f in analysis.frontier:
         if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
             reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))
-    reasons.extend(_custom_gradients(ir, analysis))
     reasons.extend(_unproven_gradients(ir, analysis))
     reasons.extend(_gradients_in_the_forward(ir, analysis))
-
-
-def _custom_gradients(ir: IR, analysis: Analysis) -> list[Reason]:
-    """Ops whose gradient the user replaced (``tf.custom_gradient``, ``gradient_override_map``):
-    each tower differentiates its share of the loss, which equals one device's gradient only
-    if the replaced gradient is linear in the incoming gradient, and that cannot be proven
-    from the graph (clipping it, or normalizing it, is not)."""
-    found = []
-    for name in analysis.region:
-        kind = ir.nodes[name].attr("_gradient_op_type")
-        if kind and name in analysis.batch_dependent:
-            found.append(Reason(name, f"its gradient is replaced by a custom one ('{kind}', from "
-                                "tf.custom_gradient or gradient_override_map), which each tower "
-                                "applies to its own share of the loss; replicate cannot prove it "
-                                "is linear in that share", "results match one device only if the "
-                                "custom gradient is linear in its incoming gradient"))
-    return found[:4]
 
 
 def _gradients_in_the_forward(ir: IR, analysis: Analysis) -> list[Reason]:

@@ -146,9 +146,9 @@ def _global_denominators(flow, terms: list[Term]) -> list[Term]:
     for t in terms:
         if t.kind == "ratio" and t.spec and t.spec[0] in ("value", "shifted") \
                 and not _positive_shift(flow, t.spec):
-            found = sync_sources(flow.ctx, t.spec[3] if t.spec[0] == "shifted" else t.spec[1])
+            found = sync_sources(flow.ctx, t.spec[1])
             if found is not None:
-                t = Term(t.root, "sum", ONES, t.cls, found[0])
+                t = Term(t.root, "sum", ONES, t.cls, denominator=(t.spec[1],) + found[0])
         out.append(t)
     return out
 

@@ -29,7 +29,7 @@ from replicate.batchflow.rules.functional import INSIDE
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _draws, _evict, _exactness, _inputs, _weights
+from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _weights
 from replicate.passes._frontier import classify
 from replicate.passes._updates import find_train_ops
 from replicate.pipeline import PassResult
@@ -102,6 +102,7 @@ class Analyze:
         shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates) if t not in flow.inputs]
         primary = batch_inputs[0].cls
         reasons = _weights.assign(grad_scopes, flow, primary)
+        reasons += _custom.settle(ir, flow, region, grad_scopes)
         couplings = flow.couplings()
         reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
                            f"('{c.split(INSIDE)[-1]}', called by '{c.split(INSIDE)[0]}') feeds "
@@ -185,6 +186,7 @@ class Analyze:
             classes={classes.find(b.cls): classes.static(b.cls) for b in batch_inputs},
             demoted=dict(flow.demoted),
             auto_sync=auto,
+            denominators=flow.denominators(),
             flow=flow,
             draws=reproduced,
         )
@@ -344,16 +346,10 @@ def _large_const(ir: IR, node) -> bool:
 
 def _global_after_sync(flow, f, syncs: set[str]):
     """A forward value computed only from synchronized reductions is the single-device value
-    in every tower: read tower 0's copy (its merge by example shares would count it N times).
-    A ratio over a synchronized denominator is each tower's share: summed."""
+    in every tower: read tower 0's copy (its merge by example shares would count it N times)."""
     if f.gradient or f.role in ("concat", "first", "sparse_values", "sparse_indices") \
             or node_of(f.tensor) in syncs:
         return f
-    spec = f.weights
-    if f.role == "ratio" and spec and spec[0] in ("value", "shifted"):
-        den = sync_sources(flow.ctx, spec[3] if spec[0] == "shifted" else spec[1])
-        if den is not None and set(den[0]) <= syncs:   # a share of the batch's denominator
-            return dataclasses.replace(f, role="sum", weights=("ones",))
     found = sync_sources(flow.ctx, f.tensor)
     if found is None or not set(found[0]) <= syncs:
         return f

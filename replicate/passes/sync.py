@@ -23,6 +23,11 @@ Produces, for each coupling:
   batch bounding a loop, a count sizing a tensor): every tower reads the global value; this
   runs in every mode, since it is cheap and makes the towers' shapes agree with one device's.
 
+- a loss denominator computed from batch sums (a mask's count beside terms weighted
+  otherwise): the gradient code of every tower reads the global denominator, computed once
+  from the towers' sums (:mod:`replicate.passes._denominator`); the forward pass keeps each
+  tower's own value, so fetched values merge as before.
+
 ``ir.facts["synced"]`` lists the couplings handled; others stay reasons in the report.
 """
 
@@ -64,7 +69,7 @@ class Sync:
     def run(self, ir: IR) -> PassResult:
         analysis = ir.facts["analysis"]
         names = list(analysis.auto_sync) + (list(analysis.couplings) if self.full else [])
-        if not names:
+        if not names and not analysis.denominators:
             ir.facts["synced"] = []
             return PassResult(ir, False)
         grad_ops, in_grad = _gradient_ops(ir, names, [s.prefix for s in analysis.scopes])
@@ -80,6 +85,10 @@ class Sync:
                 synced.append(name)
             else:
                 left.append(name)
+        for den, sources in analysis.denominators.items():
+            if not set(sources) <= set(synced):
+                synced.extend(s for s in sources if s not in synced)
+                _GlobalDenominator(ir, self.controller, den, sources, in_grad).run()
         handled = set(synced)
         analysis.reasons[:] = [r for r in analysis.reasons if r.node not in handled]
         for name in left:
@@ -221,4 +230,5 @@ def _drop_covered_update_reasons(ir: IR, analysis, synced: set[str]) -> None:
     analysis.reasons[:] = [r for r in analysis.reasons if r.node not in covered]
 
 
+from replicate.passes._denominator import GlobalDenominator as _GlobalDenominator  # noqa: E402
 from replicate.passes._fused_sync import FusedSync as _FusedSync  # noqa: E402

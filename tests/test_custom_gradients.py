@@ -1,0 +1,90 @@
+"""Custom gradients (``tf.custom_gradient``, ``gradient_override_map``) that are not linear in
+the gradient flowing into them.
+
+Towers that differentiate their own share of the loss hand each example ``1/n_k`` of the
+upstream instead of one device's ``1/B``; a clipped gradient then differs. When the custom
+gradient is per-example, the towers weigh the loss instead (every term scaled by its tower
+weight where its gradient enters, the towers' gradients summed), so each example receives
+one device's upstream and the result is exact. A custom gradient that reduces over the batch
+stays a reason. SGD, uneven batches and an empty tower; the clip threshold is chosen so that
+some examples are clipped and some are not (weighed afterwards, as before, the clipped case
+trained 1e-2 away from one device).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.equivalence import compare
+
+v1 = tf.compat.v1
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+
+
+@tf.RegisterGradient("ReplicateTestSignedRoot")
+def _signed_root(op, dy):
+    """A per-example gradient nonlinear in ``dy``."""
+    return tf.sign(dy) * tf.sqrt(tf.abs(dy) + 1e-12)
+
+
+def _graph(kind: str) -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        m = v1.placeholder(tf.float32, [None], name="m")
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1),
+                            use_resource=True)
+        p = tf.reduce_sum(x * w, axis=1)
+
+        @tf.custom_gradient
+        def clipped(t):
+            if kind == "clip_by_norm":
+                return t, lambda dy: tf.clip_by_norm(dy, 0.05)
+            return t, lambda dy: tf.clip_by_value(dy, -0.08, 0.08)
+
+        if kind == "override":
+            with graph.gradient_override_map({"Identity": "ReplicateTestSignedRoot"}):
+                e = tf.square(tf.identity(p) - y)
+        else:
+            e = tf.square(clipped(p) - y)
+        if kind == "masked_plus_l2":
+            loss = tf.reduce_sum(e * m) / tf.reduce_sum(m) + 0.01 * tf.nn.l2_loss(w)
+        else:
+            loss = tf.reduce_mean(e) + 0.01 * tf.nn.l2_loss(w)
+        tf.identity(loss, name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    return graph
+
+
+def _feeds():
+    rng = np.random.RandomState(5)
+    out = []
+    for batch in (7, 2, 5):
+        mask = (rng.rand(batch) > 0.5).astype(np.float32)
+        mask[:2], mask[-1] = 0, 1        # a tower with examples but none masked in
+        out.append({"x:0": rng.randn(batch, 4).astype(np.float32),
+                    "y:0": 2 * rng.randn(batch).astype(np.float32), "m:0": mask})
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"accumulate": 2}], ids=["plain", "accumulate"])
+@pytest.mark.parametrize("kind", ["clip_by_value", "override", "masked_plus_l2"])
+def test_a_per_example_custom_gradient_is_exact(kind, options):
+    graph = _graph(kind)
+    res = replicate.transform(graph, DEVICES, **options)
+    assert res.report.exact, [str(r) for r in res.report.reasons]
+    cmp = compare(graph, res.graph, "train", _feeds(), fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(single, multi, rtol=1e-5)
+
+
+def test_a_custom_gradient_over_the_batch_is_a_reason():
+    graph = _graph("clip_by_norm")
+    res = replicate.transform(graph, DEVICES)
+    assert not res.report.exact
+    assert any("reduces over the batch" in r.what for r in res.report.reasons), res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds())
+    assert cmp.max_rel > 1e-4            # and the graph does train differently
