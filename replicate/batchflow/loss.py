@@ -228,11 +228,13 @@ _SYNCABLE = {"Sum": ("sum", "mean"), "Mean": ("mean",), "L2Loss": ("sum",),
              "Max": ("max",), "Min": ("min",)}
 
 
-def sync_sources(ctx: Context, ref: str, limit: int = 400) -> tuple[tuple[str, ...], int | None] | None:
+def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = frozenset()
+                 ) -> tuple[tuple[str, ...], int | None] | None:
     """The batch reductions ``ref`` is computed from (and the batch class of the first), when reading their global values makes
     ``ref`` the single-device value in every tower; None when it cannot be proven: a
     batch-dependent input that is no reduction, a reduction of an unsupported kind or inside
-    a function body, a stateful or random op on the way."""
+    a function body, a stateful or random op on the way. Per-example values that reductions
+    in ``synced`` flow into are the batch's already (batch norm under ``batch_norm='sync'``)."""
     from replicate.batchflow.effects import effects
     from replicate.batchflow.rules.functional import INSIDE
 
@@ -260,7 +262,7 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400) -> tuple[tuple[str, .
                 cls = ctx.classes.find(fact.cls) if fact.cls is not None else None
             below = ctx.fact(node.inputs[0])
             for src in sorted(below.taint if below is not None else ()):
-                if src in sources or INSIDE in src or src not in ir.nodes:
+                if src in sources or src in synced or INSIDE in src or src not in ir.nodes:
                     continue
                 if ir.nodes[src].op not in _SYNCABLE or "moments" in src:
                     return None     # batch norm's statistics follow the batch_norm option

@@ -24,16 +24,12 @@ as is any other custom gradient on a batch-dependent path.
 from __future__ import annotations
 
 from replicate.batchflow.lattice import PART, SHARED
-from replicate.batchflow.loss import ONES, UNIFORM, Term, sync_sources
 from replicate.facts import GradScope, Reason
 from replicate.ir import IR
+from replicate.passes._weights import weigh_in_towers
 from replicate.roles import FLOAT_TYPES
 
 __all__ = ["settle"]
-
-#: Loss weights a tower's share of which the data decides, divided by in the towers.
-_DATA_SHARES = frozenset({"value", "shifted"})
-
 
 def settle(ir: IR, flow, region: list[str], scopes: list[GradScope]) -> list[Reason]:
     """Switch the scopes whose custom gradients are per-example to weighing in the towers;
@@ -49,7 +45,7 @@ def settle(ir: IR, flow, region: list[str], scopes: list[GradScope]) -> list[Rea
             continue
         bad = [n for n in dependent if not _per_example(ir, flow, scope.prefix, n)]
         on_shared = [n for n in mine if n not in dependent]
-        if not bad and not on_shared and scope.kind != "other" and _weigh_in_towers(flow, scope):
+        if not bad and not on_shared and scope.kind != "other" and weigh_in_towers(flow, scope):
             continue
         for name in (bad or dependent)[:4]:
             kind = ir.nodes[name].attr("_gradient_op_type")
@@ -83,31 +79,4 @@ def _per_example(ir: IR, flow, prefix: str, name: str) -> bool:
         fact = flow.fact(ref)
         if fact is None or fact.kind not in (PART, SHARED) or fact.taint:
             return False
-    return True
-
-
-def _weigh_in_towers(flow, scope: GradScope) -> bool:
-    """Set ``scope`` to weigh each term in the towers; False (scope unchanged) when a term's
-    tower weight can be zero with nothing to divide by."""
-    terms: list[Term] = []
-    converted: dict[str, list[Term]] = {}
-    for loss in scope.losses:
-        found, reason = flow.losses[loss]
-        if reason is not None:
-            return False
-        mine = []
-        for t in found:
-            if t.kind == "ratio" and t.spec and t.spec[0] in _DATA_SHARES:
-                den = sync_sources(flow.ctx, t.spec[1])
-                if den is None:
-                    return False
-                t = Term(t.root, "sum", ONES, t.cls, denominator=(t.spec[1],) + den[0])
-            mine.append(t)
-        converted[loss] = mine
-        terms.extend(mine)
-    flow.losses.update({loss: (mine, None) for loss, mine in converted.items()})
-    batch = [t for t in terms if t.kind != "shared"]
-    scope.weights = ONES
-    scope.corrections = ([(t.root, t.spec) for t in batch if t.spec != ONES]
-                         + [(t.root, UNIFORM) for t in terms if t.kind == "shared"])
     return True

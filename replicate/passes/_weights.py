@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate.batchflow.loss import ONES, Term, sync_sources, weigh
+from replicate.batchflow.loss import ONES, UNIFORM, Term, sync_sources, weigh
 from replicate.errors import AnalysisError
 from replicate.facts import GradScope, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.roles import scope_seeds
 
-__all__ = ["scopes", "losses", "assign"]
+__all__ = ["scopes", "losses", "assign", "weigh_in_towers", "DATA_SHARES"]
 
 _THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics"})
 
@@ -109,7 +109,7 @@ def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reaso
 
 #: Tower weights that are a tower's share of a value the data decides (a mask's sum, the size
 #: of a masked selection): zero in a tower that has examples but none of them counted.
-_DATA_SHARES = frozenset({"value", "size", "shifted"})
+DATA_SHARES = frozenset({"value", "size", "shifted"})
 
 
 def _zero_shares(flow, terms: list, weighting) -> list[Reason]:
@@ -119,7 +119,7 @@ def _zero_shares(flow, terms: list, weighting) -> list[Reason]:
     exact, 0.08 off). A reason until the towers divide by the global denominator."""
     if not weighting.corrections:
         return []
-    data = [t for t in terms if t.kind != "shared" and t.spec and t.spec[0] in _DATA_SHARES
+    data = [t for t in terms if t.kind != "shared" and t.spec and t.spec[0] in DATA_SHARES
             and not _positive_shift(flow, t.spec)]
     if not data:
         return []
@@ -160,3 +160,37 @@ def _positive_shift(flow, spec: tuple) -> bool:
         return False
     value = flow.ctx.const(spec[4])
     return value is not None and value.size == 1 and float(value.reshape(-1)[0]) > 0
+
+
+def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> bool:
+    """Set ``scope`` to weigh the loss in the towers: weights ``ones``, every term a correction
+    scaled by its own tower weight where its gradient enters, a ratio's denominator read as
+    the batch's by the gradient code. False (scope unchanged) when a ratio's denominator
+    cannot be synchronized.
+
+    Needed where weighing the towers' gradients afterwards is wrong: a custom gradient that
+    is not linear in its upstream (passes/_custom.py), and a loss weighted by data shares
+    beside synchronized batch statistics (a tower whose share is zero still passes gradient
+    to its examples through the batch's statistics; weighed by zero, it was dropped)."""
+    terms: list[Term] = []
+    converted: dict[str, list[Term]] = {}
+    for loss in scope.losses:
+        found, reason = flow.losses[loss]
+        if reason is not None:
+            return False
+        mine = []
+        for t in found:
+            if t.kind == "ratio" and t.spec and t.spec[0] in ("value", "shifted"):
+                den = sync_sources(flow.ctx, t.spec[1], synced=synced)
+                if den is None:
+                    return False
+                t = Term(t.root, "sum", ONES, t.cls, denominator=(t.spec[1],) + den[0])
+            mine.append(t)
+        converted[loss] = mine
+        terms.extend(mine)
+    flow.losses.update({loss: (mine, None) for loss, mine in converted.items()})
+    batch = [t for t in terms if t.kind != "shared"]
+    scope.weights = ONES
+    scope.corrections = ([(t.root, t.spec) for t in batch if t.spec != ONES]
+                         + [(t.root, UNIFORM) for t in terms if t.kind == "shared"])
+    return True

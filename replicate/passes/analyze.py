@@ -114,6 +114,18 @@ class Analyze:
         couplings = [c for c in couplings if INSIDE not in c]
         loss_syncs = flow.loss_syncs()
         auto = [c for c in couplings if _exactness.size_like(ir, c) or c in loss_syncs]
+        if auto or (self.sync and couplings):
+            synced = frozenset(couplings if self.sync else auto)
+            for scope in grad_scopes:       # a zero share must not drop a coupled tower's gradient
+                if scope.weights and scope.weights[0] in _weights.DATA_SHARES \
+                        and not _weights.weigh_in_towers(flow, scope, synced):
+                    reasons.append(Reason(scope.loss or scope.prefix, f"the loss is weighted by each "
+                                          f"tower's share of '{scope.weights[1]}' (a mask's count), "
+                                          "which is zero in a tower without masked-in examples, yet "
+                                          "that tower's examples still reach the synchronized batch "
+                                          "statistics: its gradient would be dropped",
+                                          "normalize by a plain batch sum of weights, or by "
+                                          "tf.maximum(count, 1.0)"))
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
         _state_written_per_tower(ir, flow, region, evicted)
         if evicted:
