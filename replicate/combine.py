@@ -82,15 +82,16 @@ def _shifted_total(ir: IR, towers: Towers, total: str, tf_dtype, spec: tuple, de
     node, idx = parse_tensor(s_ref)
     sums = []
     for k, prefix in enumerate(towers.prefixes):
-        src = dtypes.as_dtype(ir.output_dtype(s_ref))
-        sums.append(ir.add(f"{total}_sum_{k}", "Cast", [_ref(f"{prefix}/{node}:{idx}")],
+        copy = _ref(f"{prefix}/{node}:{idx}")
+        src = dtypes.as_dtype(ir.output_dtype(copy))     # the original may be gone (rewire)
+        sums.append(ir.add(f"{total}_sum_{k}", "Cast", [copy],
                            device=towers.devices[k], attrs={"SrcT": src, "DstT": tf_dtype}).name)
     summed = ir.add(f"{total}_sum", "AddN", sums, device=device, attrs={"T": tf_dtype, "N": len(sums)})
     c_node, c_idx = parse_tensor(c_ref)
     local = f"{towers.prefixes[0]}/{c_node}"
     c = _ref(f"{local if local in ir.nodes else c_node}:{c_idx}")
     shift = ir.add(f"{total}_shift", "Cast", [c], device=device,
-                   attrs={"SrcT": dtypes.as_dtype(ir.output_dtype(c_ref)), "DstT": tf_dtype})
+                   attrs={"SrcT": dtypes.as_dtype(ir.output_dtype(c)), "DstT": tf_dtype})
     ir.add(total, op, [summed.name, shift.name], device=device, attrs={"T": tf_dtype})
 
 

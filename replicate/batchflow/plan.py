@@ -28,7 +28,7 @@ import numpy as np
 from replicate import ops
 from replicate.batchflow import table
 from replicate.batchflow.context import Context, Demand, Position
-from replicate.batchflow.lattice import PART, RED, Sym
+from replicate.batchflow.lattice import MIXED, PART, RED, Sym
 from replicate.batchflow.rules.layout import map_reshape
 from replicate.facts import Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -132,6 +132,12 @@ class _Resolver:
         if fact is not None and fact.kind == PART:
             return
         name, idx = parse_tensor(d.tensor)
+        if fact is not None and fact.kind == MIXED:
+            # its rows are no tower's share of a global tensor: cutting it to the tower's count
+            # failed at run time (every rewrite must run); it stays as the tower computes it
+            self.reason(fact.src or name, f"'{d.tensor}' mixes examples ({fact.why}) where a "
+                        "batch-sized shape is needed", "compute it per example")
+            return
         node = ir.nodes[name]
         if name not in ctx.region_names:
             if node.op in ops.BATCH_SOURCE_OPS:

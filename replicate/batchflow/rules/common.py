@@ -41,7 +41,39 @@ def couple(ctx: Context, node: Node, facts: list[Fact]) -> frozenset:
     for f in reds(facts):
         if f.merge not in ("size",) and f.src:
             taint |= {f.src}
+    for ref in node.inputs:
+        f = ctx.fact(ref)
+        if f is not None and f.kind == RED and f.merge != "size":
+            taint |= reductions_of(ctx, ref)
     return taint
+
+
+def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
+    """Every forward batch reduction a batch-reduced value is computed from. A fact names one
+    source; a segment mean (a sum over a count), a ratio or a normalized value has several,
+    and synchronizing only the named one left the others per tower (claimed exact with
+    ``batch_norm='sync'``, 0.1 off)."""
+    cache = ctx.__dict__.setdefault("_reductions_of", {})
+    if ref in cache:
+        return cache[ref]
+    found: set[str] = set()
+    work, seen = [ref], set()
+    while work and len(seen) < limit:
+        cur = work.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        fact = ctx.fact(cur)
+        if fact is None or fact.kind != RED:
+            continue
+        name = cur.split(":")[0].lstrip("^")
+        if fact.src == name and fact.merge != "size":
+            found.add(name)
+        node = ctx.ir.nodes.get(name)
+        if node is not None:
+            work.extend(node.inputs)
+    cache[ref] = frozenset(found)
+    return cache[ref]
 
 
 def data_refs(node: Node) -> list[str]:
