@@ -136,7 +136,9 @@ def _block(kind: str, h, i: int, ctx: dict):
             [tf.constant(0), h], parallel_iterations=1)
         return out
     if kind == "layers_bn":
-        return v1.layers.batch_normalization(h, training=training, name=name)
+        # a nonlinearity after it: batch norm right after batch norm leaves the first beta
+        # without gradient (its updates are rounding noise, no test of anything)
+        return tf.nn.tanh(v1.layers.batch_normalization(h, training=training, name=name))
     if kind == "layers_dropout":
         return v1.layers.dropout(h, rate=0.3, training=training, seed=s)
     if kind == "keras_dropout":

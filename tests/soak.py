@@ -34,7 +34,8 @@ __all__ = ["fuzz", "Tally", "transform_cleanly", "check_importable", "outcome", 
 SCALE = float(os.environ.get("REPLICATE_FUZZ_SCALE", "1"))
 SEED = os.environ.get("REPLICATE_FUZZ_SEED")
 STATS = os.environ.get("REPLICATE_FUZZ_STATS")
-TESTS = ("tests/test_fuzz.py", "tests/test_registry.py", "tests/test_soundness.py")
+TESTS = ("tests/test_fuzz.py", "tests/test_registry.py", "tests/test_soundness.py",
+         "tests/test_soundness_programs.py")
 #: The pytest ``-k`` selection of the fuzz tests among TESTS.
 SELECT = "fuzz_ or claimed_exact"
 

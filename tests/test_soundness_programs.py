@@ -10,8 +10,9 @@ masks that leave a tower without masked-in examples. The rules:
 - an inexact rewrite still runs with the original feeds;
 - no internal error (a clean refusal is allowed).
 
-``REPLICATE_PROGRAMS`` sets the number of programs (the soak runs more); the suite runs 2
-shards of ``PROGRAMS / 2``.
+``REPLICATE_PROGRAMS`` sets the number of programs, ``REPLICATE_FUZZ_SCALE`` multiplies it
+and ``REPLICATE_FUZZ_SEED`` moves the seeds (the soak, tests/soak.py); the suite runs 2
+shards of ``PROGRAMS / 2`` from seed 0.
 """
 
 import collections
@@ -26,9 +27,12 @@ from replicate.equivalence import compare
 from replicate.errors import InternalError
 
 CPUS = ["/cpu:1", "/cpu:2", "/cpu:3"]
-PROGRAMS = int(os.environ.get("REPLICATE_PROGRAMS", "32"))
+PROGRAMS = int(int(os.environ.get("REPLICATE_PROGRAMS", "32"))
+               * float(os.environ.get("REPLICATE_FUZZ_SCALE", "1")))
 SHARDS = 2
-BASE = int(os.environ.get("REPLICATE_PROGRAMS_BASE") or 0)
+#: The first program's seed: 0 in CI; in a soak round, drawn from the round's seed.
+BASE = int(os.environ.get("REPLICATE_PROGRAMS_BASE")
+           or int(os.environ.get("REPLICATE_FUZZ_SEED") or 0) % 4000 * 1_000_000)
 RTOL = 1e-5
 
 

@@ -23,7 +23,7 @@ as is any other custom gradient on a batch-dependent path.
 
 from __future__ import annotations
 
-from replicate.batchflow.lattice import PART, SHARED
+from replicate.batchflow.lattice import PART, RED, SHARED
 from replicate.facts import GradScope, Reason
 from replicate.ir import IR
 from replicate.passes._weights import weigh_in_towers
@@ -77,6 +77,8 @@ def _per_example(ir: IR, flow, prefix: str, name: str) -> bool:
         tensors += [f"{g}:{i}" for i in range(len(ir.output_types(gnode)))]
     for ref in tensors:
         fact = flow.fact(ref)
-        if fact is None or fact.kind not in (PART, SHARED) or fact.taint:
+        if fact is None or fact.taint:
             return False
+        if fact.kind not in (PART, SHARED) and not (fact.kind == RED and fact.merge == "size"):
+            return False        # a shape of the tower's rows is fine; a value over them is not
     return True

@@ -181,6 +181,10 @@ def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> 
         mine = []
         for t in found:
             if t.kind == "ratio" and t.spec and t.spec[0] in ("value", "shifted"):
+                size = flow.fact(t.spec[1])
+                if size is not None and size.kind == "red" and size.merge == "size":
+                    mine.append(t)      # the tower's own count: zero only without examples
+                    continue
                 den = sync_sources(flow.ctx, t.spec[1], synced=synced)
                 if den is None:
                     return False

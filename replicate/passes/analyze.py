@@ -92,6 +92,7 @@ class Analyze:
             shared_inputs = [t for t in candidates + shared_inputs if t not in forced]
             candidates = []
         flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced)
+        _refuse_batch_arithmetic_ranges(ir, flow, region)
         classes = flow.classes
         batch_inputs = [BatchInput(t, axis, _static(ir, t, axis), ir.nodes[node_of(t)].op, cls)
                         for t, (axis, cls) in flow.inputs.items()]
@@ -366,3 +367,19 @@ def _global_after_sync(flow, f, syncs: set[str]):
     if found is None or not set(found[0]) <= syncs:
         return f
     return dataclasses.replace(f, role="first", recompute=())
+
+
+def _refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
+    """``tf.range(tf.shape(x)[0] - 1)`` runs on one device with any batch, but a tower with no
+    example computes ``Range(0, -1)`` and fails at run time: refused, since every rewrite must
+    run (an uneven last batch smaller than the towers would stop training)."""
+    for name in region:
+        node = ir.nodes[name]
+        if node.op != "Range" or len(node.inputs) < 2:
+            continue
+        limit = flow.fact(node.inputs[1])
+        if limit is not None and limit.kind == "red" and limit.src is None and limit.merge == "other":
+            raise AnalysisError(f"'{name}' counts up to the batch size minus a constant "
+                                f"('{node_of(node.inputs[1])}'): a tower with fewer examples than "
+                                "that constant (the last, uneven batch) cannot run it. Slice the "
+                                "tensor instead (x[:-1] runs on any tower), or train on one device")

@@ -163,6 +163,18 @@ def _bounded_rank(ctx: Context, node: Node, refs: list[str]) -> int | None:
     return lower if upper == lower else None
 
 
+def _symbolic(value: tuple | None, values: list) -> bool:
+    """Whether integer arithmetic kept track of the batch: a result element the arithmetic
+    could not express (``B - 1``) where an operand held a batch size is no shared value —
+    each tower computes it from its own count (it was taken for shared, the same in every
+    tower)."""
+    if value is None:
+        return False
+    if None in value and any(isinstance(x, Sym) for v in values for x in (v or ())):
+        return False
+    return True
+
+
 def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact]) -> Fact:
     """The fact of an elementwise op whose dependent inputs are all batch-reduced."""
     rs = reds(ins)
@@ -188,7 +200,9 @@ def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact])
         if all(f.merge == "size" for f in rs):
             values = [f.value for f in ins]
             value = arith(node.op, values) if all(v is not None for v in values) else None
-            return size_fact(value, taint) if value is not None else first.with_(merge="other", value=None)
+            return size_fact(value, taint) if _symbolic(value, values) \
+                else first.with_(merge="other", value=None, why=f"'{node.name}': {node.op} of the "
+                                 "batch size that is no multiple of it (each tower has its own)")
         return other(f"{node.op} of values reduced differently over the batch "
                      f"({', '.join(sorted(f.merge for f in rs))}{', and a constant' if others else ''})")
     if node.op in ("Mul", "MulNoNan") or (node.op in _DIVS and ins[0].kind == RED and ins[1].kind != RED):
@@ -196,7 +210,7 @@ def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact])
             if first.merge == "size":
                 values = [f.value for f in ins]
                 value = arith(node.op, values) if all(v is not None for v in values) else None
-                if value is not None:
+                if _symbolic(value, values):
                     return size_fact(value, taint)
             return first.with_(merge="sum" if first.merge in ("count", "size") else first.merge,
                                taint=taint, value=None)
@@ -207,6 +221,10 @@ def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact])
         return other(f"{node.op} of batch-reduced values")
     if node.op in _DIVS and all(f.kind == RED for f in ins[:2]):
         num, den = ins[0], ins[1]
+        den_shape = ctx.shape(refs[1])
+        if den_shape is None or any(d != 1 for d in den_shape):
+            # per-class counts: each element has its own tower shares, no scalar weight
+            return other("a ratio over a non-scalar batch sum (one denominator per element)")
         if num.merge in ("sum", "count", "size") and den.merge in ("sum", "count", "size"):
             return red(den.cls, "ratio", num.src, ("value", _ref(refs[1])), taint)
         shifted = _shifted(ctx, refs[1])

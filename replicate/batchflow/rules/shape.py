@@ -465,6 +465,9 @@ def range_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if any(f.kind in (PART, MIXED) for f in ins):
         return [mixed(node.name, "Range over values that depend on the batch", taint_of(ins))]
     reds = [f for f in ins if f.kind == RED]
+    if any(f.src is None and f.merge == "other" for f in reds):
+        return [mixed(node.name, "Range up to a length computed from the tower's own batch size "
+                      "(the batch size minus a constant)", taint_of(ins))]
     if reds:        # a length computed from the batch (the longest sequence): a coupling
         taint = taint_of(ins) | ({f.src for f in reds if f.src} if not ctx.in_gradient(node) else set())
         return [shared(taint=taint)]
