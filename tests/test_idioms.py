@@ -1,6 +1,8 @@
 """Everyday idioms that once converted and then failed at run time (or were refused), each
 checked against one device with plain SGD at 3 towers on an uneven batch."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -60,3 +62,45 @@ def test_idiom_trains_exactly(kind, batch, static):
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
     for single, multi in cmp.fetched:
         np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
+
+
+def _fused_batch_norm_under_a_flag(version: int) -> tf.Graph:
+    """The 2017 idiom: ``batch_normalization(training=is_training, fused=True)`` with a
+    placeholder, its moving averages in UPDATE_OPS, a momentum of 0.9 so they move."""
+    from breadth_models import control_flow_v1
+
+    graph = tf.Graph()
+    with (control_flow_v1() if version == 1 else contextlib.nullcontext()), graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        training = v1.placeholder_with_default(True, [], name="is_training")
+        h = v1.layers.conv2d(x, 5, 3, padding="same",
+                             kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        h = v1.layers.batch_normalization(h, training=training, fused=True, momentum=0.9)
+        logits = v1.layers.dense(tf.reduce_mean(tf.nn.relu(h), [1, 2]), 3,
+                                 kernel_initializer=v1.glorot_uniform_initializer(seed=2))
+        loss = tf.identity(v1.losses.sparse_softmax_cross_entropy(y, logits), name="loss")
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_fused_batch_norm_under_a_training_placeholder(version):
+    """TF1 conds (legacy programs, ``disable_v2_behavior``): refused with "input 3 of
+    FusedBatchNormV3 depends on the examples" (the inference branch's gradient asked for the
+    moving mean per example), and once running, the moving variance was called unmergeable.
+    Now exact with ``batch_norm='sync'``. In a v2 ``If`` body the fused op cannot be
+    synchronized: a reason naming the fix."""
+    graph = _fused_batch_norm_under_a_flag(version)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_norm="sync")
+    if version == 2:
+        assert not res.report.exact
+        assert any("disable_control_flow_v2" in r.fix for r in res.report.reasons), res.report.reasons
+        return
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 4, 4, 2).astype(np.float32), "y:0": rng.randint(0, 3, b)}
+             for b in (7, 5, 2)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

@@ -27,7 +27,7 @@ from replicate.equivalence import compare
 from replicate.errors import InternalError
 
 CPUS = ["/cpu:1", "/cpu:2", "/cpu:3"]
-PROGRAMS = int(int(os.environ.get("REPLICATE_PROGRAMS", "32"))
+PROGRAMS = int(int(os.environ.get("REPLICATE_PROGRAMS", "24"))
                * float(os.environ.get("REPLICATE_FUZZ_SCALE", "1")))
 SHARDS = 2
 #: The first program's seed: 0 in CI; in a soak round, drawn from the round's seed.

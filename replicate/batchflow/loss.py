@@ -230,11 +230,13 @@ _SYNCABLE = {"Sum": ("sum", "mean"), "Mean": ("mean",), "L2Loss": ("sum",),
 
 def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = frozenset()
                  ) -> tuple[tuple[str, ...], int | None] | None:
-    """The batch reductions ``ref`` is computed from (and the batch class of the first), when reading their global values makes
-    ``ref`` the single-device value in every tower; None when it cannot be proven: a
+    """The batch reductions ``ref`` is computed from (and the batch class of the first), when
+    reading their global values makes ``ref`` the single-device value in every tower; None
+    when it cannot be proven: a
     batch-dependent input that is no reduction, a reduction of an unsupported kind or inside
-    a function body, a stateful or random op on the way. Per-example values that reductions
-    in ``synced`` flow into are the batch's already (batch norm under ``batch_norm='sync'``)."""
+    a function body, a stateful or random op on the way. Reductions in ``synced`` (batch norm
+    under ``batch_norm='sync'``), and the per-example values they flow into, are the batch's
+    already."""
     from replicate.batchflow.effects import effects
     from replicate.batchflow.rules.functional import INSIDE
 
@@ -256,6 +258,9 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
         node = ir.nodes.get(name)
         if node is None or INSIDE in name:
             return None
+        if fact.kind == RED and name in synced:
+            sources.append(name)        # synchronized already (batch norm under 'sync')
+            continue
         if fact.kind == RED and fact.src == name and fact.merge in _SYNCABLE.get(node.op, ()):
             sources.append(name)
             if cls is None:

@@ -103,9 +103,12 @@ ROWWISE: dict[str, RowSpec] = {
     "SpaceToDepth": RowSpec(), "DepthToSpace": RowSpec(), "ExtractImagePatches": RowSpec(),
     "Dilation2D": RowSpec(params=(1,)), "Dilation2DBackpropInput": RowSpec(data=(0, 2), params=(1,)),
     "FusedBatchNorm": _BN, "FusedBatchNormV2": _BN, "FusedBatchNormV3": _BN,
-    "FusedBatchNormGrad": RowSpec(data=(0, 1, 3, 4), params=(2,), reduced=(1, 2)),
-    "FusedBatchNormGradV2": RowSpec(data=(0, 1, 3, 4), params=(2,), reduced=(1, 2)),
-    "FusedBatchNormGradV3": RowSpec(data=(0, 1, 3, 4, 5), params=(2,), reduced=(1, 2)),
+    # the reserve spaces (3, 4, 5) are per-channel statistics: the batch's in training mode,
+    # the moving averages in inference mode (the other branch of a `training` placeholder's
+    # cond), never rows of examples
+    "FusedBatchNormGrad": RowSpec(data=(0, 1), params=(2,), reduced=(1, 2)),
+    "FusedBatchNormGradV2": RowSpec(data=(0, 1), params=(2,), reduced=(1, 2)),
+    "FusedBatchNormGradV3": RowSpec(data=(0, 1), params=(2,), reduced=(1, 2)),
     "L2Normalize": RowSpec(),
 }
 

@@ -147,9 +147,11 @@ class Analyze:
         frontier, outputs, unmergeable, doubtful = classify(ir, region, dependent, in_grad, grad_scopes,
                                                             apply_ops, flow, losses, self.outputs,
                                                             self.merge_forward, dead)
-        if loss_syncs:
-            outputs = [_global_after_sync(flow, f, loss_syncs) for f in outputs]
-            frontier = [_global_after_sync(flow, f, loss_syncs) for f in frontier]
+        syncs = loss_syncs | set(couplings if self.sync else auto)
+        if syncs:
+            outputs = [_global_after_sync(flow, f, syncs) for f in outputs]
+            frontier = [_global_after_sync(flow, f, syncs) for f in frontier]
+            unmergeable = [t for t in unmergeable if not _global_value(flow, t, syncs)]
         tower0_values: list[str] = []
         reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings,
                                           tower0_values)
@@ -360,13 +362,21 @@ def _large_const(ir: IR, node) -> bool:
 def _global_after_sync(flow, f, syncs: set[str]):
     """A forward value computed only from synchronized reductions is the single-device value
     in every tower: read tower 0's copy (its merge by example shares would count it N times)."""
-    if f.gradient or f.role in ("concat", "first", "sparse_values", "sparse_indices") \
-            or node_of(f.tensor) in syncs:
+    if f.gradient or f.role in ("concat", "first", "sparse_values", "sparse_indices"):
         return f
-    found = sync_sources(flow.ctx, f.tensor)
-    if found is None or not set(found[0]) <= syncs:
+    if not _global_value(flow, f.tensor, syncs):
         return f
     return dataclasses.replace(f, role="first", recompute=())
+
+
+def _global_value(flow, tensor: str, syncs: set[str]) -> bool:
+    """Whether every tower's copy of ``tensor`` holds the batch's value: it is computed only
+    from synchronized reductions and shared values (a cond's merge of batch norm's
+    synchronized variance and the moving variance, a loss term over synchronized means)."""
+    if node_of(tensor) in syncs:
+        return False        # the reduction itself: its copies hold the towers' own parts
+    found = sync_sources(flow.ctx, tensor, synced=frozenset(syncs))
+    return found is not None and set(found[0]) <= syncs
 
 
 def _refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:

@@ -216,15 +216,19 @@ def _drop_covered_update_reasons(ir: IR, analysis, synced: set[str]) -> None:
     covered = set()
     batch_readers = {c.name for b in analysis.batch_inputs for c, _ in ir.data_consumers(b.tensor)}
     for update in analysis.update_ops:
-        work, seen, ok = [node_of(r) for r in ir.nodes[update].inputs], set(), True
+        work, seen, ok = list(ir.nodes[update].inputs), set(), True
         while work and ok:
-            name = work.pop()
-            if name in seen or name in synced or name not in analysis.batch_dependent:
+            name, idx = parse_tensor(work.pop())
+            if (name, idx) in seen or name in synced or name not in analysis.batch_dependent:
                 continue
-            seen.add(name)
+            seen.add((name, idx))
             if name in batch_readers:
                 ok = False
-            work.extend(node_of(r) for r in ir.nodes[name].inputs)
+            node = ir.nodes[name]
+            if node.op in FUSED_BATCH_NORM and idx in (1, 2) and not node.attr("is_training", True):
+                work.append(node.inputs[idx + 2])   # inference mode passes the moving average on
+            else:
+                work.extend(node.inputs)
         if ok:
             covered.add(update)
     analysis.reasons[:] = [r for r in analysis.reasons if r.node not in covered]

@@ -32,6 +32,16 @@ VARIANTS = {
     "sync": {"options": {"batch_norm": "sync"},
              "expect": {"exact": True, "why": "global batch statistics make batch norm exact; "
                         "the streaming accuracy reads the merged predictions"}},
+    # the 2017 idiom: `training=is_training`, a placeholder, so batch norm and its moving
+    # averages live in tf.cond branches (v2 If bodies)
+    "flag_bn": {"build": {"flag": True}, "options": {"batch_norm": "sync"},
+                "expect": {"exact": True, "why": "batch norm under a training placeholder: "
+                           "synchronized statistics, moving averages updated once per step "
+                           "inside the cond"}},
+    "flag_bn_dropout": {"build": {"flag": True, "dropout": 0.3}, "options": {"batch_norm": "sync"},
+                        "expect": {"exact": True, "why": "and `v1.layers.dropout(training="
+                                   "is_training)` before the dense layer: the mask is drawn in "
+                                   "the cond branch at the global batch's shape"}},
 }
 
 
@@ -79,7 +89,7 @@ def block_layer(inputs, filters, blocks, strides, training, name):
     return tf.identity(inputs, name)
 
 
-def model(inputs, training):
+def model(inputs, training, dropout=0.0):
     with v1.variable_scope("resnet_model"):
         inputs = conv2d_fixed_padding(inputs, 8, 3, 1)
         inputs = tf.identity(inputs, "initial_conv")
@@ -90,14 +100,17 @@ def model(inputs, training):
         inputs = tf.reduce_mean(inputs, [1, 2], keepdims=True)
         inputs = tf.identity(inputs, "final_reduce_mean")
         inputs = tf.squeeze(inputs, [1, 2])
+        if dropout:
+            inputs = v1.layers.dropout(inputs, rate=dropout, training=training, seed=5)
         inputs = v1.layers.dense(inputs=inputs, units=CLASSES)
         return tf.identity(inputs, "final_dense")
 
 
-def build(batch_size):
+def build(batch_size, flag=False, dropout=0.0):
     features = v1.placeholder(tf.float32, [None, 8, 8, 3], name="features")
     labels = v1.placeholder(tf.int32, [None], name="labels")
-    logits = model(features, training=True)
+    training = v1.placeholder_with_default(True, [], name="is_training") if flag else True
+    logits = model(features, training=training, dropout=dropout)
     predictions = {"classes": tf.argmax(logits, axis=1),
                    "probabilities": tf.nn.softmax(logits, name="softmax_tensor")}
     cross_entropy = v1.losses.sparse_softmax_cross_entropy(logits=logits, labels=labels)
