@@ -216,7 +216,8 @@ def _gradient_position(op, node, ref: str, args: tuple[str, ...]) -> int:
 
 def prepare(graph: Any, *, train_op: str | None = None, loss: str | None = None,
             outputs: Sequence[str] = (), merge_forward: bool = True,
-            batch_inputs: Any = None, sync: bool = False) -> tuple[IR, io.Loaded, Analyze]:
+            batch_inputs: Any = None, sync: bool = False,
+            shared_inputs: Any = None) -> tuple[IR, io.Loaded, Analyze]:
     """Load ``graph`` into an IR with static shapes, and build the analyze pass for it."""
     loaded = io.load(graph)
     tf_graph = loaded.graph if loaded.graph is not None else registry.import_checked(
@@ -227,7 +228,7 @@ def prepare(graph: Any, *, train_op: str | None = None, loss: str | None = None,
     external = frozenset(meta.referenced_names(loaded.meta))
     analyze = Analyze(train_op=train_op, loss=loss, outputs=tuple(outputs or ()),
                       merge_forward=merge_forward, external=external, batch_inputs=batch_inputs,
-                      sync=sync)
+                      sync=sync, shared_inputs=shared_inputs)
     return ir, loaded, analyze
 
 
@@ -248,7 +249,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
               progress: Callable[[str, int, int], None] | None = None,
               between_graph: bool = False, task_index: int | None = None,
               sparse_on_ps: bool = True,
-              accumulate: int = 1, check: bool = False) -> Result:
+              accumulate: int = 1, check: bool = False, shared_inputs: Any = None) -> Result:
     """Rewrite a single-device training graph into in-graph data-parallel training.
 
     Args:
@@ -272,6 +273,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
             batch, forward and backward: batch norm trains exactly as on one device).
         batch_inputs: the input tensors to split, as names (``"x:0"``, ``"x:0@1"`` for axis 1)
             or a dict name -> axis, instead of the ones the analysis finds.
+        shared_inputs: input tensors every tower reads whole, never split, whatever their
+            leading dimension (a table fed each step whose length may equal the batch size).
         cluster: a cluster description (ClusterSpec-style dict or JSON file, a
             ``tf.train.ClusterSpec``, or ``"TF_CONFIG"``): devices and the controller may then
             name its tasks, and are checked against it (see :mod:`replicate.cluster`).
@@ -305,7 +308,8 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
                           aggregation=aggregation, batch_norm=batch_norm, batch_inputs=batch_inputs,
                           cluster=cluster, verify_each=verify_each, dump_dir=dump_dir,
                           progress=progress, between_graph=between_graph, task_index=task_index,
-                          sparse_on_ps=sparse_on_ps, accumulate=accumulate, check=check)
+                          sparse_on_ps=sparse_on_ps, accumulate=accumulate, check=check,
+                          shared_inputs=shared_inputs)
 
 
 @contextlib.contextmanager
@@ -326,7 +330,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                merge_forward: bool, param_devices, aggregation: str, batch_norm: str, batch_inputs,
                cluster, verify_each: bool, dump_dir, progress, between_graph: bool = False,
                task_index: int | None = None, sparse_on_ps: bool = True,
-               accumulate: int = 1, check: bool = False) -> Result:
+               accumulate: int = 1, check: bool = False, shared_inputs: Any = None) -> Result:
     start = time.perf_counter()
     micro = _micro(accumulate)
     between = None
@@ -365,7 +369,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     try:
         ir, loaded, analyze = prepare(graph, train_op=train_op, loss=loss, outputs=outputs or (),
                                       merge_forward=merge_forward, batch_inputs=batch_inputs,
-                                      sync=batch_norm == "sync")
+                                      sync=batch_norm == "sync", shared_inputs=shared_inputs)
         validator = Validate()
         passes = [analyze, Place(controller, params), Split([d for d in devices for _ in range(micro)], controller, micro), Clone(),
                   Sync(controller, full=batch_norm == "sync"), Rebatch(), Draw(), Weigh(controller),
@@ -373,7 +377,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         if between_graph:
             seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
                 (devices, controller, workers, ps, aggregation, sparse_on_ps, outputs, train_op,
-                 loss, batch_inputs)).encode()
+                 loss, batch_inputs, shared_inputs)).encode()
             between = Between(workers, controller, ps, sparse_on_ps, seed)
             passes.append(between)
         passes += [Mirror(), validator] if mirrored and len(devices) > 1 else [validator]
@@ -418,6 +422,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
         _certify(report, graph, len(devices), train_op=analysis.train_op, loss=loss,
                  strategy={"aggregation": aggregation, "batch_norm": batch_norm,
                            "accumulate": micro, "batch_inputs": batch_inputs,
+                           **({"shared_inputs": shared_inputs} if shared_inputs else {}),
                            **({"param_devices": "mirrored"} if mirrored else {})},
                  distributed=between_graph or cluster is not None)
     return Result(graph_def, meta_out, report, analysis, towers, records,

@@ -49,3 +49,17 @@ def test_cluster_names_tasks(tmp_path, capsys):
     assert main(["convert", str(path), "-o", str(out), "--no-check", "--force", "--cluster", str(spec),
                  "--devices", "/job:chief/task:0"]) == 2
     assert "--devices" in capsys.readouterr().err
+
+
+def test_batch_and_shared_inputs_reach_the_transform(tmp_path, capsys):
+    """``--shared-inputs`` and ``--batch-inputs`` name the same tensor: exit 2 with one line,
+    nothing written; a shared input that is no tensor of the graph: exit 2 naming it (the API
+    test is tests/test_idioms.py::test_shared_inputs_are_never_split)."""
+    path, out = _meta(tmp_path), tmp_path / "out.meta"
+    code = main(["convert", str(path), "-o", str(out), "--no-check", "--devices", "/cpu:0,/cpu:1",
+                 "--batch-inputs", "x:0", "--shared-inputs", "x:0"])
+    assert code == 2 and not out.exists()
+    assert "both a batch input and a shared input" in capsys.readouterr().err
+    code = main(["inspect", str(path), "--devices", "/cpu:0,/cpu:1", "--shared-inputs", "nope:0"])
+    assert code == 2
+    assert "shared input 'nope:0' is not a tensor of the graph" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Issue 13: classic TF1 programs convert exactly under their own drivers (tests/corpus/).
 
-One test per group of up to three programs: the harness runs them in one subprocess
+One test per group of up to five programs: the harness runs them in one subprocess
 (``tests/corpus/harness.py PROGRAM... --mode quick``, for each: on the uneven global batch, the single-device program replayed, the API at 3
 towers, ``replicate convert`` at 2 towers for the programs in ``harness.QUICK_CLI``, one API
 run of every other variant) and every record is judged:
@@ -39,7 +39,7 @@ def run_harness(programs: list[str], directory) -> list[dict]:
 
 #: Programs judged together in one harness process (one TensorFlow import per group, ~10 s
 #: of CPU each), balanced by their run time.
-GROUPS = [PROGRAMS[i::4] for i in range(4)]
+GROUPS = [PROGRAMS[i::3] for i in range(3)]
 
 
 @pytest.mark.parametrize("programs", GROUPS, ids=["+".join(g) for g in GROUPS])

@@ -71,8 +71,7 @@ def test_tensorflow_alone_aborts_on_an_empty_max_pool_gradient():
     assert "dtype() == expected_dtype" in done.stderr
 
 
-@pytest.mark.parametrize("aggregation,towers,batch", [("add_n", 4, 2), ("allreduce", 4, 2),
-                                                      ("packed_allreduce", 3, 1)])
+@pytest.mark.parametrize("aggregation,towers,batch", [("add_n", 4, 2), ("packed_allreduce", 3, 1)])
 def test_towers_without_examples_train_through_max_pooling(aggregation, towers, batch):
     done = _child("replicate", aggregation, str(towers), str(batch))
     assert done.returncode == 0, done.stderr[-1500:]

@@ -104,3 +104,19 @@ def test_fused_batch_norm_under_a_training_placeholder(version):
              for b in (7, 5, 2)]
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def test_shared_inputs_are_never_split():
+    """A fed per-class table whose length equals the batch (3): the evidence (a lookup by the
+    labels) keeps it shared; ``shared_inputs=`` says so outright, and a name given both as a
+    batch and a shared input is refused."""
+    graph = _graph("class_weights", None)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], shared_inputs=["class_weights:0"])
+    assert res.report.exact, res.report.reasons
+    assert "class_weights:0" in res.report.shared_inputs
+    assert "class_weights:0" not in [b.tensor for b in res.analysis.batch_inputs]
+    with pytest.raises(replicate.ReplicateError, match="both a batch input and a shared input"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2"], batch_inputs=["x:0", "class_weights:0"],
+                            shared_inputs=["class_weights:0"])
+    with pytest.raises(replicate.ReplicateError, match="not a tensor of the graph"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2"], shared_inputs=["nope:0"])

@@ -51,6 +51,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-inputs", metavar="NAME[@AXIS][,...]", default="",
                         help="split exactly these inputs along their batch axis (default 0) "
                              "instead of the ones the analysis finds, e.g. x:0,state:0@1")
+    parser.add_argument("--shared-inputs", metavar="NAME[,...]", default="",
+                        help="never split these inputs: every tower reads them whole (a table fed "
+                             "each step whose length may equal the batch size), e.g. weights:0")
     parser.add_argument("--accumulate", metavar="K", default="1",
                         help="gradient accumulation: each device runs its slice of the batch as K "
                              "micro-batches in one step, gradients summed, optimizer once (default 1)")
@@ -77,6 +80,9 @@ def strategy_options(args: argparse.Namespace) -> dict:
             if not axis.isdigit():
                 raise InputError(f"--batch-inputs {name}: the axis after '@' must be a whole number")
         options["batch_inputs"] = names
+    shared = getattr(args, "shared_inputs", "")
+    if shared:
+        options["shared_inputs"] = name_list(shared)
     return options
 
 

@@ -64,6 +64,19 @@ def forced(ir: IR, names: Mapping[str, int] | Sequence[str]) -> dict[str, int]:
     return out
 
 
+def named_shared(ir: IR, names: Sequence[str], forced: Mapping[str, int] | None) -> list[str]:
+    """The user's ``shared_inputs``: tensors every tower reads whole, checked."""
+    out = []
+    for name in names:
+        ref = tensor_name(*parse_tensor(name))
+        if ir.nodes.get(node_of(ref)) is None:
+            raise AnalysisError(f"shared input '{name}' is not a tensor of the graph")
+        if forced and ref in forced:
+            raise AnalysisError(f"'{name}' is named both a batch input and a shared input")
+        out.append(ref)
+    return out
+
+
 def variables(ir: IR, region: list[str], apply_ops: list[ApplyOp]) -> dict[str, VarInfo]:
     """Every variable of the graph, with its size and whether an optimizer updates it."""
     updated = {a.variable for a in apply_ops}

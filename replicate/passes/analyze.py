@@ -62,13 +62,15 @@ class Analyze:
 
     def __init__(self, train_op: str | None = None, loss: str | None = None,
                  outputs: tuple[str, ...] = (), merge_forward: bool = True,
-                 external: frozenset[str] = frozenset(), batch_inputs=None, sync: bool = False):
+                 external: frozenset[str] = frozenset(), batch_inputs=None, sync: bool = False,
+                 shared_inputs=None):
         self.train_op = train_op
         self.loss = loss
         self.outputs = tuple(outputs)
         self.merge_forward = merge_forward
         self.external = external
         self.batch_inputs = batch_inputs
+        self.shared_inputs = shared_inputs
         self.sync = sync
 
     def run(self, ir: IR) -> PassResult:
@@ -88,6 +90,10 @@ class Analyze:
         region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses])
         candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
         forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
+        if self.shared_inputs:       # never split what the user says every tower reads whole
+            named = _inputs.named_shared(ir, self.shared_inputs, forced)
+            candidates = [t for t in candidates if t not in named]
+            shared_inputs = list(dict.fromkeys(shared_inputs + named))
         if forced:
             shared_inputs = [t for t in candidates + shared_inputs if t not in forced]
             candidates = []

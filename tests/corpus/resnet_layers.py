@@ -34,14 +34,11 @@ VARIANTS = {
                         "the streaming accuracy reads the merged predictions"}},
     # the 2017 idiom: `training=is_training`, a placeholder, so batch norm and its moving
     # averages live in tf.cond branches (v2 If bodies)
-    "flag_bn": {"build": {"flag": True}, "options": {"batch_norm": "sync"},
-                "expect": {"exact": True, "why": "batch norm under a training placeholder: "
-                           "synchronized statistics, moving averages updated once per step "
-                           "inside the cond"}},
-    "flag_bn_dropout": {"build": {"flag": True, "dropout": 0.3}, "options": {"batch_norm": "sync"},
-                        "expect": {"exact": True, "why": "and `v1.layers.dropout(training="
-                                   "is_training)` before the dense layer: the mask is drawn in "
-                                   "the cond branch at the global batch's shape"}},
+    "flag": {"build": {"flag": True, "dropout": 0.3}, "options": {"batch_norm": "sync"},
+             "expect": {"exact": True, "why": "batch norm under a training placeholder: "
+                        "synchronized statistics, moving averages updated once per step inside "
+                        "the cond; `v1.layers.dropout(training=is_training)` before the dense "
+                        "layer draws its mask in the cond branch at the global batch's shape"}},
 }
 
 
