@@ -3,7 +3,8 @@
 Used by the aggregate pass (gradients) and the rewire pass (forward outputs). A kind names
 the combination: ``dense``/``mean`` (sum of example-count-weighted parts), ``sum``,
 ``concat`` (along the batch axis), ``sparse_values`` (weighted, then concatenated),
-``sparse_indices`` (concatenated), ``max``, ``min`` and ``first`` (tower 0's part).
+``sparse_indices`` (concatenated), ``max``, ``min``, ``first`` (tower 0's part) and
+``global`` (tower 0's part of a value every tower computes whole, from synchronized sums).
 Weights use ``MulNoNan`` so a tower with no examples contributes zero, not NaN.
 With gradient accumulation (``towers.micro`` > 1) the sums first run along each device's
 micro-batches as a running sum on that device (each micro-batch's part can be freed as soon as
@@ -20,7 +21,7 @@ from replicate.ir import IR, parse_tensor
 __all__ = ["combine", "weight", "KINDS"]
 
 KINDS = frozenset({"dense", "mean", "ratio", "sum", "concat", "sparse_values", "sparse_indices",
-                   "max", "min", "first"})
+                   "max", "min", "first", "global"})
 WEIGHTS = "replicate/weights"
 
 
@@ -142,7 +143,7 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
         raise ValueError(f"unknown combine kind '{kind}'")
     tf_dtype = dtypes.as_dtype(dtype)
     refs = [_ref(p) for p in parts]
-    if kind == "first":
+    if kind in ("first", "global"):     # global: every tower's copy is the batch's value
         return ir.add(name, "Identity", [refs[0]], device=device, attrs={"T": tf_dtype}).name
     if kind in ("dense", "mean", "ratio", "sparse_values") and weights != ("ones",):
         scaled = []

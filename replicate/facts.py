@@ -48,7 +48,7 @@ class Frontier:
     """A tensor computed in every tower and read by shared nodes.
 
     ``role`` is ``dense``, ``sparse_values`` or ``sparse_indices`` for gradients (aggregated), and
-    ``concat``, ``mean``, ``sum``, ``ratio``, ``max``, ``min``, ``recompute`` or ``first`` for
+    ``concat``, ``mean``, ``sum``, ``ratio``, ``max``, ``min``, ``recompute``, ``first`` or ``global`` for
     forward tensors (merged). ``weights`` says how towers are weighted (see
     :func:`replicate.combine.weight`); ``recompute`` lists, for a tensor no combination of the
     towers' copies gives, the ops to run once on merged inputs instead (a loss adding a sum and a

@@ -61,6 +61,7 @@ def test_nonlinear_function_of_batch_reductions_is_exact(kind, options):
     res = replicate.transform(graph, DEVICES, **options)
     assert res.report.exact, [str(r) for r in res.report.reasons]
     assert res.report.synced, "the reductions the loss is computed from are synchronized"
+    assert not res.report.tower0_values, res.report.tower0_values   # the batch's, not tower 0's
     # a value between the reductions and the loss, fetched by name, is the batch's too
     fetch = ("loss:0", "ratio:0") if kind == "sqrt_of_masked_mean" else ("loss:0",)
     cmp = compare(graph, res.graph, "train", _feeds(), fetch=fetch)

@@ -327,3 +327,15 @@ def test_certificate_weighs_a_difference_against_the_graphs_own_rounding():
     assert not Certificate(True, runs=[dict(run, max_rel=0.5, rounding=0.01)]).ok
     assert not Certificate(True, runs=[dict(run, max_rel=2e-5)]).ok       # no yardstick: 1e-5
     assert "permuted batch: 1.9e+00" in Certificate(True, runs=[dict(run, max_rel=1.8, rounding=1.9)]).describe()
+
+
+def test_inspect_lists_the_random_ops(tmp_path):
+    """``inspect --json`` lists every random op and how each is reproduced."""
+    from replicate.commands.inspect import collect
+
+    path = tmp_path / "dropout.meta"
+    v1.train.export_meta_graph(str(path), graph=_mlp("dropout"))
+    info = collect(str(path), ["/cpu:1", "/cpu:2"], "/cpu:0")
+    assert info["random"]["ops"], info["random"]
+    assert set(info["random"]["reproduced"]) == set(info["random"]["ops"])
+    assert set(info["random"]["reproduced"].values()) <= {"rows", "same", "body"}

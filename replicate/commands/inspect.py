@@ -115,6 +115,8 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
         "named_outputs": [f.tensor for f in analysis.outputs
                           if f.role != "first" and _named(ir, f.tensor)],
         "tower0_outputs": [f.tensor for f in analysis.outputs if f.role == "first"],
+        "random": {"ops": list(report.random.get("ops", [])),
+                   "reproduced": dict(report.random.get("reproduced", {}))},
         "output_nodes": report.output_nodes, "exact": report.exact,
         "reasons": [dict(node=r.node, what=r.what, fix=r.fix) for r in report.reasons],
         "warnings": _warnings(ir, analysis, report, loaded.meta, meta),

@@ -367,12 +367,13 @@ def _large_const(ir: IR, node) -> bool:
 
 def _global_after_sync(flow, f, syncs: set[str]):
     """A forward value computed only from synchronized reductions is the single-device value
-    in every tower: read tower 0's copy (its merge by example shares would count it N times)."""
-    if f.gradient or f.role in ("concat", "first", "sparse_values", "sparse_indices"):
+    in every tower: read tower 0's copy (role ``global``; a merge by example shares would
+    count it N times)."""
+    if f.gradient or f.role in ("concat", "first", "global", "sparse_values", "sparse_indices"):
         return f
     if not _global_value(flow, f.tensor, syncs):
         return f
-    return dataclasses.replace(f, role="first", recompute=())
+    return dataclasses.replace(f, role="global", recompute=())
 
 
 def _global_value(flow, tensor: str, syncs: set[str]) -> bool:
