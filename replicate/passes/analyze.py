@@ -158,6 +158,8 @@ class Analyze:
             outputs = [_global_after_sync(flow, f, syncs) for f in outputs]
             frontier = [_global_after_sync(flow, f, syncs) for f in frontier]
             unmergeable = [t for t in unmergeable if not _global_value(flow, t, syncs)]
+        if self.sync:
+            outputs = _synchronized_statistics(ir, outputs, couplings)
         tower0_values: list[str] = []
         reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings,
                                           tower0_values)
@@ -386,6 +388,20 @@ def _global_value(flow, tensor: str, syncs: set[str]) -> bool:
     return found is not None and set(found[0]) <= syncs
 
 
+def _minus_constant(ir: IR, flow, ref: str) -> bool:
+    """``ref`` is a batch-dependent integer minus a positive constant (``n - 1``), whatever
+    the analysis made of ``n`` (a size, or a value mixed by an op upstream)."""
+    node = ir.nodes.get(node_of(ref))
+    if node is None or node.op not in ("Sub", "Add", "AddV2") or len(node.inputs) != 2:
+        return False
+    value = flow.ctx.const(node.inputs[1])
+    first = flow.fact(node.inputs[0])
+    if value is None or value.size != 1 or first is None or first.kind == "shared":
+        return False
+    c = float(value.reshape(-1)[0])
+    return c > 0 if node.op == "Sub" else c < 0
+
+
 def _refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
     """``tf.range(tf.shape(x)[0] - 1)`` runs on one device with any batch, but a tower with no
     example computes ``Range(0, -1)`` and fails at run time: refused, since every rewrite must
@@ -395,8 +411,21 @@ def _refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
         if node.op != "Range" or len(node.inputs) < 2:
             continue
         limit = flow.fact(node.inputs[1])
-        if limit is not None and limit.kind == "red" and limit.src is None and limit.merge == "other":
+        if limit is not None and limit.kind == "red" and limit.src is None and limit.merge == "other" \
+                or _minus_constant(ir, flow, node.inputs[1]):
             raise AnalysisError(f"'{name}' counts up to the batch size minus a constant "
                                 f"('{node_of(node.inputs[1])}'): a tower with fewer examples than "
                                 "that constant (the last, uneven batch) cannot run it. Slice the "
                                 "tensor instead (x[:-1] runs on any tower), or train on one device")
+
+
+def _synchronized_statistics(ir: IR, outputs: list, couplings: list[str]) -> list:
+    """A synchronized fused batch norm's statistics under its original name are the sync
+    pass's (the global mean and variance the towers normalized with), not a batch norm
+    recomputed over the merged activations on the controller: its outputs other than ``y``
+    are left to the rewire pass, which reads them from the sync pass. Only where ``y`` is
+    merged, so that the original-named node is rebuilt."""
+    fused = {c for c in couplings if ir.nodes[c].op == "FusedBatchNormV3"}
+    merged = {node_of(f.tensor) for f in outputs if f.role != "recompute"
+              and node_of(f.tensor) in fused and parse_tensor(f.tensor)[1] == 0}
+    return [f for f in outputs if not (node_of(f.tensor) in merged and parse_tensor(f.tensor)[1] > 0)]
