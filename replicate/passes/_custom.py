@@ -31,6 +31,7 @@ from replicate.roles import FLOAT_TYPES
 
 __all__ = ["settle"]
 
+
 def settle(ir: IR, flow, region: list[str], scopes: list[GradScope]) -> list[Reason]:
     """Switch the scopes whose custom gradients are per-example to weighing in the towers;
     reasons for the custom gradients that are not (at most four)."""
@@ -39,11 +40,12 @@ def settle(ir: IR, flow, region: list[str], scopes: list[GradScope]) -> list[Rea
         return []
     reasons: list[Reason] = []
     for scope in scopes:
-        mine = [n for n in custom if _gradient_code(ir, scope.prefix, n)]
+        code = {n: _gradient_code(ir, scope.prefix, n) for n in custom}
+        mine = [n for n in custom if code[n]]
         dependent = [n for n in mine if flow.dependent(n, len(ir.output_types(ir.nodes[n])))]
         if not dependent:
             continue
-        bad = [n for n in dependent if not _per_example(ir, flow, scope.prefix, n)]
+        bad = [n for n in dependent if not _per_example(ir, flow, n, code[n])]
         on_shared = [n for n in mine if n not in dependent]
         if not bad and not on_shared and scope.kind != "other" and weigh_in_towers(flow, scope):
             continue
@@ -65,9 +67,8 @@ def _gradient_code(ir: IR, prefix: str, name: str) -> list[str]:
     return [n for n in ir.nodes if n.startswith(inside)]
 
 
-def _per_example(ir: IR, flow, prefix: str, name: str) -> bool:
-    """The op and its gradient code touch only per-example and shared values."""
-    code = _gradient_code(ir, prefix, name)
+def _per_example(ir: IR, flow, name: str, code: list[str]) -> bool:
+    """The op and its gradient code (``code``) touch only per-example and shared values."""
     node = ir.nodes[name]
     tensors = [r for r in node.inputs if ir.output_dtype(r) in FLOAT_TYPES]
     tensors += [f"{name}:{i}" for i in range(len(ir.output_types(node)))]

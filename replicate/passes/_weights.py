@@ -144,13 +144,24 @@ def _global_denominators(flow, terms: list[Term]) -> list[Term]:
         return terms
     out = []
     for t in terms:
-        if t.kind == "ratio" and t.spec and t.spec[0] in ("value", "shifted") \
-                and not _positive_shift(flow, t.spec):
-            found = sync_sources(flow.ctx, t.spec[1])
-            if found is not None:
-                t = Term(t.root, "sum", ONES, t.cls, denominator=(t.spec[1],) + found[0])
+        if _data_ratio(t) and not _positive_shift(flow, t.spec):
+            t = _over_global_denominator(flow, t) or t
         out.append(t)
     return out
+
+
+def _data_ratio(t: Term) -> bool:
+    """A ratio weighted by each tower's share of a denominator the data decides."""
+    return t.kind == "ratio" and bool(t.spec) and t.spec[0] in ("value", "shifted")
+
+
+def _over_global_denominator(flow, t: Term, synced: frozenset = frozenset()) -> Term | None:
+    """Ratio term ``t`` as a plain sum whose gradient code divides by the batch's denominator
+    (synchronized), or None when the denominator cannot be synchronized."""
+    found = sync_sources(flow.ctx, t.spec[1], synced=synced)
+    if found is None:
+        return None
+    return Term(t.root, "sum", ONES, t.cls, denominator=(t.spec[1],) + found[0])
 
 
 def _positive_shift(flow, spec: tuple) -> bool:
@@ -180,15 +191,11 @@ def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> 
             return False
         mine = []
         for t in found:
-            if t.kind == "ratio" and t.spec and t.spec[0] in ("value", "shifted"):
-                size = flow.fact(t.spec[1])
-                if size is not None and size.kind == "red" and size.merge == "size":
-                    mine.append(t)      # the tower's own count: zero only without examples
-                    continue
-                den = sync_sources(flow.ctx, t.spec[1], synced=synced)
-                if den is None:
+            size = flow.fact(t.spec[1]) if _data_ratio(t) else None
+            if _data_ratio(t) and not (size is not None and size.merge == "size"):
+                t = _over_global_denominator(flow, t, synced)   # a tower's own count stays:
+                if t is None:                                    # zero only without examples
                     return False
-                t = Term(t.root, "sum", ONES, t.cls, denominator=(t.spec[1],) + den[0])
             mine.append(t)
         converted[loss] = mine
         terms.extend(mine)

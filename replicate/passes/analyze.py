@@ -121,8 +121,8 @@ class Analyze:
         couplings = [c for c in couplings if INSIDE not in c]
         loss_syncs = flow.loss_syncs()
         auto = [c for c in couplings if _exactness.size_like(ir, c) or c in loss_syncs]
-        if auto or (self.sync and couplings):
-            synced = frozenset(couplings if self.sync else auto)
+        synced = frozenset(couplings if self.sync else auto)
+        if synced:
             for scope in grad_scopes:       # a zero share must not drop a coupled tower's gradient
                 if scope.weights and scope.weights[0] in _weights.DATA_SHARES \
                         and not _weights.weigh_in_towers(flow, scope, synced):
@@ -153,7 +153,7 @@ class Analyze:
         frontier, outputs, unmergeable, doubtful = classify(ir, region, dependent, in_grad, grad_scopes,
                                                             apply_ops, flow, losses, self.outputs,
                                                             self.merge_forward, dead)
-        syncs = loss_syncs | set(couplings if self.sync else auto)
+        syncs = loss_syncs | synced
         if syncs:
             outputs = [_global_after_sync(flow, f, syncs) for f in outputs]
             frontier = [_global_after_sync(flow, f, syncs) for f in frontier]
