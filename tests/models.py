@@ -54,6 +54,19 @@ def _classification_feed(features: tuple[int, ...], classes: int, onehot: bool =
     return make
 
 
+def masked_regression():
+    """Inside a graph: placeholders ``x`` [B, 4], ``y`` [B] and a mask ``m`` [B], and the
+    prediction ``p = x . w`` of a seeded resource variable ``w``; returns ``(p, y, m, w)``.
+    The prelude of the loss-shape tests (denominators, nonlinear losses, custom gradients)."""
+    v1 = tf.compat.v1
+    x = v1.placeholder(tf.float32, [None, 4], name="x")
+    y = v1.placeholder(tf.float32, [None], name="y")
+    m = v1.placeholder(tf.float32, [None], name="m")
+    w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1),
+                        use_resource=True)
+    return tf.reduce_sum(x * w, axis=1), y, m, w
+
+
 def mlp(optimizer: str = "adam", resource: bool = True, batch: int | None = None,
         hidden: int = 16, global_step: bool = True) -> Model:
     """Two dense layers, softmax cross-entropy mean loss, optional global step."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import models
 import replicate
 from replicate.equivalence import compare
 
@@ -31,12 +32,7 @@ def _signed_root(op, dy):
 def _graph(kind: str) -> tf.Graph:
     graph = tf.Graph()
     with graph.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.float32, [None], name="y")
-        m = v1.placeholder(tf.float32, [None], name="m")
-        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1),
-                            use_resource=True)
-        p = tf.reduce_sum(x * w, axis=1)
+        p, y, m, w = models.masked_regression()
 
         @tf.custom_gradient
         def clipped(t):
