@@ -123,3 +123,24 @@ def test_demo_cli_rejects_bad_options():
 
     assert main(["demo", "--steps", "0"]) == 2
     assert main(["demo", "--data-dir", "/nonexistent/dir"]) == 2
+
+
+def test_verdict_weighs_a_difference_against_one_devices_own_drift():
+    """Above --rtol but within 10x the permuted-batch reference: agreement, saying why (the
+    Quick start's demo on a 2-core CPU reported DIFFERS at 2.1e-3 beside a reference of
+    2.1e-3). Beyond it, or with no reference, DIFFERS."""
+    from types import SimpleNamespace as NS
+
+    from replicate.demo.report import verdict
+
+    def result(*drift):
+        return NS(drift=[NS(step=s, max_rel=m, ref_max_rel=r) for s, m, r in drift], worst="w")
+
+    ok, line = verdict(result((1, 2e-5, 2e-5), (10, 2.1e-3, 2.1e-3)), 1e-4)
+    assert ok and "within 10 times how far one device drifts" in line, line
+    ok, line = verdict(result((1, 2e-5, 2e-5), (10, 2.1e-3, 1e-4)), 1e-4)
+    assert not ok and "DIFFERS" in line
+    ok, line = verdict(result((1, 2e-5, None), (10, 2.1e-3, None)), 1e-4)
+    assert not ok and "DIFFERS" in line
+    ok, line = verdict(result((1, 2e-5, None), (10, 5e-5, None)), 1e-4)
+    assert ok and "each within --rtol" in line

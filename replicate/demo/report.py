@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from replicate.certificate import ROUNDING_FACTOR
 from replicate.demo.data import Dataset
 from replicate.demo.model import CNN
 from replicate.demo.runner import SideBySide
@@ -60,17 +61,28 @@ def verdict(result: SideBySide, rtol: float, checked_until: int = EXACT_STEPS) -
     """Whether the replicated training is exact where exactness is checked, and the line
     that says so.
 
-    Exactness is checked at the drift checkpoints up to step ``checked_until`` (1 and 10):
-    there float rounding has not compounded yet, so an exact rewrite stays within ``rtol``.
-    Later checkpoints are not judged (see :func:`drift_line`).
+    Exactness is checked at the drift checkpoints up to step ``checked_until`` (1 and 10).
+    A checkpoint agrees within ``rtol``, or, where the permuted-batch reference ran, within
+    ``ROUNDING_FACTOR`` times how far one device moves from itself when only the summation
+    order changes (the numeric certificate's yardstick): on a 2-core CPU the CNN's smallest
+    parameters drift 2e-3 from themselves by step 10, and the demo called an exact rewrite
+    DIFFERS. Later checkpoints are not judged (see :func:`drift_line`).
     """
     checked = [d for d in result.drift if d.step <= checked_until] or result.drift[:1]
     cells = ", ".join(f"step {d.step} {d.max_rel:.1e}" for d in checked)
-    bad = [d for d in checked if d.max_rel > rtol]
+    over = [d for d in checked if d.max_rel > rtol]
+    bad = [d for d in over
+           if d.ref_max_rel is None or d.max_rel > ROUNDING_FACTOR * d.ref_max_rel]
     if bad:
         return False, (f"{AGREEMENT} DIFFERS: max relative parameter difference {cells}; "
-                       f"step {bad[0].step} is above --rtol {rtol:g} (worst {result.worst}): "
-                       "the towers do not train as one device does")
+                       f"step {bad[0].step} is above --rtol {rtol:g} (worst {result.worst}) "
+                       f"and above {ROUNDING_FACTOR} times one device's own drift: the towers "
+                       "do not train as one device does")
+    if over:
+        refs = ", ".join(f"step {d.step} {d.ref_max_rel:.1e}" for d in over)
+        return True, (f"{AGREEMENT} exact where checked: max relative parameter difference "
+                      f"{cells}; above --rtol {rtol:g}, but within {ROUNDING_FACTOR} times how "
+                      f"far one device drifts from itself with each batch permuted ({refs})")
     return True, (f"{AGREEMENT} exact where checked: max relative parameter difference {cells} "
                   f"(each within --rtol {rtol:g})")
 
