@@ -513,7 +513,9 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
     return Report(
         devices=devices, controller=controller, train_op=analysis.train_op, loss=analysis.loss,
         loss_reductions={s.prefix: s.kind for s in analysis.scopes},
-        inputs=[{"tensor": b.tensor, "axis": b.axis, "static_size": b.static_size, "class": b.cls}
+        inputs=[{"tensor": b.tensor, "axis": b.axis, "static_size": b.static_size, "class": b.cls,
+                 **({"sparse": ("indices", "values", "shape")[b.sparse.index(b.tensor)]}
+                    if b.sparse else {})}
                 for b in analysis.batch_inputs],
         shared_inputs=list(analysis.shared_inputs), optimizers=list(analysis.optimizers),
         updates=len(analysis.apply_ops), variables=len(analysis.variables),

@@ -23,6 +23,9 @@ class BatchInput:
     static_size: int | None
     source_op: str
     cls: int = 0
+    #: For a part of a SparseTensor: its (indices, values, dense shape) tensors (None where
+    #: one is not fed); the split pass divides its entries by the examples column 0 names.
+    sparse: tuple | None = None
 
 
 @dataclasses.dataclass

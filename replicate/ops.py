@@ -14,6 +14,7 @@ __all__ = [
     "REF_VARIABLE_OPS",
     "INPUT_SOURCE_OPS",
     "BATCH_SOURCE_OPS",
+    "SPARSE_OPERANDS",
     "APPLY_OPS",
     "MUTATING_OPS",
     "RANDOM_OPS",
@@ -45,6 +46,18 @@ BATCH_SOURCE_OPS = frozenset(
      "IteratorGetNextSync", "QueueDequeueMany", "QueueDequeueManyV2", "QueueDequeueUpTo",
      "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueV2"}
 )
+#: Ops that read a ``SparseTensor`` as three operands: op -> (indices, values, dense shape)
+#: positions (values None: the op does not read them). A batch input fed as a SparseTensor is
+#: recognised by them and split by the examples its indices name.
+SPARSE_OPERANDS = {
+    "SparseTensorDenseMatMul": (0, 1, 2), "SparseToDense": (0, 2, 1), "SparseReduceSum": (0, 1, 2),
+    "SparseReduceMax": (0, 1, 2), "SparseReduceSumSparse": (0, 1, 2),
+    "SparseReduceMaxSparse": (0, 1, 2), "SparseReshape": (0, None, 1),
+    "SparseFillEmptyRows": (0, 1, 2), "SparseSoftmax": (0, 1, 2), "SparseDenseCwiseMul": (0, 1, 2),
+    "SparseDenseCwiseAdd": (0, 1, 2), "SparseDenseCwiseDiv": (0, 1, 2), "SparseReorder": (0, 1, 2),
+    "SparseSlice": (0, 1, 2), "SerializeSparse": (0, 1, 2), "SparseAdd": (0, 1, 2),
+}
+
 INPUT_SOURCE_OPS = BATCH_SOURCE_OPS | frozenset(
     {"Iterator", "IteratorV2", "OneShotIterator", "AnonymousIterator", "AnonymousIteratorV2",
      "AnonymousIteratorV3", "MakeIterator", "FIFOQueue", "FIFOQueueV2", "RandomShuffleQueue",

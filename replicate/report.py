@@ -84,7 +84,11 @@ class Report:
         for inp in self.inputs:
             size = inp["static_size"] if inp["static_size"] is not None else "dynamic"
             group = f", batch {classes.index(inp.get('class', 0)) + 1}" if len(classes) > 1 else ""
-            lines.append(f"  batch input   {inp['tensor']}  axis {inp['axis']}, batch size {size}{group}")
+            where = {"indices": "entries of a SparseTensor, split by the example in column 0",
+                     "values": "entries of a SparseTensor, split with its indices",
+                     "shape": "dense shape of a SparseTensor, element 0 the tower's batch size"
+                     }.get(inp.get("sparse"), f"axis {inp['axis']}")
+            lines.append(f"  batch input   {inp['tensor']}  {where}, batch size {size}{group}")
         for name in self.shared_inputs:
             why = self.shared_why.get(name)
             lines.append(f"  shared input  {name}  (not split{': ' + why if why else ''})")

@@ -115,7 +115,8 @@ class Flow:
 
 
 def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str], scopes: list[str],
-            losses: list[str], forced: dict[str, int] | None = None) -> Flow:
+            losses: list[str], forced: dict[str, int] | None = None,
+            sparse: list[tuple[str, str | None, str | None]] = ()) -> Flow:
     """Settle the batch dataflow of ``region``.
 
     Args:
@@ -126,13 +127,16 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         scopes: gradient scope prefixes.
         losses: the tensors the gradient computations differentiate.
         forced: the user's batch inputs (tensor -> axis); no evidence is weighed then.
+        sparse: batch inputs fed as a SparseTensor: (indices, values, dense shape); the
+            indices are the candidate, the other two follow it (None: not fed).
     """
     visit = order(ir, region)
     depths = frame_depths(ir, visit)
     pool = dict(forced) if forced else {t: 0 for t in candidates}
     demoted: dict[str, str] = {}
     for _ in range(len(pool) + 1):
-        flow, victim = _settle(ir, region, pool, gradient, scopes, losses, visit, depths, forced is not None)
+        flow, victim = _settle(ir, region, pool, gradient, scopes, losses, visit, depths, forced is not None,
+                               sparse)
         if victim is None:
             flow.demoted = demoted
             return flow
@@ -144,17 +148,26 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
 
 
 def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str], scopes: list[str],
-            losses: list[str], visit: list[str], depths: dict[str, int], forced: bool
+            losses: list[str], visit: list[str], depths: dict[str, int], forced: bool,
+            sparse: list[tuple[str, str | None, str | None]] = ()
             ) -> tuple[Flow, dict[str, str] | None]:
     classes = Classes()
     inputs = {}
+    triples = {t[0]: t for t in sparse}
+    roles: dict[str, str] = {}
     for tensor, axis in pool.items():
+        if tensor in triples:       # the examples are rows of the dense shape, not entries
+            cls = classes.new(None)
+            for role, part_ in zip(("indices", "values", "shape"), triples[tensor]):
+                if part_ is not None:
+                    inputs[part_], roles[part_] = (0, cls), role
+            continue
         shape = ir.static_shape(tensor)
         inputs[tensor] = (axis, classes.new(shape[axis] if shape and axis < len(shape) else None))
     resized: dict[str, tuple] = {}
     plan = Plan()
     for _ in range(MAX_ROUNDS):
-        ctx = solve(ir, region, inputs, gradient, classes, resized, visit)
+        ctx = solve(ir, region, inputs, gradient, classes, resized, visit, sparse=roles)
         if not forced:
             victim = _conflict_victim(classes, inputs)
             if victim:

@@ -20,6 +20,7 @@ import logging
 
 import numpy as np
 
+from replicate.batchflow import table
 from replicate.batchflow.lattice import Classes, Fact, Sym, mixed, shared
 from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
 
@@ -109,6 +110,10 @@ class Context:
             return self.seeds[key]
         if key in self.inputs:
             axis, cls = self.inputs[key]
+            if key in self.sparse:
+                from replicate.batchflow.rules.sparse import source
+
+                return source(self, key, cls)
             from replicate.batchflow.lattice import part
 
             return part(axis, cls)
@@ -118,12 +123,23 @@ class Context:
         return None
 
     region_names: frozenset = frozenset()
+    #: Batch inputs fed as a SparseTensor: tensor -> ``indices``, ``values`` or ``shape``.
+    sparse: dict = {}
 
     def shape(self, ref: str) -> list[int | None] | None:
         """The static shape TensorFlow inferred for ``ref`` in the single-device graph, with
         what the dataflow learned where inference gave up (a reduction over axes it computed)."""
-        found = self.refined.get(tensor_name(*parse_tensor(ref)))
-        return found if found is not None else self.ir.static_shape(ref)
+        for _ in range(16):
+            found = self.refined.get(tensor_name(*parse_tensor(ref)))
+            if found is not None:
+                return found
+            shape = self.ir.static_shape(ref)
+            node = self.ir.nodes.get(node_of(ref))
+            if shape is not None or node is None or not node.inputs or not (
+                    node.op in table.UNARY or node.op in table.PASS_THROUGH):
+                return shape
+            ref = node.inputs[0]        # an op of one operand keeps its shape
+        return None
 
     def dim_token(self, ref: str, index: int) -> str:
         """A name for unknown dimension ``index`` of ``ref``, the same wherever that dimension
@@ -176,6 +192,8 @@ class Context:
         """Symbolic integer elements of ``ref``: from its fact, else from a small Const."""
         key = tensor_name(*parse_tensor(ref))
         found = self.facts.get(key)
+        if found is None and key in self.sparse and key in self.inputs:
+            found = self.fact(key)          # a sparse input's dense shape: the batch size first
         if found is not None and found.value is not None:
             return found.value
         value = self.const(ref)

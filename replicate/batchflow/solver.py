@@ -55,7 +55,8 @@ def order(ir: IR, region: list[str]) -> list[str]:
 def solve(ir: IR, region: list[str], inputs: dict[str, tuple[int, int]], gradient: set[str],
           classes: Classes, resized: dict[str, tuple] | None = None,
           visit: list[str] | None = None, seeds: dict[str, Fact] | None = None,
-          all_gradient: bool = False, functions: dict | None = None) -> Context:
+          all_gradient: bool = False, functions: dict | None = None,
+          sparse: dict[str, str] | None = None) -> Context:
     """Compute the fact of every output of every region node.
 
     Args:
@@ -69,8 +70,11 @@ def solve(ir: IR, region: list[str], inputs: dict[str, tuple[int, int]], gradien
         seeds: facts of tensors given from outside (a function body's arguments).
         all_gradient: every node is gradient code (the body of a gradient loop).
         functions: a cache of function bodies already analysed, shared with the caller.
+        sparse: batch inputs fed as a SparseTensor: tensor -> its role (``indices``,
+            ``values``, ``shape``); see :func:`replicate.batchflow.rules.sparse.source`.
     """
     ctx = Context(ir, inputs, gradient, classes, resized, seeds, all_gradient, functions)
+    ctx.sparse = sparse or {}
     ctx.region_names = frozenset(region)
     sequence = visit if visit is not None else order(ir, region)
     loopy = any(ir.nodes[n].op in _LOOPY for n in sequence)

@@ -137,7 +137,7 @@ PASS_THROUGH = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "
 #: Ops that produce values with no data inputs: constants, variables, variable reads.
 SOURCES = frozenset({"Const", "HostConst", "VariableV2", "Variable", "VarHandleOp",
                      "ReadVariableOp", "_VarHandlesOp", "VarIsInitializedOp", "IsVariableInitialized",
-                     "NoOp", "ControlTrigger", "Rank"})
+                     "NoOp", "ControlTrigger"})
 
 #: Stateful ops whose outputs carry their first input's value (assignments in the region).
 STATEFUL_PASS = frozenset({"Assign", "AssignAdd", "AssignSub", "AssignVariableOp",

@@ -13,7 +13,7 @@ from replicate.errors import AnalysisError
 from replicate.facts import ApplyOp, VarInfo
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["candidates", "forced", "variables", "global_step", "independent_terms"]
+__all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step", "independent_terms"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,54 @@ def candidates(ir: IR, region: list[str], sources: set[str]) -> tuple[list[str],
         else:
             found.append(ref)
     return found, shared, warnings
+
+
+def _source(ir: IR, ref: str) -> str:
+    """The tensor ``ref`` reads through identities."""
+    for _ in range(64):
+        node = ir.nodes.get(node_of(ref))
+        if node is None or node.op not in ("Identity", "Snapshot") or not node.inputs:
+            break
+        ref = node.inputs[0]
+    return tensor_name(*parse_tensor(ref))
+
+
+def sparse_triples(ir: IR, region: list[str], candidates: list[str]
+                   ) -> list[tuple[str, str | None, str | None]]:
+    """Inputs fed as a ``SparseTensor``: (indices, values, dense shape) whose indices are a
+    candidate, found where a sparse op reads them together (``ops.SPARSE_OPERANDS``) or by the
+    names ``tf.compat.v1.sparse_placeholder`` gives (``<name>/indices``, ``/values``, ``/shape``)."""
+    found: dict[str, list[str | None]] = {}
+    pool = set(candidates)
+
+    def note(indices: str, values: str | None, shape: str | None) -> None:
+        shape_ = ir.static_shape(indices)
+        if indices not in pool or ir.output_dtype(indices) != dtypes.int64 or (
+                shape_ is not None and len(shape_) != 2):
+            return
+        entry = found.setdefault(indices, [None, None])
+        for i, ref in enumerate((values, shape)):
+            if ref is not None and entry[i] is None and node_of(ref) in ir.nodes \
+                    and ir.nodes[node_of(ref)].op in ops.BATCH_SOURCE_OPS:
+                entry[i] = ref
+
+    for name in region:
+        node = ir.nodes[name]
+        where = ops.SPARSE_OPERANDS.get(node.op)
+        if where is None:
+            continue
+        i, v, s = (None if p is None or p >= len(node.inputs) else _source(ir, node.inputs[p])
+                   for p in where)
+        if i is not None:
+            note(i, v, s)
+    for ref in candidates:
+        name = node_of(ref)
+        if name.endswith("/indices") and ref.endswith(":0"):
+            base = name[: -len("/indices")]
+            values, shape = f"{base}/values", f"{base}/shape"
+            note(ref, f"{values}:0" if values in ir.nodes else None,
+                 f"{shape}:0" if shape in ir.nodes else None)
+    return [(i, v, s) for i, (v, s) in found.items()]
 
 
 def forced(ir: IR, names: Mapping[str, int] | Sequence[str]) -> dict[str, int]:

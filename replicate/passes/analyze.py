@@ -94,19 +94,27 @@ class Analyze:
             named = _inputs.named_shared(ir, self.shared_inputs, forced)
             candidates = [t for t in candidates if t not in named]
             shared_inputs = list(dict.fromkeys(shared_inputs + named))
+        triples = _inputs.sparse_triples(ir, region, candidates + list(forced or ()))
+        followers = {t for triple in triples for t in triple[1:] if t is not None}
+        candidates = [t for t in candidates if t not in followers]
         if forced:
             shared_inputs = [t for t in candidates + shared_inputs if t not in forced]
             candidates = []
-        flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced)
+        flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced,
+                      sparse=triples)
         _refuse_batch_arithmetic_ranges(ir, flow, region)
         classes = flow.classes
-        batch_inputs = [BatchInput(t, axis, _static(ir, t, axis), ir.nodes[node_of(t)].op, cls)
+        roles = flow.ctx.sparse
+        whole = {part_: triple for triple in triples for part_ in triple if part_ in roles}
+        batch_inputs = [BatchInput(t, axis, None if t in roles else _static(ir, t, axis),
+                                   ir.nodes[node_of(t)].op, cls, whole.get(t))
                         for t, (axis, cls) in flow.inputs.items()]
         batch_inputs.sort(key=lambda b: _order(ir)(b.tensor))
         if not batch_inputs:
             raise AnalysisError("no batch input found: no placeholder or iterator output whose "
                                 "examples the loss reduces (name them with batch_inputs=)")
-        shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates) if t not in flow.inputs]
+        shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates + sorted(followers))
+                         if t not in flow.inputs]
         primary = batch_inputs[0].cls
         reasons = _weights.assign(grad_scopes, flow, primary)
         reasons += _custom.settle(ir, flow, region, grad_scopes)

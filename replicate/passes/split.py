@@ -9,7 +9,8 @@ more example; a second class, such as a GAN's noise, under ``replicate/split/cla
 and ``ir.facts["towers"]``, a :class:`~replicate.facts.Towers` holding the tower
 prefixes, each tower's input tensors and the count tensors. With a static batch size the
 counts are constants; otherwise they are computed from the class's first input's shape,
-so uneven and tiny batches (even fewer examples than towers) split correctly.
+so uneven and tiny batches (even fewer examples than towers) split correctly. A batch input
+fed as a ``SparseTensor`` gives each tower the entries of its examples (``passes/_sparse.py``).
 With gradient accumulation (``micro`` = k) every device gets k consecutive virtual towers,
 one per micro-batch, and the batch is split into (devices x k) slices the same way.
 """
@@ -23,6 +24,7 @@ from tensorflow.python.framework import dtypes
 from replicate.errors import AnalysisError
 from replicate.facts import Towers
 from replicate.ir import IR, parse_tensor, tensor_name
+from replicate.passes import _sparse
 from replicate.pipeline import PassResult
 
 __all__ = ["Split", "tower_prefixes", "SCOPE"]
@@ -75,7 +77,11 @@ class Split:
             scope = SCOPE if i == 0 else f"{SCOPE}/class_{i}"
             sizes = self._counts(ir, towers, cls, members, scope, analysis.classes.get(cls))
             for batch_input in members:
-                self._split(ir, towers, batch_input, sizes)
+                if batch_input.sparse is None:
+                    self._split(ir, towers, batch_input, sizes)
+                elif batch_input.tensor == batch_input.sparse[0]:
+                    _sparse.split(ir, towers, batch_input.sparse, towers.class_counts[cls],
+                                  self.controller)
         first = order[0]
         towers.counts = towers.class_counts[first]
         towers.static_counts = towers.class_static[first]
@@ -104,14 +110,18 @@ class Split:
             towers.class_counts[cls] = [ir.const(f"{scope}/count_{k}", c, dtypes.int32, dev)
                                         for k, c in enumerate(counts)]
             return ir.const(f"{scope}/sizes", counts, dtypes.int32, dev)
-        first = members[0]
-        shape = ir.add(f"{scope}/shape", "Shape", [first.tensor], device=dev,
-                       attrs={"T": dtypes.as_dtype(ir.output_dtype(first.tensor)),
-                              "out_type": dtypes.int32}).name
-        axis = ir.const(f"{scope}/axis", first.axis, dtypes.int32, dev)
-        batch = ir.add(f"{scope}/batch_size", "GatherV2", [shape, axis, axis],
-                       device=dev, attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32,
-                                          "Taxis": dtypes.int32}).name
+        dense = [b for b in members if b.sparse is None]
+        if dense:
+            first = dense[0]
+            shape = ir.add(f"{scope}/shape", "Shape", [first.tensor], device=dev,
+                           attrs={"T": dtypes.as_dtype(ir.output_dtype(first.tensor)),
+                                  "out_type": dtypes.int32}).name
+            axis = ir.const(f"{scope}/axis", first.axis, dtypes.int32, dev)
+            batch = ir.add(f"{scope}/batch_size", "GatherV2", [shape, axis, axis],
+                           device=dev, attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32,
+                                              "Taxis": dtypes.int32}).name
+        else:
+            batch = _sparse.batch_size(ir, members[0].sparse, scope, dev)
         towers_const = ir.const(f"{scope}/towers", n, dtypes.int32, dev)
         counts = []
         for k in range(n):

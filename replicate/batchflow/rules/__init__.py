@@ -13,7 +13,7 @@ from collections.abc import Callable
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import PART, RED, Fact, shared
-from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape, tail
+from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape, sparse, tail
 from replicate.batchflow.rules.common import numbered, passthrough, row_numbers, taint_of
 from replicate.ir import Node
 
@@ -57,6 +57,7 @@ RULES.update({
     "MatMul": elementwise.matmul, "BatchMatMul": elementwise.batch_matmul,
     "BatchMatMulV2": elementwise.batch_matmul, "BatchMatMulV3": elementwise.batch_matmul,
     "L2Loss": reduce.l2loss, "Shape": reduce.shape, "ShapeN": reduce.shape_n, "Size": reduce.size,
+    "Rank": reduce.rank,
     "Reshape": shape.reshape, "ExpandDims": shape.expand_dims, "Squeeze": shape.squeeze,
     "Transpose": shape.transpose, "ConjugateTranspose": shape.transpose,
     "ConcatV2": shape.concat, "Concat": shape.concat, "Pack": shape.pack, "Unpack": shape.unpack,
@@ -73,6 +74,13 @@ RULES.update({
     "UnsortedSegmentMin": index.segment, "UnsortedSegmentProd": index.segment,
     "SegmentSum": index.segment, "SegmentMax": index.segment, "SegmentMin": index.segment,
     "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
+    "SparseTensorDenseMatMul": sparse.dense_matmul, "SparseReduceSum": sparse.reduce_,
+    "SparseReduceMax": sparse.reduce_, "SparseFillEmptyRows": sparse.fill_empty_rows,
+    **{op: sparse.segment for op in (
+        "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
+        "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments")},
+    **{op: sparse.segment_grad for op in (
+        "SparseSegmentSumGrad", "SparseSegmentMeanGrad", "SparseSegmentSqrtNGrad")},
     "BroadcastGradientArgs": index.broadcast_gradient_args, "BroadcastArgs": index.broadcast_args,
     "ReverseSequence": index.reverse_sequence, "ComputeAccidentalHits": index.accidental_hits,
     **{op: index.candidate_sampler for op in (
@@ -134,6 +142,12 @@ ROW_NUMBER_OPERANDS = {
     "ResourceGatherNd": (1,), "UnsortedSegmentSum": (1,), "UnsortedSegmentMax": (1,),
     "UnsortedSegmentMin": (1,), "UnsortedSegmentProd": (1,), "SegmentSum": (1,), "SegmentMax": (1,),
     "SegmentMin": (1,), "SparseToDense": (0,), "ScatterNd": (0,),
+    "SparseTensorDenseMatMul": (0,), "SparseReduceSum": (0,), "SparseReduceMax": (0,),
+    "SparseFillEmptyRows": (0,),
+    **{op: (2,) for op in (
+        "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
+        "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments", "SparseSegmentSumGrad",
+        "SparseSegmentMeanGrad", "SparseSegmentSqrtNGrad")},
 }
 
 

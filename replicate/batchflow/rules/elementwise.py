@@ -159,6 +159,8 @@ def _bounded_rank(ctx: Context, node: Node, refs: list[str]) -> int | None:
     if not known:
         return None
     lower = max(known)
+    if len(known) == len(refs):
+        return lower            # a broadcast has the largest rank of its operands
     upper = _upper_rank(ctx, f"{node.name}:0")
     return lower if upper == lower else None
 

@@ -235,6 +235,13 @@ def shape_n(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             for ref, f in zip(node.inputs, ins)]
 
 
+def rank(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """The rank: the same in every tower, and known where the dataflow knows the shape (a
+    reduction TensorFlow could not infer, whose ``Mean`` then reads ``range(rank)``)."""
+    r = ctx.rank(node.inputs[0])
+    return [shared((r,) if r is not None else None)]
+
+
 def size(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind == MIXED:

@@ -351,9 +351,18 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         full_end = (em >> i) & 1 or (isinstance(end[i], Sym)) or (
             full is not None and isinstance(end[i], int) and end[i] >= full)
         if full_begin and full_end and strides[i] == 1:
-            return [f.with_(axis=dout, value=None, index=None)]
+            return [f.with_(axis=dout, value=None, index=_column(f, rank, begin, ell, new, shrink))]
         return [mixed(node.name, "StridedSlice keeps only some of the examples", f.taint)]
     return [mixed(node.name, "StridedSlice with an unexpected layout", f.taint)]
+
+
+def _column(f: Fact, rank: int, begin: list, ell: int, new: int, shrink: int) -> tuple | None:
+    """``coords[:, c]`` of index tuples whose column ``c`` holds local rows (the indices of a
+    sparse batch input, ``tf.where``'s coordinates): the row numbers themselves."""
+    if f.index is None or f.index[0] != "cols" or rank != 2 or f.axis != 0 or ell or new \
+            or shrink != 2 or len(begin) != 2 or begin[1] != f.index[1]:
+        return None
+    return ("rows",) + f.index[2:]
 
 
 def strided_slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:

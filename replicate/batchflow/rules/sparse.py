@@ -1,0 +1,175 @@
+"""Rules for batch inputs fed as a ``SparseTensor`` and the sparse ops that read them.
+
+A sparse batch input is three tensors: ``indices`` (``[nnz, rank]``, column 0 the example
+each entry belongs to), ``values`` (``[nnz]``) and ``dense_shape`` (``[rank]``, element 0 the
+batch size). The split pass gives tower ``k`` the entries of its own examples, with column 0
+renumbered from 0, so the facts are:
+
+- ``indices``: partitioned along axis 0, *filtered* (a tower holds its examples' entries, not
+  one row per example), and column 0 holds row numbers local to the tower (index ``cols 0``);
+- ``values``: partitioned along axis 0, filtered;
+- ``dense_shape``: a batch size (its element 0 is the tower's example count).
+
+``SparseTensorDenseMatMul`` of such a tensor by a shared matrix is per example; with
+``adjoint_a`` (its gradient) it sums over the examples. ``SparseSegment*`` ops keyed by the
+example rows rebuild per-example rows only when every example has an entry (after
+``SparseFillEmptyRows``): otherwise their output has as many rows as the last example that
+has one, which a tower and one device count differently.
+"""
+
+from __future__ import annotations
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
+from replicate.batchflow.rules.common import couple, first_mixed, mixed, part, red, shared, size_fact
+from replicate.ir import Node
+
+__all__ = ["source", "dense_matmul", "reduce_", "fill_empty_rows", "segment", "segment_grad", "FILLED"]
+
+#: The handle of sparse indices in which every example has at least one entry.
+FILLED = "sparse:filled"
+
+
+def source(ctx: Context, tensor: str, cls: int) -> Fact:
+    """The fact of one part of a sparse batch input (see the module docstring)."""
+    role = ctx.sparse[tensor]
+    if role == "indices":
+        return part(0, cls, None, ordered=False, filtered=True, index=("cols", 0, cls, 1))
+    if role == "values":
+        return part(0, cls, None, ordered=False, filtered=True)
+    shape = ctx.shape(tensor)
+    if shape and shape[0] is not None and shape[0] >= 1:
+        return size_fact((Sym(1, cls),) + (None,) * (shape[0] - 1))
+    return red(cls, "size", None)
+
+
+def _rows_of(ctx: Context, indices: Fact, values: Fact) -> int | None:
+    """The batch class of sparse operands whose indices name examples in column 0."""
+    if indices.kind != PART or indices.index is None or indices.index[:2] != ("cols", 0) \
+            or indices.index[3] not in (1, None):
+        return None
+    cls = indices.index[2]
+    if values.kind == PART:
+        if values.axis != 0 or not ctx.classes.same(values.cls, cls):
+            return None
+    elif values.dependent:
+        return None
+    return cls
+
+
+def dense_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``SparseTensorDenseMatMul(a_indices, a_values, a_shape, b)``."""
+    ind, val, _, b = ins
+    taint = couple(ctx, node, ins)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)]
+    cls = _rows_of(ctx, ind, val)
+    adj_a, adj_b = bool(node.attr("adjoint_a", False)), bool(node.attr("adjoint_b", False))
+    if cls is not None and not adj_a and not b.dependent:
+        return [part(0, cls, taint=taint)]
+    if cls is not None and adj_a and b.kind == PART and b.axis == (1 if adj_b else 0) and b.block == 1:
+        ctx.classes.union(cls, b.cls, node.name)      # the gradient: a sum over the examples
+        return [red(cls, "sum", node.name, taint=taint)]
+    if cls is None and not ind.dependent and not val.dependent and b.kind == PART:
+        return [mixed(node.name, "a fixed sparse matrix multiplies the examples together "
+                      "(every output row mixes rows of the batch)", taint)]
+    return [mixed(node.name, "SparseTensorDenseMatMul of the batch in an unsupported layout", taint)]
+
+
+def reduce_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``SparseReduceSum/Max(indices, values, shape, axes)`` (dense output)."""
+    ind, val, shp = ins[0], ins[1], ins[2]
+    taint = couple(ctx, node, ins)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)]
+    cls = _rows_of(ctx, ind, val)
+    axes = ctx.int_value(node.inputs[3])
+    rank = len(shp.value) if shp.value is not None else None
+    if cls is None or axes is None or rank is None or any(not isinstance(a, int) for a in axes):
+        return [mixed(node.name, f"{node.op} of the batch over axes known only at run time", taint)]
+    axes = {a + rank if a < 0 else a for a in axes}
+    keep = bool(node.attr("keep_dims", False))
+    ctx.refine(f"{node.name}:0", [1 if d in axes else None for d in range(rank) if keep or d not in axes])
+    if 0 not in axes:
+        return [part(0, cls, taint=taint)]
+    return [red(cls, "max" if "Max" in node.op else "sum", node.name, taint=taint)]
+
+
+def fill_empty_rows(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``SparseFillEmptyRows``: (indices, values, empty-row indicator, reverse index map); every
+    example then has an entry."""
+    ind, val = ins[0], ins[1]
+    taint = couple(ctx, node, ins)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad] * 4
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)] * 4
+    cls = _rows_of(ctx, ind, val)
+    if cls is None:
+        return [mixed(node.name, "SparseFillEmptyRows of the batch in an unsupported layout", taint)] * 4
+    entries = part(0, cls, None, ordered=False, filtered=True, taint=taint)
+    return [entries.with_(index=("cols", 0, cls, 1), handle=FILLED), entries,
+            part(0, cls, taint=taint), entries]
+
+
+def _per_entry(ctx: Context, data: Fact, ids: Fact) -> bool:
+    """True when ``data`` gathered at ``ids`` is one row per sparse entry: a shared table, or
+    the rows of a ``Unique`` gathered back by its index."""
+    if ids.kind != PART:
+        return False
+    if data.kind == MIXED:
+        return data.handle == "unique" and ids.index == ("unique", data.src)
+    return not data.dependent
+
+
+def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``SparseSegmentSum/Mean/SqrtN[WithNumSegments](data, indices, segment_ids[, n])``."""
+    data, ids, seg = ins[0], ins[1], ins[2]
+    taint = couple(ctx, node, ins)
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)]
+    local = seg.kind == PART and seg.index is not None and seg.index[0] == "rows" \
+        and seg.index[2] in (1, None)
+    if local and _per_entry(ctx, data, ids):
+        cls = seg.index[1]
+        if len(node.inputs) > 3:
+            count = ctx.fact(node.inputs[3])
+            if count is not None and count.value and count.value[0] == Sym(1, cls):
+                return [part(0, cls, taint=taint)]
+        if seg.handle == FILLED:
+            return [part(0, cls, taint=taint)]
+        return [mixed(node.name, f"{node.op} keyed by the examples has as many rows as the last "
+                      "example with an entry, which a tower counts differently from one device "
+                      "when its last examples have none (fill empty rows first: "
+                      "tf.nn.safe_embedding_lookup_sparse or tf.sparse.fill_empty_rows)", taint)]
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    return [mixed(node.name, f"{node.op} of the batch in an unsupported layout", taint)]
+
+
+def segment_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``SparseSegment*Grad(grad, indices, segment_ids, output_dim0)``: each entry's upstream
+    row added at its table row, a sum over the examples."""
+    grad, ids, seg = ins[0], ins[1], ins[2]
+    taint = couple(ctx, node, ins)
+    bad = first_mixed([grad, seg])
+    if bad is not None:
+        return [bad]
+    if grad.kind == PART and grad.axis == 0 and seg.kind == PART and seg.index is not None \
+            and seg.index[0] == "rows" and ctx.classes.same(seg.index[1], grad.cls):
+        if ids.kind == PART and ids.index is not None and ids.index[0] == "unique":
+            return [mixed(node.name, "rows of the table per unique id of each tower",
+                          taint).with_(handle="unique-grad")]
+        if not ids.dependent or ids.kind == PART:
+            return [red(grad.cls, "sum", node.name, taint=taint)]
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)]
+    return [mixed(node.name, f"{node.op} of the batch in an unsupported layout", taint)]
