@@ -145,7 +145,7 @@ def _rounding(source: Any, train_op: str, found, steps: int) -> float:
     import numpy as np
 
     from replicate.equivalence import Trainer, relative_difference
-    from replicate.synthetic import make_feed
+    from replicate.synthetic import make_feed, permute
 
     rng, order = np.random.RandomState(11), np.random.RandomState(12).permutation(found.batch)
     a = Trainer(source, train_op, len(found.devices) + 1)
@@ -155,8 +155,7 @@ def _rounding(source: Any, train_op: str, found, steps: int) -> float:
         for _ in range(steps):
             feed = make_feed(found.inputs, found.batch, rng)
             a.step(feed)
-            b.step({k: (np.asarray(v)[order] if np.ndim(v) and len(v) == found.batch else v)
-                    for k, v in feed.items()})
+            b.step(permute(found.inputs, feed, order))
         va, vb = a.values(), b.values()
     finally:
         a.close()

@@ -26,7 +26,7 @@ from replicate.errors import InputError
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.registry import called_functions
 
-__all__ = ["InputSpec", "input_specs", "make_feed", "unsafe_ops", "initializers", "with_variables",
+__all__ = ["InputSpec", "input_specs", "make_feed", "permute", "unsafe_ops", "initializers", "with_variables",
            "FED_OPS", "UNSAFE_OPS", "SCALAR_VALUES"]
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,9 @@ class InputSpec:
     batch_axis: int | None
     high: int | None = None
     onehot: bool = False
+    #: For a part of a batch input fed as a SparseTensor: (``indices``/``values``/``shape``,
+    #: the indices' tensor, the dense shape's dimensions after the batch where known).
+    sparse: tuple | None = None
 
     def describe(self) -> str:
         """``x:0 float32 [?, 784] (batch)`` for reports."""
@@ -90,6 +93,7 @@ class InputSpec:
         extra = " (batch)" if self.batch_axis is not None else ""
         extra += f" in [0, {self.high})" if self.high is not None else ""
         extra += " one-hot" if self.onehot else ""
+        extra += f" (sparse {self.sparse[0]})" if self.sparse else ""
         return f"{self.tensor} {self.dtype} {dims}{extra}"
 
 
@@ -137,21 +141,26 @@ def _extent(ir: IR, ref: str, axis: int | None) -> int | None:
     return shape[axis]
 
 
-def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = ()) -> list[InputSpec]:
+def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (),
+                sparse: Iterable[tuple] = ()) -> list[InputSpec]:
     """The tensors to feed when running ``targets``, in graph order.
 
     Args:
         ir: the graph, with static shapes loaded (``replicate.api.analyze_only``).
         targets: node names that will be run (the train op, initializers).
         batch_tensors: tensors whose axis 0 carries examples (the analysis' batch inputs).
+        sparse: batch inputs fed as a SparseTensor, (indices, values, dense shape) each; all
+            three are fed together, even a dense shape with a default.
     """
     batch = {tensor_name(*parse_tensor(t)) for t in batch_tensors}
+    roles = {t: (role, triple[0], _dense_dims(ir, triple[2]))
+             for triple in sparse for role, t in zip(("indices", "values", "shape"), triple) if t}
     graph = ir.to_networkx()
     needed = ir.ancestors([t for t in targets if t in ir.nodes], graph)
     specs = []
     for name in ir.nodes:
         node = ir.nodes[name]
-        if name not in needed or node.op not in FED_OPS:
+        if name not in needed or (node.op not in FED_OPS and f"{name}:0" not in roles):
             continue
         used = sorted({parse_tensor(r)[1] for c in ir.consumers(name) for r in c.inputs
                        if node_of(r) == name})
@@ -161,8 +170,65 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
             high = _bound(ir, ref) if dtype.is_integer else None
             onehot = dtype.is_floating and _is_distribution(ir, ref)
             specs.append(InputSpec(ref, dtype.name, ir.static_shape(ref),
-                                   0 if ref in batch else None, high, onehot))
+                                   0 if ref in batch else None, high, onehot, roles.get(ref)))
     return specs
+
+
+def _dense_dims(ir: IR, shape: str | None) -> list[int | None]:
+    """The dimensions after the batch of a sparse input's dense shape: from the default of a
+    ``sparse_placeholder(shape=[None, d])``, else unknown."""
+    node = ir.nodes.get(node_of(shape)) if shape else None
+    value = ir.const_value(node_of(node.inputs[0])) if node is not None and node.inputs else None
+    if value is None or np.ndim(value) != 1:
+        return []
+    return [int(d) if d >= 0 else None for d in np.asarray(value).tolist()[1:]]
+
+
+def _sparse_feed(specs: list[InputSpec], batch: int, rng: np.random.RandomState, free_dim: int
+                 ) -> dict[str, np.ndarray]:
+    """The parts of one sparse batch input: 0 to 3 entries per example at distinct sorted
+    coordinates (the first example always has one), values like a dense input's."""
+    by_role = {s.sparse[0]: s for s in specs}
+    index_spec = by_role["indices"]
+    rank = (index_spec.shape[1] if index_spec.shape and len(index_spec.shape) == 2 else None) or 2
+    dims = list(index_spec.sparse[2]) + [None] * rank
+    dims = [batch] + [d or free_dim for d in dims[: rank - 1]]
+    coords = []
+    for row in range(batch):
+        count = min(int(rng.randint(1 if row == 0 else 0, 4)), int(np.prod(dims[1:])))
+        picked = rng.choice(int(np.prod(dims[1:])), count, replace=False) if count else []
+        coords += [(row, *np.unravel_index(int(p), dims[1:])) for p in sorted(picked)]
+    indices = np.array(coords, np.int64).reshape(-1, rank)
+    out = {index_spec.tensor: indices}
+    if "shape" in by_role:
+        out[by_role["shape"].tensor] = np.array(dims, np.int64)
+    if "values" in by_role:
+        spec = by_role["values"]
+        dense = dataclasses.replace(spec, shape=[None], batch_axis=0, sparse=None)
+        out[spec.tensor] = make_feed([dense], len(indices), rng)[spec.tensor]
+    return out
+
+
+def permute(specs: Iterable[InputSpec], feed: Mapping[str, Any], order: np.ndarray) -> dict[str, Any]:
+    """``feed`` with its examples in ``order`` (example ``i`` becomes example ``order[i]``'s),
+    for dense batch inputs and sparse ones alike (their entries renumbered and re-sorted)."""
+    out = dict(feed)
+    specs = list(specs)
+    for spec in specs:
+        if spec.batch_axis is not None and not spec.sparse and spec.tensor in feed \
+                and np.ndim(feed[spec.tensor]):
+            out[spec.tensor] = np.asarray(feed[spec.tensor])[order]
+    inverse = np.argsort(order)
+    for spec in specs:
+        if spec.sparse and spec.sparse[0] == "indices" and spec.tensor in feed:
+            indices = np.array(feed[spec.tensor])
+            indices[:, 0] = inverse[indices[:, 0]]
+            sort = np.lexsort(indices.T[::-1])
+            out[spec.tensor] = indices[sort]
+            for other in specs:
+                if other.sparse and other.sparse[0] == "values" and other.sparse[1] == spec.tensor:
+                    out[other.tensor] = np.asarray(feed[other.tensor])[sort]
+    return out
 
 
 def make_feed(specs: Iterable[InputSpec], batch: int, rng: np.random.RandomState,
@@ -178,7 +244,15 @@ def make_feed(specs: Iterable[InputSpec], batch: int, rng: np.random.RandomState
     """
     overrides = dict(overrides or {})
     feed: dict[str, np.ndarray] = {}
+    specs = list(specs)
     for spec in specs:
+        if spec.sparse and spec.tensor not in feed and spec.tensor not in overrides:
+            feed.update(_sparse_feed([s for s in specs if s.sparse and s.sparse[1] == spec.sparse[1]],
+                                     batch, rng, free_dim))
+        if spec.sparse:
+            if spec.tensor in overrides:
+                feed[spec.tensor] = np.asarray(overrides[spec.tensor], dtype=spec.dtype)
+            continue
         if spec.tensor in overrides:
             feed[spec.tensor] = np.asarray(overrides[spec.tensor], dtype=spec.dtype)
             continue

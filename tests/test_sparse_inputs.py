@@ -17,12 +17,13 @@ v1 = tf.compat.v1
 FEATURES = 12
 
 
-def _sparse_batch(rng, batch: int, kind=np.float32, empty_last: bool = False):
-    """Sorted indices with 0-3 entries per example (the first example always has one)."""
+def _sparse_batch(rng, batch: int, kind=np.float32, empty_last: bool = False, full: bool = False):
+    """Sorted indices with 0-3 entries per example (the first example always has one; with
+    ``full`` every example has one)."""
     rows, cols = [], []
     for r in range(batch):
         n = 1 + rng.randint(0, 3) if r == 0 or not (empty_last and r == batch - 1) else 0
-        n = n if r == 0 or rng.rand() > 0.25 or n == 0 else 0
+        n = n if r == 0 or full or rng.rand() > 0.25 or n == 0 else 0
         for c in sorted(rng.choice(FEATURES, n, replace=False)):
             rows.append(r)
             cols.append(c)
@@ -34,11 +35,11 @@ def _sparse_batch(rng, batch: int, kind=np.float32, empty_last: bool = False):
     return indices, values, np.array([batch, FEATURES], np.int64)
 
 
-def _feeds(name: str, batch: int, steps: int = 3, kind=np.float32, empty_last=False):
+def _feeds(name: str, batch: int, steps: int = 3, kind=np.float32, empty_last=False, full=False):
     rng = np.random.RandomState(batch)
     out = []
     for _ in range(steps):
-        i, v, s = _sparse_batch(rng, batch, kind, empty_last)
+        i, v, s = _sparse_batch(rng, batch, kind, empty_last, full)
         out.append({f"{name}/indices:0": i, f"{name}/values:0": v, f"{name}/shape:0": s,
                     "y:0": rng.randn(batch, 1).astype(np.float32)})
     return out
@@ -67,7 +68,8 @@ def _linear(head: str) -> tf.Graph:
 @pytest.mark.parametrize("towers,batch", [(3, 7), (3, 2)])
 def test_sparse_linear_model_is_exact(head, towers, batch):
     graph = _linear(head)
-    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    named = {"batch_inputs": ["x/indices:0", "x/values:0", "y:0"]} if head == "reduce" else {}
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], **named)
     assert res.report.exact, res.report.reasons
     sparse = {i["tensor"]: i["sparse"] for i in res.report.inputs if "sparse" in i}
     assert sparse == {"x/indices:0": "indices", "x/values:0": "values", "x/shape:0": "shape"}
@@ -93,8 +95,9 @@ def _embedding(safe: bool) -> tf.Graph:
 
 
 def test_safe_embedding_lookup_sparse_is_exact():
+    """Also with gradient accumulation: each micro-batch takes its examples' entries."""
     graph = _embedding(safe=True)
-    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=2)
     assert res.report.exact, res.report.reasons
     cmp = compare(graph, res.graph, "train", _feeds("ids", 7, kind=np.int64, empty_last=True),
                   fetch=("loss:0",))
@@ -109,5 +112,35 @@ def test_embedding_lookup_sparse_says_why_and_runs():
     assert not res.report.exact
     assert any("fill empty rows" in r.fix or "fill empty rows" in r.what for r in res.report.reasons), \
         res.report.reasons
-    cmp = compare(graph, res.graph, "train", _feeds("ids", 6, kind=np.int64), fetch=("loss:0",))
+    cmp = compare(graph, res.graph, "train", _feeds("ids", 6, kind=np.int64, full=True),
+                  fetch=("loss:0",))
     assert np.isfinite(cmp.max_rel)
+
+
+def test_certificate_feeds_sparse_inputs():
+    """The numeric check draws whole SparseTensors (a dense shape fed with the batch size, not
+    the placeholder's default of -1, which aborts TensorFlow's process)."""
+    graph = _linear("matmul")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"], check=True)
+    check = res.report.check
+    assert check["ran"] and check["ok"], check
+    assert [r["batch"] for r in check["runs"]] == [7, 1], check
+
+
+def test_graph_convolution_over_the_batch_is_refused_naming_the_coupling():
+    """A full-batch GCN: the normalized adjacency (a SparseTensor over the nodes) multiplies
+    the node features, so every node's output adds its neighbours' rows. No split can run it
+    (each tower's adjacency names nodes of other towers); the refusal says so instead of
+    blaming the adjacency's dense shape ("static batch size of 2")."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="features")
+        adj = v1.sparse_placeholder(tf.float32, name="support")
+        y = v1.placeholder(tf.float32, [None, 3], name="labels")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        out = tf.sparse.sparse_dense_matmul(adj, tf.matmul(x, w))
+        loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=out))
+        v1.train.AdamOptimizer(0.01).minimize(loss, name="train")
+    with pytest.raises(replicate.ReplicateError, match="graph convolution") as err:
+        replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    assert "static batch size" not in str(err.value)

@@ -153,9 +153,11 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
             ) -> tuple[Flow, dict[str, str] | None]:
     classes = Classes()
     inputs = {}
-    triples = {t[0]: t for t in sparse}
+    triples = {t[0]: t for t in sparse if t[0] in pool}
     roles: dict[str, str] = {}
     for tensor, axis in pool.items():
+        if any(tensor in t[1:] for t in triples.values()):
+            continue                # named with its indices: it follows them
         if tensor in triples:       # the examples are rows of the dense shape, not entries
             cls = classes.new(None)
             for role, part_ in zip(("indices", "values", "shape"), triples[tensor]):

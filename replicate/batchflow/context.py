@@ -87,6 +87,8 @@ class Context:
         self.all_gradient = all_gradient
         self.functions = functions if functions is not None else {}
         self.notes: list[tuple[str, str]] = []
+        #: Ops no split of the batch can run: node -> (what, fix).
+        self.refusals: dict[str, tuple[str, str]] = {}
         self.refined: dict[str, list[int | None]] = {}
         self.facts: dict[str, Fact] = {}
         self.arrays: dict[object, Fact] = {}
@@ -135,7 +137,8 @@ class Context:
                 return found
             shape = self.ir.static_shape(ref)
             node = self.ir.nodes.get(node_of(ref))
-            if shape is not None or node is None or not node.inputs or not (
+            if shape is not None or node is None or not node.inputs or parse_tensor(ref)[1] \
+                    or node.op in ("IdentityN", "PlaceholderWithDefault") or not (
                     node.op in table.UNARY or node.op in table.PASS_THROUGH):
                 return shape
             ref = node.inputs[0]        # an op of one operand keeps its shape
@@ -276,6 +279,10 @@ class Context:
             if self.rank(ref) is None:
                 work.extend(producer.inputs)
         return f"{node.op} of a tensor of unknown rank"
+
+    def refuse(self, node: str, what: str, fix: str) -> None:
+        """No split of the batch can run ``node``: the transform refuses, saying why."""
+        self.refusals[node] = (what, fix)
 
     def note(self, node: str, what: str) -> None:
         """An obligation that cannot be met where it arises (inside a function body, shared by

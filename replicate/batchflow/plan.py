@@ -436,6 +436,8 @@ def resolve(ctx: Context, depths: dict[str, int], scopes: list[str]) -> Plan:
             resolver.unsplittable(node, "rows that are part batch, part shared (a sampled loss) "
                                   "are reshaped or sliced inside a loop", "compute the sampled loss "
                                   "outside the loop")
+    for node, (what, fix) in ctx.refusals.items():
+        resolver.unsplittable(node, what, fix)
     for node, what in ctx.notes:
         resolver.reason(node, f"{what}, which every tower shares", "give the batch input a dynamic "
                         "batch dimension, or build the loop with TF1 control flow "

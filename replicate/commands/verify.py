@@ -155,7 +155,8 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     trainable = _trainable(meta, ir, analysis)
     meta = synthetic.with_variables(meta, ir, trainable)
     targets = [analysis.train_op] + synthetic.initializers(meta)
-    specs = synthetic.input_specs(ir, targets, [b.tensor for b in analysis.batch_inputs])
+    specs = synthetic.input_specs(ir, targets, [b.tensor for b in analysis.batch_inputs],
+                                  {b.sparse for b in analysis.batch_inputs if b.sparse})
     devices = [f"/cpu:{k}" for k in range(towers)]
     result = api.transform(meta, devices, controller="/cpu:0", train_op=analysis.train_op, loss=loss,
                            **(strategy or {}))
@@ -166,7 +167,8 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
         if bad:
             raise InputError(f"{origin}: refusing to run node '{bad[0][0]}' ({bad[0][1]}): it touches "
                              "files, the network or Python; pass --allow-unsafe-ops to run it anyway")
-    static = [s.shape[0] for s in specs if s.batch_axis is not None and s.shape and s.shape[0]]
+    static = [s.shape[0] for s in specs if s.batch_axis is not None and s.shape and s.shape[0]
+              and not s.sparse]
     micro = (strategy or {}).get("accumulate", 1)
     batch = batch or (static[0] if static else default_batch(towers * micro))
     rng = np.random.RandomState(seed)
@@ -174,8 +176,7 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     batched = {s.tensor for s in specs if s.batch_axis is not None}
 
     def reorder(feed: dict[str, Any]) -> dict[str, Any]:
-        order = rng.permutation(batch)
-        return {k: v[order] if k in batched and np.ndim(v) else v for k, v in feed.items()}
+        return synthetic.permute(specs, feed, rng.permutation(batch))
     try:
         comparison = compare(meta, result.meta_graph_def, analysis.train_op, steps_feeds,
                              cpus=towers, soft_placement=True, reference=reorder if batched else None)

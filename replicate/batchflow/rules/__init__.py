@@ -76,6 +76,7 @@ RULES.update({
     "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
     "SparseTensorDenseMatMul": sparse.dense_matmul, "SparseReduceSum": sparse.reduce_,
     "SparseReduceMax": sparse.reduce_, "SparseFillEmptyRows": sparse.fill_empty_rows,
+    "SparseReshape": sparse.reshape,
     **{op: sparse.segment for op in (
         "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
         "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments")},
@@ -143,7 +144,7 @@ ROW_NUMBER_OPERANDS = {
     "UnsortedSegmentMin": (1,), "UnsortedSegmentProd": (1,), "SegmentSum": (1,), "SegmentMax": (1,),
     "SegmentMin": (1,), "SparseToDense": (0,), "ScatterNd": (0,),
     "SparseTensorDenseMatMul": (0,), "SparseReduceSum": (0,), "SparseReduceMax": (0,),
-    "SparseFillEmptyRows": (0,),
+    "SparseFillEmptyRows": (0,), "SparseReshape": (0,),
     **{op: (2,) for op in (
         "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
         "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments", "SparseSegmentSumGrad",

@@ -64,8 +64,9 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         axis = found[0]
     if p.kind == PART:
         if p.axis == axis:
-            if _local(i, p, ctx):
-                return [part(axis + i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
+            if _local(i, p, ctx):      # a tower's own rows: row numbers among them stay so
+                return [part(axis + i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint,
+                             index=p.index if axis == 0 and i.axis == 0 else None)]
             if i.kind == PART and not ctx.classes.same(p.cls, i.cls):
                 # one hypothetical batch looked up by another's values: evidence that the
                 # table (a [3] class-weights placeholder fed with a batch of 3) is no batch

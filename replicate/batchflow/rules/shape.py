@@ -73,6 +73,11 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if f.axis == 0 and ctx.rank(node.inputs[0]) == 1 and out_dims is not None and len(out_dims) == 2 \
             and out_dims[1] == 1 and len(target) == 2 and target[0] == -1:
         return [f.with_(value=None, taint=f.taint | ins[1].taint)]     # rows to a column: [-1, 1]
+    in_shape = ctx.shape(node.inputs[0])
+    if f.axis == 0 and in_shape is not None and len(in_shape) == 2 and in_shape[1] == 1 \
+            and tuple(target) == (-1,):             # a column to rows (tf.where's coordinates)
+        index = ("rows",) + f.index[2:] if f.index is not None and f.index[:2] == ("cols", 0) else None
+        return [f.with_(value=None, index=index, taint=f.taint | ins[1].taint)]
     syms = [j for j, v in enumerate(target) if isinstance(v, Sym) and ctx.classes.same(v.cls, f.cls)]
     if syms:
         j = syms[0]

@@ -11,7 +11,9 @@ renumbered from 0, so the facts are:
 - ``dense_shape``: a batch size (its element 0 is the tower's example count).
 
 ``SparseTensorDenseMatMul`` of such a tensor by a shared matrix is per example; with
-``adjoint_a`` (its gradient) it sums over the examples. ``SparseSegment*`` ops keyed by the
+``adjoint_a`` (its gradient) it sums over the examples. A sparse matrix that multiplies the
+examples themselves (a graph convolution over the batch) couples every example to others:
+no split can run it, and the transform refuses. ``SparseSegment*`` ops keyed by the
 example rows rebuild per-example rows only when every example has an entry (after
 ``SparseFillEmptyRows``): otherwise their output has as many rows as the last example that
 has one, which a tower and one device count differently.
@@ -24,7 +26,7 @@ from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
 from replicate.batchflow.rules.common import couple, first_mixed, mixed, part, red, shared, size_fact
 from replicate.ir import Node
 
-__all__ = ["source", "dense_matmul", "reduce_", "fill_empty_rows", "segment", "segment_grad", "FILLED"]
+__all__ = ["source", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED"]
 
 #: The handle of sparse indices in which every example has at least one entry.
 FILLED = "sparse:filled"
@@ -70,12 +72,17 @@ def dense_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     adj_a, adj_b = bool(node.attr("adjoint_a", False)), bool(node.attr("adjoint_b", False))
     if cls is not None and not adj_a and not b.dependent:
         return [part(0, cls, taint=taint)]
-    if cls is not None and adj_a and b.kind == PART and b.axis == (1 if adj_b else 0) and b.block == 1:
+    contracted = b.kind == PART and b.axis == (1 if adj_b else 0)
+    if cls is not None and adj_a and contracted and b.block == 1:
         ctx.classes.union(cls, b.cls, node.name)      # the gradient: a sum over the examples
         return [red(cls, "sum", node.name, taint=taint)]
-    if cls is None and not ind.dependent and not val.dependent and b.kind == PART:
-        return [mixed(node.name, "a fixed sparse matrix multiplies the examples together "
-                      "(every output row mixes rows of the batch)", taint)]
+    if contracted and not ctx.in_gradient(node):
+        what = ("a sparse matrix over the examples multiplies them together (a graph "
+                "convolution): every output row adds rows of other examples, so no tower can "
+                "compute its rows from its own examples")
+        ctx.refuse(node.name, what, "train it on one device, or feed minibatches of nodes with "
+                   "their sampled neighbourhoods as separate inputs")
+        return [mixed(node.name, what, taint)]
     return [mixed(node.name, "SparseTensorDenseMatMul of the batch in an unsupported layout", taint)]
 
 
@@ -99,6 +106,25 @@ def reduce_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if 0 not in axes:
         return [part(0, cls, taint=taint)]
     return [red(cls, "max" if "Max" in node.op else "sum", node.name, taint=taint)]
+
+
+def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``SparseReshape(indices, shape, new_shape)`` -> (indices, shape): the batch stays the
+    rows when both shapes are ``[batch, d]`` (``safe_embedding_lookup_sparse`` flattens ids of
+    any rank to two dimensions)."""
+    ind = ins[0]
+    taint = couple(ctx, node, ins)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad, bad]
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)] * 2
+    old, new = ins[1].value, ctx.int_value(node.inputs[2])
+    cls = _rows_of(ctx, ind, shared())
+    if cls is not None and old is not None and new is not None and len(old) == len(new) == 2 \
+            and old[0] == new[0] == Sym(1, cls):
+        return [ind.with_(taint=taint), size_fact(tuple(new), taint)]
+    return [mixed(node.name, "SparseReshape of the batch that moves its examples", taint)] * 2
 
 
 def fill_empty_rows(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
