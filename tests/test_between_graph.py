@@ -489,3 +489,24 @@ def test_error_reason_keeps_the_line_that_says_what_failed():
                "\t [[{{node CollectiveReduceV2}}]]\n")
     assert error_reason(tf.errors.FailedPreconditionError(None, None, message)) == \
         "Collective ops is aborted by: x"
+
+
+@pytest.mark.timeout(300)
+def test_sparse_input_local_batches_is_exact(local):
+    """Each worker feeds its own SparseTensor batch; one device trains on them concatenated
+    (rows of the second worker's entries offset by the first's batch)."""
+    from test_sparse_inputs import _feeds, _linear
+
+    graph = _linear("matmul")
+    res = replicate.transform(graph, "worker", between_graph=True, cluster=local.cluster)
+    assert res.report.exact, res.report.reasons
+    feeds = [_feeds("x", 5), _feeds("x", 3)]
+    out = drv.train_threads(res.meta_graph_def, _targets(local), feeds, "train", timeout_ms=60_000)
+    glob = [{"x/indices:0": np.concatenate([a["x/indices:0"], b["x/indices:0"] + [5, 0]]),
+             "x/values:0": np.concatenate([a["x/values:0"], b["x/values:0"]]),
+             "x/shape:0": np.array([8, 12], np.int64), "y:0": np.concatenate([a["y:0"], b["y:0"]])}
+            for a, b in zip(*feeds)]
+    single = drv.train_single(graph, "train", out[0]["initial"], glob)
+    for worker in out:
+        diff, worst = drv.largest_difference(worker["final"], single)
+        assert diff <= RTOL, f"{worst} differs from one device by {diff:.3g}"

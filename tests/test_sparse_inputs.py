@@ -68,7 +68,8 @@ def _linear(head: str) -> tf.Graph:
 @pytest.mark.parametrize("towers,batch", [(3, 7), (3, 2)])
 def test_sparse_linear_model_is_exact(head, towers, batch):
     graph = _linear(head)
-    named = {"batch_inputs": ["x/indices:0", "x/values:0", "y:0"]} if head == "reduce" else {}
+    named = {"batch_inputs": ["x/indices:0", "x/values:0", "y:0"]} if head == "reduce" else \
+        {"param_devices": "mirrored"} if head == "to_dense" else {}
     res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], **named)
     assert res.report.exact, res.report.reasons
     sparse = {i["tensor"]: i["sparse"] for i in res.report.inputs if "sparse" in i}
