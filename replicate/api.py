@@ -432,17 +432,27 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
 def _certify(report: Report, graph: Any, towers: int, *, train_op: str, loss: str | None,
              strategy: dict[str, Any], distributed: bool) -> None:
     """Run the numeric certificate and record it; a claimed exact that fails becomes inexact."""
-    from replicate.certificate import Certificate, certify
+    from replicate.certificate import STEPS, Certificate, certify
+    from replicate.errors import RewriteError
 
     if distributed:
         cert = Certificate(False, "devices of a cluster: run replicate verify on the single-machine graph")
-    elif not report.exact:
-        cert = Certificate(False, "the report is inexact already (its reasons say why): the check "
-                           "confirms claims of exactness; replicate verify measures the difference")
     else:
-        cert = certify(graph, towers, train_op=train_op, loss=loss,
-                       strategy={k: v for k, v in strategy.items() if v is not None},
-                       yardstick=not report.random.get("ops"))
+        # An inexact rewrite runs one step per batch size: it must still run where the original
+        # does (the differences are the reasons'; replicate verify measures them over more steps).
+        try:
+            cert = certify(graph, towers, train_op=train_op, loss=loss,
+                           strategy={k: v for k, v in strategy.items() if v is not None},
+                           yardstick=report.exact and not report.random.get("ops"),
+                           steps=STEPS if report.exact else 1)
+        except RewriteError as exc:
+            raise RewriteError(f"{exc}; the split the analysis chose cannot run (the inputs named "
+                               "with batch_inputs= or shared_inputs=, or an op it could not "
+                               "prove, pairs a whole tensor with a tower's slice): name other "
+                               "inputs, or train this graph on one device") from None
+        if not report.exact and cert.ran:
+            cert.notes.insert(0, "the report is inexact already (its reasons say why): one step "
+                              "checked that the rewrite runs")
     report.check = cert.to_dict()
     report.check["summary"] = cert.describe()
     if report.exact and cert.ran and not cert.ok:

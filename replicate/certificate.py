@@ -29,7 +29,7 @@ import logging
 import time
 from typing import Any
 
-from replicate.errors import ReplicateError
+from replicate.errors import ReplicateError, RewriteError
 
 __all__ = ["Certificate", "certify", "STEPS", "RTOL"]
 
@@ -103,17 +103,21 @@ class Certificate:
 
 
 def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
-            strategy: dict[str, Any], yardstick: bool = True) -> Certificate:
+            strategy: dict[str, Any], yardstick: bool = True, steps: int = STEPS) -> Certificate:
     """Run the original ``source`` and its rewrite for ``towers`` towers with ``strategy``
     (the transform's options) side by side; see the module docstring. ``yardstick``: measure
     the graph's rounding sensitivity when a run differs (False for graphs with random draws,
-    whose masks follow the examples' positions, so a permuted batch is another computation)."""
+    whose masks follow the examples' positions, so a permuted batch is another computation).
+    ``steps``: steps at the uneven batch (1 only checks that an inexact rewrite runs).
+
+    Raises:
+        RewriteError: the rewrite fails where the original runs."""
     from replicate.commands.verify import default_batch, verify
 
     start = time.perf_counter()
     micro = strategy.get("accumulate", 1)
     uneven = default_batch(towers * micro)
-    batches = [(None, STEPS)]                              # 4N-1, or the graph's static batch
+    batches = [(None, steps)]                              # 4N-1, or the graph's static batch
     if towers * micro > 1:
         batches.append((towers * micro - 1, 1))          # a tower with no example
     cert = Certificate(True)
@@ -121,6 +125,8 @@ def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
         try:
             found = verify(source, towers, steps=steps, batch=batch, train_op=train_op, loss=loss,
                            strategy=strategy)
+        except RewriteError:
+            raise
         except ReplicateError as exc:
             text = _short(str(exc))
             if not cert.runs:

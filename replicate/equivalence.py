@@ -146,6 +146,24 @@ def relative_difference(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b))) / scale
 
 
+def op_error(exc: Exception) -> str:
+    """TensorFlow's error in one line: the failing node and what it says, without the
+    traceback of where the node was defined."""
+    import re
+
+    text = str(getattr(exc, "message", exc))
+    node = re.search(r"Node: '([^']+)'", text)
+    said: list[str] = []
+    for line in text.splitlines():
+        line = re.sub(r"^\(\d+\) ", "", line.strip())
+        if line and line not in said and not re.match(
+                r"(Graph execution error|Detected at node|Node:|\[\[|\d+ root error|\d+ successful "
+                r"operations|\d+ derived errors|File |defined at)", line):
+            said.append(line)
+    what = " ".join(said[:2])[:300] or " ".join(text.split())[:300]
+    return f"{node.group(1)}: {what}" if node else what
+
+
 def compare(original: Any, replicated: Any, train_op: str, feeds: Sequence[dict[str, Any]] | int,
             cpus: int = 4, fetch: Sequence[str] = (), on_step: Callable[[int], None] | None = None,
             soft_placement: bool = False,
@@ -165,7 +183,14 @@ def compare(original: Any, replicated: Any, train_op: str, feeds: Sequence[dict[
         reference: a function that reorders the examples of a feed; when given, a third
             session trains ``original`` on reordered feeds, and ``reference_rel`` says how far
             float rounding alone moves single-device training (the same sums in another order).
+
+    Raises:
+        RewriteError: a step one device runs fails in the replicated graph.
     """
+    import tensorflow as tf
+
+    from replicate.errors import RewriteError
+
     steps = [None] * feeds if isinstance(feeds, int) else list(feeds)
     sources = [original, replicated] + ([original] if reference is not None else [])
     trainers: list[Trainer] = []
@@ -178,7 +203,13 @@ def compare(original: Any, replicated: Any, train_op: str, feeds: Sequence[dict[
             other.load(start)
         fetched = []
         for i, feed in enumerate(steps):
-            fetched.append((single.step(feed, fetch), multi.step(feed, fetch)))
+            before = single.step(feed, fetch)
+            try:
+                after = multi.step(feed, fetch)
+            except tf.errors.OpError as exc:     # one device ran this step: the rewrite is at fault
+                raise RewriteError(f"the rewrite fails at step {i + 1} where one device runs: "
+                                   f"{op_error(exc)}") from None
+            fetched.append((before, after))
             if reference is not None:
                 trainers[2].step(reference(feed))
             if on_step is not None:

@@ -43,6 +43,11 @@ class AnalysisError(ReplicateError):
     """The graph was read but is not a training graph replicate can rewrite."""
 
 
+class RewriteError(AnalysisError):
+    """The rewrite fails at run time on inputs the original graph runs on (found by the
+    numeric check): the analysis could not make the split consistent, so it refuses."""
+
+
 class DeviceError(ReplicateError):
     """A device or controller string is malformed, duplicated or unusable."""
 

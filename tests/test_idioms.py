@@ -109,6 +109,28 @@ def test_fused_batch_norm_under_a_training_placeholder(version):
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
 
 
+def test_a_named_split_that_cannot_run_is_refused_by_the_check():
+    """``batch_inputs=`` naming a [3] class-weights table splits it: the analysis reports the
+    lookup by labels (inexact), and the rewrite fails at run time. With the check the
+    transform refuses, naming the failing node; without it the report says inexact."""
+    graph = _graph("class_weights", None)
+    named = ["x:0", "y:0", "class_weights:0"]
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_inputs=named)
+    assert not res.report.exact
+    with pytest.raises(replicate.errors.RewriteError, match=r"fails at step 1 .*GatherV2: .*indices"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_inputs=named, check=True)
+    # an inexact rewrite that runs says so in its check
+    worst = tf.Graph()
+    with worst.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=2))
+        loss = tf.reduce_max(tf.square(tf.reduce_sum(x * w, axis=1)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(worst, ["/cpu:1", "/cpu:2"], check=True)
+    assert not res.report.exact
+    assert res.report.check["ran"] and "checked that the rewrite runs" in res.report.check["notes"][0]
+
+
 def test_shared_inputs_are_never_split():
     """A fed per-class table whose length equals the batch (3): the evidence (a lookup by the
     labels) keeps it shared; ``shared_inputs=`` says so outright, and a name given both as a

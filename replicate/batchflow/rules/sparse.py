@@ -16,7 +16,7 @@ examples themselves (a graph convolution over the batch) couples every example t
 no split can run it, and the transform refuses. ``SparseSegment*`` ops keyed by the
 example rows rebuild per-example rows only when every example has an entry (after
 ``SparseFillEmptyRows``): otherwise their output has as many rows as the last example that
-has one, which a tower and one device count differently.
+has one, a tower's step fails where one device's runs, and the transform refuses.
 """
 
 from __future__ import annotations
@@ -171,10 +171,12 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 return [part(0, cls, taint=taint)]
         if seg.handle == FILLED:
             return [part(0, cls, taint=taint)]
-        return [mixed(node.name, f"{node.op} keyed by the examples has as many rows as the last "
-                      "example with an entry, which a tower counts differently from one device "
-                      "when its last examples have none (fill empty rows first: "
-                      "tf.nn.safe_embedding_lookup_sparse or tf.sparse.fill_empty_rows)", taint)]
+        what = (f"{node.op} keyed by the examples has as many rows as the last example with an "
+                "entry: a tower whose last examples have none gets fewer rows than examples, and "
+                "its step fails where one device's runs")
+        ctx.refuse(node.name, what, "fill empty rows first (tf.nn.safe_embedding_lookup_sparse, "
+                   "or tf.sparse.fill_empty_rows before the lookup)")
+        return [mixed(node.name, what, taint)]
     bad = first_mixed(ins)
     if bad is not None:
         return [bad]
