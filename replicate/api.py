@@ -476,8 +476,8 @@ def _micro(accumulate: Any) -> int:
 
 
 #: Which pass makes the nodes under each name scope of the output (for error messages).
-_MAKERS = (("replicate/split/", "split"), ("replicate/aggregate/", "aggregate"),
-           ("replicate/weights/", "aggregate"), ("replicate/sync/", "sync"),
+_MAKERS = (("replicate/split/weights/", "aggregate"), ("replicate/split/", "split"),
+           ("replicate/aggregate/", "aggregate"), ("replicate/sync/", "sync"),
            ("replicate/rebatch/", "rebatch"), ("replicate/mirror", "mirror"),
            ("replicate/weigh/", "weigh"), ("replicate/guard/", "guard"),
            ("replicate/between", "between"))

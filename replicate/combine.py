@@ -22,7 +22,7 @@ __all__ = ["combine", "weight", "KINDS"]
 
 KINDS = frozenset({"dense", "mean", "ratio", "sum", "concat", "sparse_values", "sparse_indices",
                    "max", "min", "first", "global"})
-WEIGHTS = "replicate/weights"
+WEIGHTS = "replicate/split/weights"
 
 
 def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,

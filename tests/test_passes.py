@@ -117,12 +117,16 @@ def test_clone_copies_region_per_tower_with_devices():
     assert "out" in ir  # originals stay until rewire
 
 
-def test_aggregate_weights_each_tower_by_its_share():
-    ir = run_until(tiny(), "aggregate")
-    (tensor, aggregate), = ir.facts["aggregates"].items()
-    node = ir.node(aggregate)
-    assert node.op == "AddN" and len(node.inputs) == 2
-    assert {ir.node(i).op for i in node.inputs} == {"MulNoNan"}
+def test_each_tower_weighs_its_loss_by_its_share():
+    """A mean loss is weighed where its gradient enters each tower (one scalar multiply), so
+    the aggregate only adds the towers' gradients (no multiply per parameter per tower)."""
+    res = replicate.transform(tiny(), DEVICES, controller=CONTROLLER)
+    nodes = {n.name: n for n in res.graph_def.node}
+    (aggregate,) = res.aggregates.values()
+    assert nodes[aggregate].op == "AddN" and len(nodes[aggregate].input) == 2
+    assert not {nodes[i].op for i in nodes[aggregate].input} & {"MulNoNan", "Mul"}
+    weighed = [n for n in nodes if "/replicate/weigh/" in n]
+    assert sorted(n.split("/")[0] for n in weighed) == ["tower_0", "tower_1"], weighed
 
 
 def test_rewire_removes_originals_and_merges_under_original_names():

@@ -280,7 +280,9 @@ def test_bundled_edges_join_each_pair_of_groups(mlp_result):
     into_tower = sum(boxes.edges[e]["data"] for e in boxes.edges
                      if boxes.nodes[e[0]]["kind"] == "split" and boxes.nodes[e[1]]["group"] == "tower_0")
     assert into_tower >= 2        # x and y at least
-    split_edges = [line for line in bundled if "lhead=" in line
+    ids = {node: f"n{i}" for i, node in enumerate(boxes.nodes)}
+    split_ids = {ids[n] for n in boxes.nodes if boxes.nodes[n]["kind"] == "split"}
+    split_edges = [line for line in bundled if "lhead=" in line and line.split()[0] in split_ids
                    and re.search(rf"\btaillabel={into_tower}\b", line)]
     assert len(split_edges) == 3 and len({line.split()[0] for line in split_edges}) == 1
 

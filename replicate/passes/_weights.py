@@ -17,7 +17,7 @@ from replicate.facts import GradScope, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.roles import scope_seeds
 
-__all__ = ["scopes", "losses", "assign", "weigh_in_towers", "DATA_SHARES"]
+__all__ = ["scopes", "losses", "assign", "weigh_in_towers", "prefer_in_towers", "DATA_SHARES"]
 
 _THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics"})
 
@@ -205,3 +205,34 @@ def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> 
     scope.corrections = ([(t.root, t.spec) for t in batch if t.spec != ONES]
                          + [(t.root, UNIFORM) for t in terms if t.kind == "shared"])
     return True
+
+
+def prefer_in_towers(ir: IR, flow, scopes_: list[GradScope], region: list[str], gradient: set[str],
+                     synced: frozenset = frozenset()) -> int:
+    """Weigh each scope's loss in the towers wherever nothing forbids it; returns how many.
+
+    Weighing the aggregated gradients multiplies every parameter's gradient in every tower by
+    the tower's weight; weighing the loss multiplies one scalar per term per tower (where its
+    gradient enters), so the towers' gradients only add: 1-6% less step time for a 20M
+    parameter MLP (benchmarks/weigh_loss.py). A scope keeps the aggregated weights when a
+    term's gradient entry cannot be found, or when forward code reads its gradients (their
+    rows would then carry the tower's weight before the loss reads them), or when a term is
+    weighted by a share of data (a mask's count: weighing it in the towers would need that
+    count synchronized across the towers)."""
+    from replicate.passes.weigh import entries
+
+    done = 0
+    for scope in scopes_:
+        if not scope.weights or scope.weights == ONES or scope.kind == "other":
+            continue
+        terms = [t for loss in scope.losses if loss is not None for t in flow.losses[loss][0]]
+        if not terms or any(t.spec and t.spec[0] in DATA_SHARES for t in terms):
+            continue                # a data share would need its denominator synchronized
+        if any(not entries(ir, scope.prefix, t.root) for t in terms):
+            continue
+        inside = scope.prefix + "/"
+        if any(node_of(ref).startswith(inside) for name in region if name not in gradient
+               for ref in ir.nodes[name].inputs):
+            continue
+        done += bool(weigh_in_towers(flow, scope, synced))
+    return done

@@ -141,6 +141,7 @@ class Analyze:
                                           "statistics: its gradient would be dropped",
                                           "normalize by a plain batch sum of weights, or by "
                                           "tf.maximum(count, 1.0)"))
+        _weights.prefer_in_towers(ir, flow, grad_scopes, region, in_grad, synced)
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
         _state_written_per_tower(ir, flow, region, evicted)
         if evicted:

@@ -1,8 +1,8 @@
 """Which part of a replicated graph each node belongs to: a tower, the split, the aggregation...
 
 A *group* is one box of the picture: a tower (``tower_<k>/``), the input split
-(``replicate/split/``), the gradient aggregation (``replicate/aggregate/`` and the tower
-weights), synchronized batch statistics (``replicate/sync/``), and, on the shared side,
+(``replicate/split/``, with the towers' weights: their shares of the batch), the gradient
+aggregation (``replicate/aggregate/``), synchronized batch statistics (``replicate/sync/``), and, on the shared side,
 the inputs, the variables (with their initializers and optimizer slots), the optimizer's
 update, the forward tensors merged under their original names, and anything else shared.
 
@@ -19,7 +19,6 @@ import re
 from collections.abc import Iterable, Sequence
 
 from replicate import ops
-from replicate.combine import WEIGHTS
 from replicate.ir import IR
 from replicate.passes.aggregate import SCOPE as AGGREGATE_SCOPE
 from replicate.passes.split import SCOPE as SPLIT_SCOPE
@@ -42,7 +41,7 @@ _TITLES = {"inputs": "inputs", "variables": "variables and optimizer state",
 
 #: Name scopes of the replicate-made groups: (scope, kind, prefix stripped from names).
 _SCOPES = ((SPLIT_SCOPE, "split", SPLIT_SCOPE), (SYNC_SCOPE, "sync", SYNC_SCOPE),
-           (AGGREGATE_SCOPE, "aggregate", "replicate"), (WEIGHTS, "aggregate", "replicate"))
+           (AGGREGATE_SCOPE, "aggregate", "replicate"))
 
 #: Suffixes of the helper scopes that merge a forward tensor over the towers.
 _MERGE_SUFFIXES = ("_parts", "_merged")
