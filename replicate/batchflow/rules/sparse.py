@@ -76,6 +76,13 @@ def dense_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if cls is not None and adj_a and contracted and b.block == 1:
         ctx.classes.union(cls, b.cls, node.name)      # the gradient: a sum over the examples
         return [red(cls, "sum", node.name, taint=taint)]
+    if contracted and cls is not None and not ctx.classes.same(cls, b.cls):
+        # the matrix's rows are examples and its columns index the other tensor's rows: that
+        # tensor is no batch of other examples but a table every tower reads whole (all the
+        # nodes' features beside a batch of nodes' adjacency rows)
+        ctx.classes.conflicts.append((cls, b.cls, node.name, "matrix product"))
+        return [mixed(node.name, "a sparse matrix whose rows are examples multiplies another "
+                      "batch along its examples", taint)]
     if contracted and not ctx.in_gradient(node):
         what = ("a sparse matrix over the examples multiplies them together (a graph "
                 "convolution): every output row adds rows of other examples, so no tower can "
