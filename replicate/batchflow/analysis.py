@@ -211,6 +211,12 @@ def _conflict_victim(classes: Classes, inputs: dict[str, tuple[int, int]]) -> di
     for tensor, (_, cls) in inputs.items():
         members[classes.find(cls)].append(tensor)
     for keep, drop, where, why in classes.conflicts:
+        if keep is None:            # evidence against one hypothesis, none for another
+            victims = members.get(classes.find(drop))
+            if victims:
+                return {t: f"its entries are picked at '{where}' by positions the same in every "
+                        "tower" for t in victims}
+            continue
         keep, drop = classes.find(keep), classes.find(drop)
         if keep == drop:
             continue

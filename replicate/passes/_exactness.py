@@ -17,6 +17,7 @@ from tensorflow.core.framework import types_pb2
 from replicate.batchflow.effects import describe, writes
 from replicate.facts import Analysis, Reason
 from replicate.ir import IR, node_of
+from replicate.ops import VARIABLE_OPS
 from replicate.reductions import FUSED_BATCH_NORM
 from replicate.roles import FLOAT_TYPES
 
@@ -31,6 +32,17 @@ def size_like(ir: IR, name: str) -> bool:
     exact to synchronize, so it always is."""
     node = ir.nodes[name]
     return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS
+
+
+def data_statistic(ir: IR, graph: nx.DiGraph, name: str, flow) -> bool:
+    """A coupling computed from the inputs alone (a mask divided by its batch mean, as graph
+    convolution code normalizes its loss; an input centred by its batch mean): no variable
+    reaches it, so synchronizing it costs one small reduction, changes no gradient, and gives
+    every tower the single-device value. It always is."""
+    fact = flow.fact(f"{name}:0")
+    if fact is None or fact.kind != "red" or fact.merge not in ("mean", "sum", "max", "min"):
+        return False
+    return not any(ir.nodes[a].op in VARIABLE_OPS for a in nx.ancestors(graph, name) if a in ir.nodes)
 
 
 def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[str], region: set[str],

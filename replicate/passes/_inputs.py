@@ -55,6 +55,25 @@ def _source(ir: IR, ref: str) -> str:
     return tensor_name(*parse_tensor(ref))
 
 
+def _selected(ir: IR, indices: str, values: str) -> tuple[str, str]:
+    """The indices and values that a row selection applied alike to both (``sparse_retain``,
+    ``tf.sparse.retain``: the same ``Gather`` of both) was taken from, through entry-wise
+    arithmetic on the values (a SparseTensor times a scalar)."""
+    for _ in range(16):
+        a, b = ir.nodes.get(node_of(indices)), ir.nodes.get(node_of(values))
+        if b is not None and b.op in ("SparseDenseCwiseMul", "SparseDenseCwiseDiv", "SparseDenseCwiseAdd") \
+                and _source(ir, b.inputs[0]) == indices:
+            values = _source(ir, b.inputs[1])       # entry-wise values of the same entries
+            continue
+        if a is None or b is None or a.op not in ("GatherV2", "Gather") or b.op != a.op \
+                or len(a.inputs) < 2 or a.inputs[1] != b.inputs[1] \
+                or (a.op == "GatherV2" and not all(ir.const_value(node_of(n.inputs[2])) == 0
+                                                   for n in (a, b))):
+            break
+        indices, values = _source(ir, a.inputs[0]), _source(ir, b.inputs[0])
+    return indices, values
+
+
 def sparse_triples(ir: IR, region: list[str], candidates: list[str]
                    ) -> list[tuple[str, str | None, str | None]]:
     """Inputs fed as a ``SparseTensor``: (indices, values, dense shape) whose indices are a
@@ -81,6 +100,8 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
             continue
         i, v, s = (None if p is None or p >= len(node.inputs) else _source(ir, node.inputs[p])
                    for p in where)
+        if i is not None and v is not None:
+            i, v = _selected(ir, i, v)
         if i is not None:
             note(i, v, s)
     for ref in candidates:

@@ -128,7 +128,8 @@ class Analyze:
                     for c in couplings if INSIDE in c]
         couplings = [c for c in couplings if INSIDE not in c]
         loss_syncs = flow.loss_syncs()
-        auto = [c for c in couplings if _exactness.size_like(ir, c) or c in loss_syncs]
+        auto = [c for c in couplings if _exactness.size_like(ir, c) or c in loss_syncs
+                or _exactness.data_statistic(ir, graph, c, flow)]
         synced = frozenset(couplings if self.sync else auto)
         if synced:
             for scope in grad_scopes:       # a zero share must not drop a coupled tower's gradient

@@ -2,8 +2,9 @@
 
 Requires: the clone pass's tower copies (originals still present), ``ir.facts["analysis"]``
 with its ``couplings`` (forward batch reductions whose result flows back into per-example
-values) and ``auto_sync`` (the integer ones), and ``ir.facts["towers"]``. Synchronizes every
-coupling when the transform asks for ``batch_norm="sync"``, else only the integer ones.
+values) and ``auto_sync`` (the integer ones, the loss's nonlinear reductions, and statistics
+of the inputs alone such as a mask's batch mean), and ``ir.facts["towers"]``. Synchronizes
+every coupling when the transform asks for ``batch_norm="sync"``, else only those.
 
 Produces, for each coupling:
 

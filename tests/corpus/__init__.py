@@ -35,6 +35,7 @@ PROGRAMS = [
     "stateful_lstm",
     "autoencoder",
     "sequence_tagger",
+    "gcn",
 ]
 
 __all__ = ["PROGRAMS"]

@@ -71,6 +71,10 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # one hypothetical batch looked up by another's values: evidence that the
                 # table (a [3] class-weights placeholder fed with a batch of 3) is no batch
                 ctx.classes.conflicts.append((i.cls, p.cls, node.name, "lookup"))
+            if p.filtered and i.kind == SHARED:
+                # entries (of a SparseTensor) picked at positions the same in every tower, a
+                # dropout mask drawn over all of them: evidence that they are no batch
+                ctx.classes.conflicts.append((None, p.cls, node.name, "entries"))
             return [mixed(node.name, f"{node.op} picks examples of the batch by position", taint)]
         if i.kind == PART or i_rank is None:
             return [mixed(node.name, f"{node.op} of two batch axes", taint)]
