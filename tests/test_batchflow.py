@@ -295,3 +295,18 @@ def test_a_class_weights_placeholder_is_not_a_batch_input():
     settled = analyze(ir, region, ["x:0", "class_weights:0"], set(), [], ["loss:0"])
     assert set(settled.inputs) == {"x:0"}
     assert "class_weights:0" in settled.demoted
+
+
+# ---------------------------------------------------------------- einsum
+def test_einsum_follows_the_batch_letter():
+    """Kept in the output: partitioned where it lands; summed away: a sum over the examples;
+    a shared operand with the batch letter pairs examples with a shared axis: mixed."""
+    def build(x):
+        w = tf.constant(np.ones([6, 3], np.float32))
+        tf.identity(tf.einsum("nd,dk->kn", x, w), name="kept")
+        tf.identity(tf.einsum("nd,nd->d", x, x), name="summed")
+        tf.identity(tf.einsum("nd,nk->dk", x, tf.constant(np.ones([5, 3], np.float32))), name="paired")
+    fact = flow(build)
+    assert fact("kept").kind == PART and fact("kept").axis == 1
+    assert fact("summed").kind == RED and fact("summed").merge == "sum"
+    assert fact("paired").kind == MIXED

@@ -69,7 +69,8 @@ def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], 
             if fact.kind == SHARED:
                 found[name] = Draw(name, "same")
             else:
-                found[name] = Draw(name, "rows", fact.axis, fact.cls, len(ir.static_shape(f"{name}:0")))
+                found[name] = Draw(name, "rows", fact.axis, flow.classes.find(fact.cls),
+                                   len(ir.static_shape(f"{name}:0")))
             continue
         reasons.append(Reason(name, why[0], why[1]))
     return found, reasons
@@ -106,7 +107,7 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
         fact = body.fact(f"{op}:0")
         if why is not None or fact is None or fact.kind != PART:
             return None, why or not_yet
-        inner.append(Draw(f"{fname}/{op}", "rows", fact.axis, fact.cls,
+        inner.append(Draw(f"{fname}/{op}", "rows", fact.axis, flow.classes.find(fact.cls),
                           len(body.ir.static_shape(f"{op}:0"))))
     if len({d.cls for d in inner}) > 1:
         return None, not_yet

@@ -17,7 +17,7 @@ from tensorflow.core.framework import types_pb2
 from replicate.batchflow.effects import describe, writes
 from replicate.facts import Analysis, Reason
 from replicate.ir import IR, node_of
-from replicate.ops import VARIABLE_OPS
+from replicate.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
 from replicate.reductions import FUSED_BATCH_NORM
 from replicate.roles import FLOAT_TYPES
 
@@ -35,14 +35,20 @@ def size_like(ir: IR, name: str) -> bool:
 
 
 def data_statistic(ir: IR, graph: nx.DiGraph, name: str, flow) -> bool:
-    """A coupling computed from the inputs alone (a mask divided by its batch mean, as graph
-    convolution code normalizes its loss; an input centred by its batch mean): no variable
+    """A coupling computed from integer or boolean inputs alone (a mask divided by its batch
+    mean, as graph convolution code normalizes its loss; a count of labels): no variable
     reaches it, so synchronizing it costs one small reduction, changes no gradient, and gives
-    every tower the single-device value. It always is."""
+    every tower the single-device value. It always is. Statistics of float inputs (batch norm
+    applied to the features) follow the batch_norm mode."""
     fact = flow.fact(f"{name}:0")
     if fact is None or fact.kind != "red" or fact.merge not in ("mean", "sum", "max", "min"):
         return False
-    return not any(ir.nodes[a].op in VARIABLE_OPS for a in nx.ancestors(graph, name) if a in ir.nodes)
+    above = nx.ancestors(graph, name) & set(ir.nodes)
+    if any(ir.nodes[a].op in VARIABLE_OPS for a in above):
+        return False
+    fed = [ref for a in above | {name} for ref in ir.nodes[a].inputs
+           if node_of(ref) in above and ir.nodes[node_of(ref)].op in BATCH_SOURCE_OPS]
+    return bool(fed) and all(ir.output_dtype(ref) not in FLOAT_TYPES for ref in fed)
 
 
 def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[str], region: set[str],

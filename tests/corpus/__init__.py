@@ -36,6 +36,7 @@ PROGRAMS = [
     "autoencoder",
     "sequence_tagger",
     "gcn",
+    "transformer",
 ]
 
 __all__ = ["PROGRAMS"]

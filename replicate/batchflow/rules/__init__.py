@@ -57,7 +57,7 @@ RULES.update({
     "MatMul": elementwise.matmul, "BatchMatMul": elementwise.batch_matmul,
     "BatchMatMulV2": elementwise.batch_matmul, "BatchMatMulV3": elementwise.batch_matmul,
     "L2Loss": reduce.l2loss, "Shape": reduce.shape, "ShapeN": reduce.shape_n, "Size": reduce.size,
-    "Rank": reduce.rank,
+    "Rank": reduce.rank, "Einsum": reduce.einsum,
     "Reshape": shape.reshape, "ExpandDims": shape.expand_dims, "Squeeze": shape.squeeze,
     "Transpose": shape.transpose, "ConjugateTranspose": shape.transpose,
     "ConcatV2": shape.concat, "Concat": shape.concat, "Pack": shape.pack, "Unpack": shape.unpack,

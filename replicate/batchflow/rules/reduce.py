@@ -20,7 +20,7 @@ from replicate.batchflow.rules.common import (couple, first_mixed, mixed, red, r
 from replicate.ir import Node, parse_tensor, tensor_name
 
 __all__ = ["reduction", "l2loss", "arg_reduction", "scan", "last_axis", "rowwise", "contraction",
-           "shape", "shape_n", "size"]
+           "shape", "shape_n", "size", "rank", "einsum"]
 
 
 def _spec_size(ref: str) -> tuple:
@@ -189,6 +189,41 @@ def rowwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         else:
             outs.append(out_part)
     return outs
+
+
+def einsum(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``Einsum`` with an explicit output: the batch axis is one subscript letter; kept in the
+    output it stays partitioned there, summed away it is a sum over the examples. A shared
+    operand carrying that letter (its axis would be the batch's size) mixes examples."""
+    taint = couple(ctx, node, ins)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)]
+    equation = node.attr("equation", "")
+    equation = (equation.decode() if isinstance(equation, bytes) else str(equation)).replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return [mixed(node.name, "Einsum with an implicit output or an ellipsis", taint)]
+    lhs, out = equation.split("->")
+    subs = lhs.split(",")
+    if len(subs) != len(ins) or any(f.kind == RED for f in ins):
+        return [mixed(node.name, "Einsum of a batch-reduced value", taint)]
+    letter, first = None, None
+    for f, sub in zip(ins, subs):
+        if f.kind != PART:
+            continue
+        if f.axis >= len(sub) or (letter is not None and sub[f.axis] != letter):
+            return [mixed(node.name, "Einsum of two batch axes", taint)]
+        if letter is None:
+            letter, first = sub[f.axis], f
+        else:
+            ctx.classes.union(first.cls, f.cls, node.name)
+    if any(f.kind == SHARED and letter in sub for f, sub in zip(ins, subs)):
+        return [mixed(node.name, "Einsum pairs the examples with an axis of a shared operand", taint)]
+    if letter in out:
+        return [first.with_(axis=out.index(letter), value=None, index=None, taint=taint)]
+    return [red(first.cls, "sum", node.name, taint=taint)]
 
 
 def contraction(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
