@@ -37,6 +37,7 @@ PROGRAMS = [
     "sequence_tagger",
     "gcn",
     "transformer",
+    "bilstm_crf",
 ]
 
 __all__ = ["PROGRAMS"]
