@@ -48,6 +48,19 @@ def couple(ctx: Context, node: Node, facts: list[Fact]) -> frozenset:
     return taint
 
 
+def prologue(ctx: Context, node: Node, ins: list[Fact], n: int = 1
+             ) -> tuple[frozenset, list[Fact] | None]:
+    """The taint of ``node``'s result and, when its inputs settle it already, its ``n``
+    output facts: the first mixed input, or shared when nothing depends on the batch."""
+    taint = couple(ctx, node, ins)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return taint, [bad] * n
+    if not any(f.dependent for f in ins):
+        return taint, [shared(taint=taint)] * n
+    return taint, None
+
+
 def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
     """Every forward batch reduction a batch-reduced value is computed from. A fact names one
     source; a segment mean (a sum over a count), a ratio or a normalized value has several,
@@ -163,5 +176,5 @@ def numbered(node: Node, taint: frozenset) -> Fact:
                  "at 0 in every tower)", taint)
 
 
-__all__ += ["is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
+__all__ += ["prologue", "is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
             "row_numbers", "numbered"]

@@ -15,7 +15,7 @@ import numpy as np
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import (couple, first_mixed, mixed, red, rows as _rows,
+from replicate.batchflow.rules.common import (couple, first_mixed, mixed, prologue, red, rows as _rows,
                                               shared, size_fact, taint_of)
 from replicate.ir import Node, parse_tensor, tensor_name
 
@@ -195,12 +195,9 @@ def einsum(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     """``Einsum`` with an explicit output: the batch axis is one subscript letter; kept in the
     output it stays partitioned there, summed away it is a sum over the examples. A shared
     operand carrying that letter (its axis would be the batch's size) mixes examples."""
-    taint = couple(ctx, node, ins)
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad]
-    if not any(f.dependent for f in ins):
-        return [shared(taint=taint)]
+    taint, settled = prologue(ctx, node, ins)
+    if settled is not None:
+        return settled
     equation = node.attr("equation", "")
     equation = (equation.decode() if isinstance(equation, bytes) else str(equation)).replace(" ", "")
     if "->" not in equation or "." in equation:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
-from replicate.batchflow.rules.common import couple, first_mixed, mixed, part, red, shared, size_fact
+from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, prologue, red,
+                                              shared, size_fact)
 from replicate.ir import Node
 
 __all__ = ["source", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED"]
@@ -62,12 +63,9 @@ def _rows_of(ctx: Context, indices: Fact, values: Fact) -> int | None:
 def dense_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     """``SparseTensorDenseMatMul(a_indices, a_values, a_shape, b)``."""
     ind, val, _, b = ins
-    taint = couple(ctx, node, ins)
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad]
-    if not any(f.dependent for f in ins):
-        return [shared(taint=taint)]
+    taint, settled = prologue(ctx, node, ins)
+    if settled is not None:
+        return settled
     cls = _rows_of(ctx, ind, val)
     adj_a, adj_b = bool(node.attr("adjoint_a", False)), bool(node.attr("adjoint_b", False))
     if cls is not None and not adj_a and not b.dependent:
@@ -96,12 +94,9 @@ def dense_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def reduce_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     """``SparseReduceSum/Max(indices, values, shape, axes)`` (dense output)."""
     ind, val, shp = ins[0], ins[1], ins[2]
-    taint = couple(ctx, node, ins)
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad]
-    if not any(f.dependent for f in ins):
-        return [shared(taint=taint)]
+    taint, settled = prologue(ctx, node, ins)
+    if settled is not None:
+        return settled
     cls = _rows_of(ctx, ind, val)
     axes = ctx.int_value(node.inputs[3])
     rank = len(shp.value) if shp.value is not None else None
@@ -120,12 +115,9 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     rows when both shapes are ``[batch, d]`` (``safe_embedding_lookup_sparse`` flattens ids of
     any rank to two dimensions)."""
     ind = ins[0]
-    taint = couple(ctx, node, ins)
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad, bad]
-    if not any(f.dependent for f in ins):
-        return [shared(taint=taint)] * 2
+    taint, settled = prologue(ctx, node, ins, 2)
+    if settled is not None:
+        return settled
     old, new = ins[1].value, ctx.int_value(node.inputs[2])
     cls = _rows_of(ctx, ind, shared())
     if cls is not None and old is not None and new is not None and len(old) == len(new) == 2 \
@@ -138,12 +130,9 @@ def fill_empty_rows(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     """``SparseFillEmptyRows``: (indices, values, empty-row indicator, reverse index map); every
     example then has an entry."""
     ind, val = ins[0], ins[1]
-    taint = couple(ctx, node, ins)
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad] * 4
-    if not any(f.dependent for f in ins):
-        return [shared(taint=taint)] * 4
+    taint, settled = prologue(ctx, node, ins, 4)
+    if settled is not None:
+        return settled
     cls = _rows_of(ctx, ind, val)
     if cls is None:
         return [mixed(node.name, "SparseFillEmptyRows of the batch in an unsupported layout", taint)] * 4
