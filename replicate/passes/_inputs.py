@@ -81,6 +81,7 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
     names ``tf.compat.v1.sparse_placeholder`` gives (``<name>/indices``, ``/values``, ``/shape``)."""
     found: dict[str, list[str | None]] = {}
     pool = set(candidates)
+    unread: list[str] = []
 
     def note(indices: str, values: str | None, shape: str | None) -> None:
         shape_ = ir.static_shape(indices)
@@ -105,6 +106,13 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
         if i is not None:
             note(i, v, s)
     for ref in candidates:
+        name = node_of(ref)
+        if name.endswith("/values") and ref.endswith(":0") and f"{name[:-7]}/indices" in ir.nodes:
+            indices = f"{name[:-7]}/indices:0"  # values read without their indices (the weights
+            if indices not in pool and ir.nodes[node_of(indices)].op in ops.BATCH_SOURCE_OPS:
+                pool.add(indices)               # of embedding_lookup_sparse): still fed whole
+                unread.append(indices)
+    for ref in list(candidates) + unread:
         name = node_of(ref)
         if name.endswith("/indices") and ref.endswith(":0"):
             base = name[: -len("/indices")]

@@ -97,6 +97,7 @@ class Analyze:
         triples = _inputs.sparse_triples(ir, region, candidates + list(forced or ()))
         followers = {t for triple in triples for t in triple[1:] if t is not None}
         candidates = [t for t in candidates if t not in followers]
+        candidates += [t[0] for t in triples if t[0] not in candidates and not forced]
         if forced:
             shared_inputs = [t for t in candidates + shared_inputs if t not in forced]
             candidates = []

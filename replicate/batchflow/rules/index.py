@@ -23,6 +23,8 @@ __all__ = ["gather", "gather_nd", "where", "unique", "dynamic_partition", "segme
            "reverse_sequence"]
 
 UNIQUE = "unique"
+#: The handle of sparse indices in which every example has an entry (SparseFillEmptyRows).
+FILLED = "sparse:filled"
 
 
 def _local(index: Fact, data: Fact, ctx: Context, col: int | None = None) -> bool:
@@ -181,6 +183,15 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         cls, per = ids.index[1], ids.index[2]
         if len(node.inputs) > 2:
             ctx.position(node.inputs[2], None, cls, per, node)
+        elif ids.filtered and ids.handle != FILLED:
+            # rows of selected examples (a SparseTensor's entries, tf.where): the result has
+            # as many rows as the last example selected, which a tower counts differently
+            what = (f"{node.op} keyed by the examples of selected entries has as many rows as "
+                    "the last example with an entry: a tower whose last examples have none gets "
+                    "fewer rows than examples, and its step fails where one device's runs")
+            ctx.refuse(node.name, what, "fill empty rows first (tf.nn.safe_embedding_lookup_sparse, "
+                       "or tf.sparse.fill_empty_rows), or pass num_segments (unsorted_segment_sum)")
+            return [mixed(node.name, what, taint)]
         return [part(0, cls, per, taint=taint)]
     if ids.kind == PART and data.kind == PART and ids.axis == data.axis == 0:
         ctx.classes.union(ids.cls, data.cls, node.name)

@@ -274,10 +274,23 @@ def rank(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return [shared((r,) if r is not None else None)]
 
 
+def _entry_count(node: Node, f: Fact) -> Fact | None:
+    """The number of a SparseTensor's entries: a tower's count is no share of the examples (a
+    tower whose examples have no entry counts zero), so nothing may weigh towers by it (a
+    loss divided by it was claimed exact and dropped such a tower's share)."""
+    if f.kind == PART and f.handle == "sparse:entries":
+        return red(f.cls, "other", node.name, taint=f.taint).with_(
+            why="the number of a SparseTensor's entries, which is no share of the examples")
+    return None
+
+
 def size(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind == MIXED:
         return [f.with_(handle=None)]
+    counted = _entry_count(node, f)
+    if counted is not None:
+        return [counted]
     dims = ctx.shape(node.inputs[0])
     if f.kind != PART:
         total = int(np.prod(dims)) if dims is not None and None not in dims else None

@@ -25,21 +25,24 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
 from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, prologue, red,
                                               shared, size_fact)
+from replicate.batchflow.rules.index import FILLED      # every example has an entry
+
+#: The handle of a sparse batch input's own entries (its indices and values as fed).
+ENTRIES = "sparse:entries"
 from replicate.ir import Node
 
-__all__ = ["source", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED"]
-
-#: The handle of sparse indices in which every example has at least one entry.
-FILLED = "sparse:filled"
+__all__ = ["source", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
+           "ENTRIES"]
 
 
 def source(ctx: Context, tensor: str, cls: int) -> Fact:
     """The fact of one part of a sparse batch input (see the module docstring)."""
     role = ctx.sparse[tensor]
     if role == "indices":
-        return part(0, cls, None, ordered=False, filtered=True, index=("cols", 0, cls, 1))
+        return part(0, cls, None, ordered=False, filtered=True,
+                    index=("cols", 0, cls, 1)).with_(handle=ENTRIES)
     if role == "values":
-        return part(0, cls, None, ordered=False, filtered=True)
+        return part(0, cls, None, ordered=False, filtered=True).with_(handle=ENTRIES)
     shape = ctx.shape(tensor)
     if shape and shape[0] is not None and shape[0] >= 1:
         return size_fact((Sym(1, cls),) + (None,) * (shape[0] - 1))
