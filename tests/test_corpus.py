@@ -39,7 +39,7 @@ def run_harness(programs: list[str], directory) -> list[dict]:
 
 #: Programs judged together in one harness process (one TensorFlow import per group, ~10 s
 #: of CPU each), balanced by their run time.
-GROUPS = [PROGRAMS[i::3] for i in range(3)]
+GROUPS = [PROGRAMS[i::4] for i in range(4)]
 
 
 @pytest.mark.parametrize("programs", GROUPS, ids=["+".join(g) for g in GROUPS])
