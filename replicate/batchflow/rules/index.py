@@ -20,7 +20,7 @@ from replicate.ir import Node
 __all__ = ["gather", "gather_nd", "where", "unique", "dynamic_partition", "segment", "sparse_to_dense",
            "scatter_nd", "broadcast_gradient_args", "broadcast_args", "concat_offset",
            "invert_permutation", "dynamic_stitch", "candidate_sampler", "accidental_hits",
-           "reverse_sequence"]
+           "reverse_sequence", "uncounted_rows", "FILLED"]
 
 UNIQUE = "unique"
 #: The handle of sparse indices in which every example has an entry (SparseFillEmptyRows).
@@ -184,14 +184,8 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         if len(node.inputs) > 2:
             ctx.position(node.inputs[2], None, cls, per, node)
         elif ids.filtered and ids.handle != FILLED:
-            # rows of selected examples (a SparseTensor's entries, tf.where): the result has
-            # as many rows as the last example selected, which a tower counts differently
-            what = (f"{node.op} keyed by the examples of selected entries has as many rows as "
-                    "the last example with an entry: a tower whose last examples have none gets "
-                    "fewer rows than examples, and its step fails where one device's runs")
-            ctx.refuse(node.name, what, "fill empty rows first (tf.nn.safe_embedding_lookup_sparse, "
-                       "or tf.sparse.fill_empty_rows), or pass num_segments (unsorted_segment_sum)")
-            return [mixed(node.name, what, taint)]
+            # rows of selected examples (a SparseTensor's entries, tf.where)
+            return [uncounted_rows(ctx, node, taint, ", or pass num_segments (unsorted_segment_sum)")]
         return [part(0, cls, per, taint=taint)]
     if ids.kind == PART and data.kind == PART and ids.axis == data.axis == 0:
         ctx.classes.union(ids.cls, data.cls, node.name)
@@ -225,6 +219,19 @@ def scatter_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if any(f.dependent for f in ins):
         return [mixed(node.name, "ScatterNd places values at batch-dependent positions", taint)]
     return [shared(taint=taint)]
+
+
+def uncounted_rows(ctx: Context, node: Node, taint: frozenset, fix: str = "") -> Fact:
+    """A segment op keyed by the example rows of selected entries, without a segment count:
+    its result has as many rows as the last example with an entry, so a tower whose last
+    examples have none gets fewer rows than examples and fails where one device runs. The
+    transform refuses."""
+    what = (f"{node.op} keyed by the examples has as many rows as the last example with an "
+            "entry: a tower whose last examples have none gets fewer rows than examples, and "
+            "its step fails where one device's runs")
+    ctx.refuse(node.name, what, "fill empty rows first (tf.nn.safe_embedding_lookup_sparse, or "
+               "tf.sparse.fill_empty_rows before the lookup)" + fix)
+    return mixed(node.name, what, taint)
 
 
 def _values(ins: list[Fact]) -> list[tuple] | None:

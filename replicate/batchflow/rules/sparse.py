@@ -25,7 +25,7 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
 from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, prologue, red,
                                               shared, size_fact)
-from replicate.batchflow.rules.index import FILLED      # every example has an entry
+from replicate.batchflow.rules.index import FILLED, uncounted_rows
 
 #: The handle of a sparse batch input's own entries (its indices and values as fed).
 ENTRIES = "sparse:entries"
@@ -170,12 +170,7 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 return [part(0, cls, taint=taint)]
         if seg.handle == FILLED:
             return [part(0, cls, taint=taint)]
-        what = (f"{node.op} keyed by the examples has as many rows as the last example with an "
-                "entry: a tower whose last examples have none gets fewer rows than examples, and "
-                "its step fails where one device's runs")
-        ctx.refuse(node.name, what, "fill empty rows first (tf.nn.safe_embedding_lookup_sparse, "
-                   "or tf.sparse.fill_empty_rows before the lookup)")
-        return [mixed(node.name, what, taint)]
+        return [uncounted_rows(ctx, node, taint)]
     bad = first_mixed(ins)
     if bad is not None:
         return [bad]
