@@ -35,11 +35,12 @@ def size_like(ir: IR, name: str) -> bool:
 
 
 def data_statistic(ir: IR, graph: nx.DiGraph, name: str, flow) -> bool:
-    """A coupling computed from integer or boolean inputs alone (a mask divided by its batch
-    mean, as graph convolution code normalizes its loss; a count of labels): no variable
+    """A coupling computed from the inputs alone, and either from integer or boolean inputs (a
+    mask divided by its batch mean, as graph convolution code normalizes its loss; a count of
+    labels) or used only to scale values (a float mask divided by its mean): no variable
     reaches it, so synchronizing it costs one small reduction, changes no gradient, and gives
-    every tower the single-device value. It always is. Statistics of float inputs (batch norm
-    applied to the features) follow the batch_norm mode."""
+    every tower the single-device value. It always is. Statistics of float inputs that centre
+    them (batch norm applied to the features) follow the batch_norm mode."""
     fact = flow.fact(f"{name}:0")
     if fact is None or fact.kind != "red" or fact.merge not in ("mean", "sum", "max", "min"):
         return False
@@ -48,7 +49,34 @@ def data_statistic(ir: IR, graph: nx.DiGraph, name: str, flow) -> bool:
         return False
     fed = [ref for a in above | {name} for ref in ir.nodes[a].inputs
            if node_of(ref) in above and ir.nodes[node_of(ref)].op in BATCH_SOURCE_OPS]
-    return bool(fed) and all(ir.output_dtype(ref) not in FLOAT_TYPES for ref in fed)
+    if not fed:
+        return False
+    if all(ir.output_dtype(ref) not in FLOAT_TYPES for ref in fed):
+        return True
+    return _scales_only(ir, name)
+
+
+#: Ops through which a statistic only scales per-example values (a normalizer, not a centre).
+_SCALING = frozenset({"RealDiv", "Div", "DivNoNan", "Mul", "MulNoNan", "Reciprocal"})
+_THROUGH = frozenset({"Identity", "Cast", "StopGradient", "Reshape", "ExpandDims", "Squeeze"})
+
+
+def _scales_only(ir: IR, name: str) -> bool:
+    """Every use of statistic ``name`` (through identities and casts) scales values: a float
+    mask divided by its batch mean. Batch norm on float features subtracts its mean instead,
+    and follows the batch_norm mode."""
+    work, seen = [name], set()
+    while work:
+        cur = work.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        for consumer in ir.consumers(cur):
+            if consumer.op in _THROUGH:
+                work.append(consumer.name)
+            elif consumer.op not in _SCALING:
+                return False
+    return True
 
 
 def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[str], region: set[str],
