@@ -20,11 +20,13 @@ from replicate.ir import Node
 __all__ = ["gather", "gather_nd", "where", "unique", "dynamic_partition", "segment", "sparse_to_dense",
            "scatter_nd", "broadcast_gradient_args", "broadcast_args", "concat_offset",
            "invert_permutation", "dynamic_stitch", "candidate_sampler", "accidental_hits",
-           "reverse_sequence", "uncounted_rows", "FILLED"]
+           "reverse_sequence", "uncounted_rows", "FILLED", "ENTRIES", "UNIQUE"]
 
 UNIQUE = "unique"
 #: The handle of sparse indices in which every example has an entry (SparseFillEmptyRows).
 FILLED = "sparse:filled"
+#: The handle of a sparse batch input's own entries (its indices and values as fed).
+ENTRIES = "sparse:entries"
 
 
 def _local(index: Fact, data: Fact, ctx: Context, col: int | None = None) -> bool:

@@ -17,6 +17,7 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import (couple, first_mixed, mixed, prologue, red, rows as _rows,
                                               shared, size_fact, taint_of)
+from replicate.batchflow.rules.index import ENTRIES
 from replicate.ir import Node, parse_tensor, tensor_name
 
 __all__ = ["reduction", "l2loss", "arg_reduction", "scan", "last_axis", "rowwise", "contraction",
@@ -278,7 +279,7 @@ def _entry_count(node: Node, f: Fact) -> Fact | None:
     """The number of a SparseTensor's entries: a tower's count is no share of the examples (a
     tower whose examples have no entry counts zero), so nothing may weigh towers by it (a
     loss divided by it was claimed exact and dropped such a tower's share)."""
-    if f.kind == PART and f.handle == "sparse:entries":
+    if f.kind == PART and f.handle == ENTRIES:
         return red(f.cls, "other", node.name, taint=f.taint).with_(
             why="the number of a SparseTensor's entries, which is no share of the examples")
     return None

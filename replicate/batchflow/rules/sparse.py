@@ -25,10 +25,7 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
 from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, prologue, red,
                                               shared, size_fact)
-from replicate.batchflow.rules.index import FILLED, uncounted_rows
-
-#: The handle of a sparse batch input's own entries (its indices and values as fed).
-ENTRIES = "sparse:entries"
+from replicate.batchflow.rules.index import ENTRIES, FILLED, UNIQUE, uncounted_rows
 from replicate.ir import Node
 
 __all__ = ["source", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
@@ -150,7 +147,7 @@ def _per_entry(ctx: Context, data: Fact, ids: Fact) -> bool:
     if ids.kind != PART:
         return False
     if data.kind == MIXED:
-        return data.handle == "unique" and ids.index == ("unique", data.src)
+        return data.handle == UNIQUE and ids.index == (UNIQUE, data.src)
     return not data.dependent
 
 
@@ -187,9 +184,8 @@ def segment_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [bad]
     if grad.kind == PART and grad.axis == 0 and seg.kind == PART and seg.index is not None \
             and seg.index[0] == "rows" and ctx.classes.same(seg.index[1], grad.cls):
-        if ids.kind == PART and ids.index is not None and ids.index[0] == "unique":
-            return [mixed(node.name, "rows of the table per unique id of each tower",
-                          taint).with_(handle="unique-grad")]
+        if ids.kind == PART and ids.index is not None and ids.index[0] == UNIQUE:
+            return [mixed(node.name, "rows of the table per unique id of each tower", taint)]
         if not ids.dependent or ids.kind == PART:
             return [red(grad.cls, "sum", node.name, taint=taint)]
     if not any(f.dependent for f in ins):
