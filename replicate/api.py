@@ -14,7 +14,7 @@ from typing import Any
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from replicate import io, meta
+from replicate import io, meta, ops
 from replicate.errors import (REPORT, AnalysisError, DeviceError, InputError, InternalError,
                               ReplicateError)
 from replicate.facts import Analysis, Reason, Towers
@@ -524,7 +524,7 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         devices=devices, controller=controller, train_op=analysis.train_op, loss=analysis.loss,
         loss_reductions={s.prefix: s.kind for s in analysis.scopes},
         inputs=[{"tensor": b.tensor, "axis": b.axis, "static_size": b.static_size, "class": b.cls,
-                 **({"sparse": ("indices", "values", "shape")[b.sparse.index(b.tensor)]}
+                 **({"sparse": ops.sparse_role(b.sparse.index(b.tensor))}
                     if b.sparse else {})}
                 for b in analysis.batch_inputs],
         shared_inputs=list(analysis.shared_inputs), optimizers=list(analysis.optimizers),

@@ -15,6 +15,8 @@ __all__ = [
     "INPUT_SOURCE_OPS",
     "BATCH_SOURCE_OPS",
     "SPARSE_OPERANDS",
+    "SPARSE_PARTS",
+    "sparse_role",
     "APPLY_OPS",
     "MUTATING_OPS",
     "RANDOM_OPS",
@@ -217,6 +219,16 @@ UNSAFE_OPS = frozenset(
      "TFRecordDataset", "TFRecordDatasetV2", "TextLineDataset", "FixedLengthRecordDataset",
      "FixedLengthRecordDatasetV2"}
 )
+
+
+#: The parts of a batch input fed as a ``SparseTensor``, in the order the analysis lists
+#: them; parts after the third are further values of the same entries (sparse weights).
+SPARSE_PARTS = ("indices", "values", "shape")
+
+
+def sparse_role(position: int) -> str:
+    """The role of part ``position`` of a sparse batch input."""
+    return SPARSE_PARTS[position] if position < len(SPARSE_PARTS) else "values"
 
 
 def apply_spec(op_type: str) -> ApplySpec | None:

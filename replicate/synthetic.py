@@ -153,8 +153,8 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
             three are fed together, even a dense shape with a default.
     """
     batch = {tensor_name(*parse_tensor(t)) for t in batch_tensors}
-    roles = {t: (role, triple[0], _dense_dims(ir, triple[2]))
-             for triple in sparse for role, t in zip(("indices", "values", "shape"), triple) if t}
+    roles = {t: (ops.sparse_role(i), triple[0], _dense_dims(ir, triple[2]))
+             for triple in sparse for i, t in enumerate(triple) if t}
     graph = ir.to_networkx()
     needed = ir.ancestors([t for t in targets if t in ir.nodes], graph)
     specs = []
@@ -188,7 +188,7 @@ def _sparse_feed(specs: list[InputSpec], batch: int, rng: np.random.RandomState,
                  ) -> dict[str, np.ndarray]:
     """The parts of one sparse batch input: 0 to 3 entries per example at distinct sorted
     coordinates (the first example always has one), values like a dense input's."""
-    by_role = {s.sparse[0]: s for s in specs}
+    by_role = {s.sparse[0]: s for s in specs if s.sparse[0] != "values"}
     index_spec = by_role["indices"]
     rank = (index_spec.shape[1] if index_spec.shape and len(index_spec.shape) == 2 else None) or 2
     dims = list(index_spec.sparse[2]) + [None] * rank
@@ -202,10 +202,10 @@ def _sparse_feed(specs: list[InputSpec], batch: int, rng: np.random.RandomState,
     out = {index_spec.tensor: indices}
     if "shape" in by_role:
         out[by_role["shape"].tensor] = np.array(dims, np.int64)
-    if "values" in by_role:
-        spec = by_role["values"]
-        dense = dataclasses.replace(spec, shape=[None], batch_axis=0, sparse=None)
-        out[spec.tensor] = make_feed([dense], len(indices), rng)[spec.tensor]
+    for spec in specs:                       # the values, and any weights of the entries
+        if spec.sparse[0] == "values":
+            dense = dataclasses.replace(spec, shape=[None], batch_axis=0, sparse=None)
+            out[spec.tensor] = make_feed([dense], len(indices), rng)[spec.tensor]
     return out
 
 

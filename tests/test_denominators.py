@@ -147,3 +147,26 @@ def test_a_mask_divided_by_its_batch_mean_is_synchronized(dtype):
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
     for single, multi in cmp.fetched:
         np.testing.assert_allclose(single, multi, rtol=1e-5)
+
+
+def test_an_unmasked_sum_divided_by_a_mask_sum_keeps_every_batch_input():
+    """``reduce_sum(xent) / reduce_sum(mask)``: the numerator reduces the features' batch, the
+    denominator the mask's, which nothing else ties to it. Both are batch inputs (the
+    features were demoted to shared inputs, and the loss reported as dividing by the batch)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
+        y = v1.placeholder(tf.int64, [None, 5], name="y")
+        mask = v1.placeholder(tf.float32, [None, 5], name="mask")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.tensordot(x, w, axes=1))
+        loss = tf.identity(tf.reduce_sum(xent) / tf.reduce_sum(mask), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    assert res.report.shared_inputs == [], res.report.shared_why
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(7, 5, 4).astype(np.float32), "y:0": rng.randint(0, 3, (7, 5)),
+              "mask:0": (rng.rand(7, 5) > 0.3).astype(np.float32)} for _ in range(3)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

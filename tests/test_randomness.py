@@ -4,6 +4,8 @@ Every random op is seeded, so one device reproduces itself and a difference is t
 rewrite's. Plain SGD with a large rate makes any weighting or masking error visible.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -12,6 +14,8 @@ import replicate
 from replicate.batchflow.effects import draws, writes
 from replicate.equivalence import compare
 from replicate.ir import IR
+
+from breadth_models import control_flow_v1
 
 v1 = tf.compat.v1
 
@@ -156,10 +160,11 @@ def test_keras_dropout_under_a_training_flag_is_exact():
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def _rnn(parallel: int, where: str = "output") -> tf.Graph:
-    """An LSTM in dynamic_rnn (a while_v2 loop) whose cell drops out its input or output."""
+def _rnn(parallel: int, where: str = "output", frames: bool = False) -> tf.Graph:
+    """An LSTM in dynamic_rnn (a while_v2 loop, or with ``frames`` a TF1 while loop of
+    Enter/Exit frames) whose cell drops out its input or output."""
     graph = tf.Graph()
-    with graph.as_default():
+    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
         v1.set_random_seed(1)
         x = v1.placeholder(tf.float32, [None, 5, 6], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
@@ -193,10 +198,52 @@ def test_dropout_in_a_loop_body_is_exact(where, towers, batch):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def test_draws_in_parallel_loop_iterations_are_reasons():
+@pytest.mark.parametrize("towers,batch,accumulate", [(2, 7, 1), (3, 2, 1), (2, 5, 2)])
+def test_dropout_in_a_tf1_loop_is_exact(towers, batch, accumulate):
+    """DropoutWrapper in a TF1 dynamic_rnn draws inside an Enter/Exit frame: each tower's
+    loop draws the global mask at every step (the global batch and the tower's first row
+    enter the frame as loop constants) and keeps its rows, micro-batches included."""
+    graph = _rnn(1, "input", frames=True)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {"rows"}
+    cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_draws_in_nested_tf1_loops_reading_a_variable_are_exact():
+    """A dropout in a TF1 loop nested in another, after a resource variable read inside the
+    inner loop: the draw's values enter both frames, and the read stays with the variable
+    (a read on the tower's device through the loop's Enter failed to place)."""
+    graph = tf.Graph()
+    with graph.as_default(), control_flow_v1():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        init = v1.glorot_uniform_initializer(seed=2)
+        w = v1.get_variable("w", [6, 6], initializer=init, use_resource=True)
+
+        def outer(i, h):
+            def inner(j, h):
+                return j + 1, tf.nn.dropout(tf.tanh(tf.matmul(h, w)), rate=0.3, seed=5)
+            return i + 1, v1.while_loop(lambda j, h: j < 2, inner, [0, h], parallel_iterations=1)[1]
+
+        h = v1.while_loop(lambda i, h: i < 2, outer, [0, x], parallel_iterations=1)[1]
+        w2 = v1.get_variable("w2", [6, 3], initializer=init, use_resource=True)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, w2)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds(7), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+@pytest.mark.parametrize("frames", [False, True])
+def test_draws_in_parallel_loop_iterations_are_reasons(frames):
     """With parallel_iterations > 1 the draw order is up to the scheduler: a reason naming the
     loop and the fix, never a claim of exact."""
-    res = replicate.transform(_rnn(32), ["/cpu:1", "/cpu:2"])
+    res = replicate.transform(_rnn(32, frames=frames), ["/cpu:1", "/cpu:2"])
     assert not res.report.exact
     assert any("parallel_iterations=1" in r.fix and "RandomUniform" in r.what
                for r in res.report.reasons), res.report.reasons

@@ -117,6 +117,34 @@ def test_safe_embedding_lookup_sparse_is_exact(weighted):
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
 
 
+def test_weights_fed_beside_the_ids_follow_their_entries():
+    """``tf.SparseTensor(ids.indices, weights, ids.dense_shape)`` with the weights a dense
+    placeholder of one value per entry (an independent review found the weights taken for a
+    dense batch and the towers' step failing): the weights are more values of the ids' entries,
+    split with them, also with the numeric check's own feeds."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.sparse_placeholder(tf.int64, shape=[None, FEATURES], name="ids")
+        values = v1.placeholder(tf.float32, [None], name="weights")
+        y = v1.placeholder(tf.float32, [None, 1], name="y")
+        table = v1.get_variable("table", [20, 4], initializer=v1.glorot_uniform_initializer(seed=3))
+        w = v1.get_variable("w", [4, 1], initializer=v1.glorot_uniform_initializer(seed=4))
+        e = tf.nn.safe_embedding_lookup_sparse(
+            table, ids, tf.SparseTensor(ids.indices, values, ids.dense_shape), combiner="sqrtn")
+        loss = tf.reduce_mean(tf.square(tf.matmul(e, w) - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], check=True)
+    assert res.report.exact, res.report.reasons
+    assert res.report.check["ok"], res.report.check
+    sparse = {i["tensor"]: i["sparse"] for i in res.report.inputs if "sparse" in i}
+    assert sparse["weights:0"] == "values", sparse
+    rng = np.random.RandomState(5)
+    feeds = [{**f, "weights:0": rng.rand(len(f["ids/values:0"])).astype(np.float32) + 0.1}
+             for f in _feeds("ids", 7, kind=np.int64, empty_last=True)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
 def test_embedding_lookup_sparse_is_refused_naming_the_fix():
     """Without filled rows the lookup has as many rows as the last example with an id: a tower
     whose last examples have none gets fewer rows than examples and its step fails (the

@@ -29,6 +29,7 @@ from replicate.batchflow.loss import Term, decompose
 from replicate.batchflow.plan import Plan, frame_depths, resolve
 from replicate.batchflow.solver import order, solve
 from replicate.facts import Reason
+from replicate.ops import sparse_role
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Flow", "analyze", "MAX_ROUNDS"]
@@ -160,7 +161,8 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
             continue                # named with its indices: it follows them
         if tensor in triples:       # the examples are rows of the dense shape, not entries
             cls = classes.new(None)
-            for role, part_ in zip(("indices", "values", "shape"), triples[tensor]):
+            for position, part_ in enumerate(triples[tensor]):
+                role = sparse_role(position)
                 if part_ is not None:
                     inputs[part_], roles[part_] = (0, cls), role
             continue
@@ -195,12 +197,26 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
                 visit, depths)
     if forced:
         return flow, None
-    reduced = {classes.find(t.cls) for terms, _ in decomposed.values() for t in terms if t.cls is not None}
+    reduced = {classes.find(c) for terms, _ in decomposed.values() for t in terms
+               for c in _term_classes(ctx, t)}
     if any(reason is not None for _, reason in decomposed.values()):
         return flow, None           # the loss is inexact anyway: keep every hypothesis
     unused = {t: "the loss does not reduce over its leading dimension"
               for t, (_, cls) in inputs.items() if t in pool and classes.find(cls) not in reduced}
     return flow, (unused or None)
+
+
+def _term_classes(ctx, term) -> list[int]:
+    """The batch classes a loss term reduces: a ratio's numerator and denominator may reduce
+    two batches (``reduce_sum(xent) / reduce_sum(mask)`` with the mask fed on its own)."""
+    found = [term.cls] if term.cls is not None else []
+    if term.kind == "ratio":
+        node = ctx.ir.nodes[node_of(term.root)]
+        for ref in node.inputs[:2]:
+            fact = ctx.fact(ref)
+            if fact is not None and fact.cls is not None:
+                found.append(fact.cls)
+    return found
 
 
 def _conflict_victim(classes: Classes, inputs: dict[str, tuple[int, int]]) -> dict[str, str] | None:

@@ -7,7 +7,8 @@ Every tensor of the tower region gets one :class:`Fact`:
 ``PART``
     *partitioned* along ``axis``: each index along that axis belongs to one example (or to
     ``block`` consecutive rows of one example, repeated ``outer`` times when a time-major
-    tensor was flattened), every other dimension is the same in every
+    tensor was flattened or copies of the batch were joined along its axis: the axis holds
+    ``outer`` copies one after the other), every other dimension is the same in every
     tower, and tower ``k``'s copy holds exactly the entries of its own examples. ``ordered``
     says whether the towers' copies concatenate to the single-device tensor in order (a
     time-major merge or a concatenation of two batches is partitioned, but not in order).
@@ -59,10 +60,15 @@ MERGES = ("sum", "mean", "ratio", "count", "size", "max", "min", "other")
 @dataclasses.dataclass(frozen=True)
 class Sym:
     """An integer equal to ``coef`` times the number of examples of batch class ``cls``;
-    ``coef`` None: some multiple the same in every tower (a dynamic time axis merged in)."""
+    ``coef`` None: some multiple the same in every tower (a dynamic time axis merged in).
+    ``outer`` remembers, for the size of a partitioned axis, how many copies of the batch it
+    holds one after the other (the fact's ``outer``; ``coef / outer`` rows per example each):
+    a tensor drawn or filled to that size takes the same layout. It is not part of the value
+    (equality ignores it) and arithmetic forgets it."""
 
     coef: int | None
     cls: int
+    outer: int = dataclasses.field(default=1, compare=False)
 
     def scaled(self, factor: int | None) -> Sym:
         if self.coef is None or factor is None:

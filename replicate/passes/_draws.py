@@ -4,16 +4,23 @@ One device draws a dropout mask (or per-example noise) for the whole batch; towe
 must get exactly its rows of that draw. Two kinds of draw can be reproduced:
 
 - **rows**: a seeded draw whose shape comes from the batch along one axis (a ``Shape`` of
-  an activation, a static batch size). Each tower draws the global batch's shape with the
+  an activation, a static batch size), possibly with ``block`` rows per example (examples
+  flattened with their time steps) or ``outer`` copies of the batch one after the other
+  (attention heads folded into the batch). Each tower draws the global batch's shape with the
   original seeds (two kernels with equal seeds and equal shapes give equal streams, step
   after step) and keeps its rows (the draw pass);
 - **same**: a seeded draw that does not depend on the batch (weight noise, a shared noise
   vector that could not be evicted). Every tower keeps the original seeds, so each draws
   the single-device values.
 
+A ``rows`` draw may sit inside TF1 while loops (``Enter``/``Exit`` frames) when each loop
+runs one iteration at a time (``parallel_iterations=1``): the draw pass brings its values
+into the frames. A ``body`` draw is a cond or while_v2 body whose random ops draw rows.
+
 Anything else stays a reason: unseeded draws (one device does not reproduce itself
-either), draws inside function bodies, draws that read per-example values (``Multinomial``
-of per-example logits), draws whose batch dimension is folded with another one, and ops
+either), draws in loops that run iterations in parallel, draws inside defuns and nested
+function bodies, draws that read per-example values (``Multinomial``
+of per-example logits), draws whose batch dimension is folded with another one in a way the facts do not describe, and ops
 that permute examples (``RandomShuffle``).
 """
 
@@ -26,6 +33,7 @@ from replicate.batchflow.lattice import PART, SHARED
 from replicate.batchflow.table import SHAPE_SOURCES
 from replicate.facts import Reason
 from replicate.ir import IR
+from replicate.passes._frames import frames
 
 __all__ = ["Draw", "reproducible"]
 
@@ -47,6 +55,8 @@ class Draw:
     cls: int | None = None
     rank: int | None = None
     inner: tuple = ()
+    block: int = 1
+    outer: int = 1
 
 
 def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], list[Reason]]:
@@ -70,7 +80,8 @@ def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], 
                 found[name] = Draw(name, "same")
             else:
                 found[name] = Draw(name, "rows", fact.axis, flow.classes.find(fact.cls),
-                                   len(ir.static_shape(f"{name}:0")))
+                                   len(ir.static_shape(f"{name}:0")), block=fact.block,
+                                   outer=fact.outer)
             continue
         reasons.append(Reason(name, why[0], why[1]))
     return found, reasons
@@ -105,7 +116,7 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
             return None, not_yet
         why = _obstacle(body.ir, body, body.ir.nodes[op], dataclasses.replace(e, path=(op,)))
         fact = body.fact(f"{op}:0")
-        if why is not None or fact is None or fact.kind != PART:
+        if why is not None or fact is None or fact.kind != PART or fact.block != 1 or fact.outer != 1:
             return None, why or not_yet
         inner.append(Draw(f"{fname}/{op}", "rows", fact.axis, flow.classes.find(fact.cls),
                           len(body.ir.static_shape(f"{op}:0"))))
@@ -122,8 +133,13 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
                 "results match single-device training in distribution only; draws inside "
                 "function bodies (tf.cond, while_v2, defuns) are not reproduced yet")
     if getattr(flow, "depths", {}).get(node.name, 0):
-        return (f"random op ({node.op}) inside a TF1 while loop draws a separate stream in each "
-                "tower", "results match single-device training in distribution only")
+        busy = [f for f in frames(ir, node.name) if f.parallel != 1]
+        if busy:
+            return (f"random op ({node.op}) inside TF1 while loop '{busy[-1].name}' runs up to "
+                    f"{busy[-1].parallel} iterations at once: which iteration gets which draw can "
+                    "depend on scheduling, so one device need not reproduce its own draws",
+                    "build the loop with parallel_iterations=1 (dynamic_rnn(..., "
+                    "parallel_iterations=1)): its draws are then reproduced exactly")
     if not effect.seeded:
         return (f"random op ({node.op}) has no seed: one device does not reproduce its own draws "
                 "either; the towers draw from the same distribution",
@@ -140,9 +156,10 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
         return (f"random op ({node.op}) draws per example from per-example values or permutes "
                 "examples; each tower draws its own stream",
                 "results match single-device training in distribution only")
-    if fact.block != 1 or fact.outer != 1 or fact.filtered or fact.tail or not fact.ordered:
+    if not isinstance(fact.block, int) or not isinstance(fact.outer, int) or fact.filtered \
+            or fact.tail or not fact.ordered:
         return (f"random op ({node.op}) draws a shape whose batch dimension is folded with "
-                "another one; each tower draws its own stream",
+                "another one in an unknown way; each tower draws its own stream",
                 "draw the noise with the batch as its own dimension")
     if rank is None:
         return (f"random op ({node.op}) has an output of unknown rank; each tower draws its own "

@@ -78,7 +78,9 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
                    ) -> list[tuple[str, str | None, str | None]]:
     """Inputs fed as a ``SparseTensor``: (indices, values, dense shape) whose indices are a
     candidate, found where a sparse op reads them together (``ops.SPARSE_OPERANDS``) or by the
-    names ``tf.compat.v1.sparse_placeholder`` gives (``<name>/indices``, ``/values``, ``/shape``)."""
+    names ``tf.compat.v1.sparse_placeholder`` gives (``<name>/indices``, ``/values``, ``/shape``).
+    Further fed values of the same entries follow the triple (the weights of
+    ``tf.SparseTensor(ids.indices, weights, ids.dense_shape)``)."""
     found: dict[str, list[str | None]] = {}
     pool = set(candidates)
     unread: list[str] = []
@@ -90,9 +92,12 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
             return
         entry = found.setdefault(indices, [None, None])
         for i, ref in enumerate((values, shape)):
-            if ref is not None and entry[i] is None and node_of(ref) in ir.nodes \
+            if ref is not None and node_of(ref) in ir.nodes \
                     and ir.nodes[node_of(ref)].op in ops.BATCH_SOURCE_OPS:
-                entry[i] = ref
+                if entry[i] is None:
+                    entry[i] = ref
+                elif i == 0 and ref not in entry[:1] + entry[2:]:
+                    entry.append(ref)       # more values of the same entries (weights)
 
     for name in region:
         node = ir.nodes[name]
@@ -101,8 +106,14 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
             continue
         i, v, s = (None if p is None or p >= len(node.inputs) else _source(ir, node.inputs[p])
                    for p in where)
-        if i is not None and v is not None:
-            i, v = _selected(ir, i, v)
+        for _ in range(8):
+            if i is not None and v is not None:
+                i, v = _selected(ir, i, v)
+            reshape = ir.nodes.get(node_of(i)) if i is not None else None
+            if reshape is None or reshape.op != "SparseReshape" or parse_tensor(i)[1] != 0:
+                break
+            # the same entries in the same order, under another dense shape
+            i, s = _source(ir, reshape.inputs[0]), _source(ir, reshape.inputs[1])
         if i is not None:
             note(i, v, s)
     for ref in candidates:
@@ -119,7 +130,7 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
             values, shape = f"{base}/values", f"{base}/shape"
             note(ref, f"{values}:0" if values in ir.nodes else None,
                  f"{shape}:0" if shape in ir.nodes else None)
-    return [(i, v, s) for i, (v, s) in found.items()]
+    return [(i, *entry) for i, entry in found.items()]
 
 
 def forced(ir: IR, names: Mapping[str, int] | Sequence[str]) -> dict[str, int]:

@@ -2,7 +2,8 @@
 
 Tower ``k`` owns examples ``[lo_k, lo_k + n_k)`` of the batch. It gets the entries whose
 column 0 of ``indices`` falls in that range, in their order, with column 0 renumbered from 0,
-their values, and the dense shape with element 0 replaced by ``n_k``. The analysis
+their values (and the entries of any further values fed for the same indices: sparse
+weights), and the dense shape with element 0 replaced by ``n_k``. The analysis
 (``batchflow/rules/sparse.py``) proves what the towers compute from these parts.
 """
 
@@ -44,7 +45,7 @@ def batch_size(ir: IR, triple: tuple, scope: str, dev: str) -> str:
 
 def split(ir: IR, towers, triple: tuple, counts: list[str], dev: str) -> None:
     """Each tower's (indices, values, shape) of the sparse input ``triple``, in ``towers.inputs``."""
-    indices, values, shape = triple
+    indices, values, shape, *more = triple
     base = _base(triple)
 
     def add(name: str, op: str, inputs: list[str], **attrs) -> str:
@@ -77,10 +78,11 @@ def split(ir: IR, towers, triple: tuple, counts: list[str], dev: str) -> None:
                        Tparams=I64, Tindices=I64, Taxis=I32)
         shift = add(f"shift_{k}", "Mul", [first_col, lo64], T=I64)
         towers.inputs[k][indices] = add(f"indices_{k}", "Sub", [gathered, shift], T=I64) + ":0"
-        if values is not None:
-            towers.inputs[k][values] = add(
-                f"values_{k}", "GatherV2", [_ref(values), picked, const(f"vaxis_{k}", 0, I32)],
-                Tparams=dtypes.as_dtype(ir.output_dtype(values)), Tindices=I64, Taxis=I32) + ":0"
+        for j, part in enumerate(p for p in [values] + more if p is not None):
+            towers.inputs[k][part] = add(
+                f"values_{k}" if j == 0 else f"values{j}_{k}", "GatherV2",
+                [_ref(part), picked, const(f"vaxis_{k}", 0, I32) if j == 0 else f"{base}/vaxis_{k}"],
+                Tparams=dtypes.as_dtype(ir.output_dtype(part)), Tindices=I64, Taxis=I32) + ":0"
         if shape is not None:
             n64 = add(f"count64_{k}", "Cast", [count], SrcT=I32, DstT=I64, Truncate=False)
             rest = add(f"rest_{k}", "StridedSlice", [_ref(shape), const(f"rest_begin_{k}", [1], I32),

@@ -109,9 +109,13 @@ class Accumulate:
 
     @staticmethod
     def _done(analysis, copy: dict[str, str]) -> list[str]:
-        """The tower ops whose completion ends a micro-batch: its gradients and forward outputs."""
+        """The tower ops whose completion ends a micro-batch: its gradients and forward outputs.
+
+        Only ops outside TF1 loops: a control edge out of a loop frame into the root frame is
+        invalid, and a loop is done once its ``Exit`` values, which its readers wait for, are."""
         names = {node_of(f.tensor) for f in analysis.frontier} | {node_of(f.tensor) for f in analysis.outputs}
-        return sorted(copy[n] for n in names if n in copy)
+        depths = analysis.flow.depths
+        return sorted(copy[n] for n in names if n in copy and not depths.get(n, 0))
 
     @staticmethod
     def _cycle(ir: IR, plan, done_of) -> str | None:

@@ -8,8 +8,9 @@ towers: ops that only feed state updates such as batch-norm moving averages run 
 alone). Inputs from the region point at the same tower's copy; batch inputs at the tower's
 slice; everything else at the shared node. Control inputs to region nodes a tower does not
 copy are dropped. Copies run on the tower's device, except ops that read a shared
-variable's handle or are colocated with a shared op, which stay with it, and ops with no
-kernel for the tower's device type, which run on the same task's CPU. ``_class``
+variable's handle (also through a loop's ``Enter``) or are colocated with a shared op, which
+stay with it, and ops with no kernel for the tower's device type, which run on the same
+task's CPU. ``_class``
 colocation, while-loop frame names, stack and TensorArray names, and ``shared_name`` are
 renamed per tower; random ops the towers reproduce (``analysis.draws``) keep their seeds,
 other random ops with fixed seeds get a distinct seed per tower.
@@ -46,7 +47,7 @@ class Clone:
         analysis = ir.facts["analysis"]
         towers = ir.facts["towers"]
         region = analysis.region
-        anchors = {name: self._anchor(ir, ir.nodes[name], analysis.region_set) for name in region}
+        anchors = self._anchors(ir, region, analysis.region_set)
         copies: list[dict[str, str]] = []
         kinds = [tf.DeviceSpec.from_string(d).device_type or "CPU" for d in towers.devices]
         hosts = [host_of(d) for d in towers.devices]
@@ -85,6 +86,27 @@ class Clone:
             node, out = parse_tensor(sliced)
             return node if out == 0 else sliced
         return ref
+
+    @classmethod
+    def _anchors(cls, ir: IR, order: list[str], region: set[str]) -> dict[str, str | None]:
+        """Device each region op must stay on (None: the tower's). A handle that enters a TF1
+        loop (``Enter`` of a variable's handle) stays with the variable, and so do the ops
+        that read the handle inside the loop and the ops colocated with them."""
+        anchors = {name: cls._anchor(ir, ir.nodes[name], region) for name in order}
+        changed = True
+        while changed:
+            changed = False
+            for name in order:
+                if anchors[name] is not None:
+                    continue
+                node = ir.nodes[name]
+                via = [t for t in node.colocation() if t in region] + [
+                    node_of(r) for r in node.inputs if node_of(r) in region and ir.is_handle(r)]
+                found = next((anchors[v] for v in via if anchors.get(v)), None)
+                if found is not None:
+                    anchors[name] = found
+                    changed = True
+        return anchors
 
     @staticmethod
     def _anchor(ir: IR, node: Node, region: set[str]) -> str | None:

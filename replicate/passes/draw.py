@@ -11,7 +11,13 @@ tower's shape with the batch dimension set back to the global batch size ``B``, 
 original seeds; under the copy's own name a ``Slice`` keeps rows
 ``[offset_k, offset_k + n_k)`` of that axis. Two kernels with equal seeds and equal shapes
 give equal streams, step after step, so tower ``k`` sees exactly its rows of the draw one
-device makes. An empty tower keeps zero rows. ``same`` draws need nothing here (the clone
+device makes. An empty tower keeps zero rows. A draw inside TF1 while loops gets the global
+batch size and the tower's first row through ``Enter`` nodes of each frame around it
+(:mod:`replicate.passes._frames`), its constants run in its frame, and its row count is read
+from its own shape. A draw whose axis holds ``block`` rows per example takes rows
+``[offset_k * block, (offset_k + n_k) * block)``; one whose axis holds ``outer`` copies of the
+batch is viewed as ``[outer, B * block]`` and keeps the tower's rows of every copy, then takes
+the tower's shape again. ``same`` draws need nothing here (the clone
 pass kept their seeds). Offsets are computed once per batch class on the controller
 (``replicate/draw/class_<c>/offset_<k>``). ``ir.facts["draws"]`` lists the ops rewritten.
 
@@ -29,10 +35,12 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from tensorflow.python.framework import dtypes
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import dtypes, tensor_util
 
-from replicate.ir import IR, Node
+from replicate.ir import IR, Node, node_of
 from replicate.passes._body_draws import rewire_call, rewrite_branches
+from replicate.passes._frames import enter, frames
 from replicate.pipeline import PassResult
 
 __all__ = ["Draw", "SCOPE"]
@@ -97,10 +105,23 @@ class Draw:
         out_type = dtypes.as_dtype(ir.output_dtype(f"{copy}:0"))
         dev = node.device
         base = f"{copy}/global_draw"
-        onehot = np.zeros(draw.rank, dtype=index.as_numpy_dtype)
-        onehot[draw.axis] = 1
+        rank, axis_at = draw.rank, draw.axis
+        block, outer = draw.block, draw.outer
+        # Inside a TF1 loop every new node must run in the draw's frame: constants follow a
+        # control edge from the shape, the controller's values come in through Enter nodes.
+        chain = frames(ir, copy)
+        anchor = [node_of(shape)] if chain else []
+
+        def const(name: str, value, dtype=index) -> str:
+            if f"{base}/{name}" in ir.nodes:          # the same constant asked for again
+                return f"{base}/{name}"
+            proto = tensor_util.make_tensor_proto(value, dtype=dtype)
+            return ir.add(f"{base}/{name}", "Const", control=anchor, device=dev,
+                          attrs={"value": attr_value_pb2.AttrValue(tensor=proto),
+                                 "dtype": dtype}).name
 
         def cast(ref: str, name: str) -> str:
+            ref = enter(ir, ref, chain, f"{base}/{name}", dev)
             if index == dtypes.int32:
                 return ref
             return ir.add(f"{base}/{name}", "Cast", [ref], device=dev,
@@ -109,19 +130,56 @@ class Draw:
         def op(name: str, kind: str, inputs: list[str], dtype=index, **attrs) -> str:
             return ir.add(f"{base}/{name}", kind, inputs, device=dev, attrs={"T": dtype, **attrs}).name
 
-        hot = ir.const(f"{base}/axis_mask", onehot, index, dev)
-        axis = ir.const(f"{base}/axis", draw.axis, dtypes.int32, dev)
+        def onehot(at: int, size: int) -> str:
+            hot = np.zeros(size, dtype=index.as_numpy_dtype)
+            hot[at] = 1
+            return const(f"axis_mask_{size}", hot)
+
+        def sizes(at: int, size: int, rows: str) -> str:
+            """-1 on every axis but ``at``, ``rows`` there (a Slice's size)."""
+            one = const(f"one_{size}", 1)
+            return op(f"size_{size}", "Sub", [op(f"rows_plus_one_{size}", "Mul", [
+                onehot(at, size), op(f"count_plus_one_{size}", "AddV2", [rows, one])]), one])
+
+        axis = const("axis", axis_at, dtypes.int32)
         local = ir.add(f"{base}/local_rows", "GatherV2", [shape, axis, axis], device=dev,
                        attrs={"Tparams": index, "Tindices": dtypes.int32, "Taxis": dtypes.int32}).name
-        grow = op("grow", "Mul", [hot, op("missing", "Sub", [cast(batch, "batch"), local])])
+        # The axis holds `outer` copies of the batch, `block` rows per example in each.
+        glob = cast(batch, "batch")
+        if block * outer != 1:
+            glob = op("global_rows", "Mul", [glob, const("rows_per_example", block * outer)])
+        grow = op("grow", "Mul", [onehot(axis_at, rank), op("missing", "Sub", [glob, local])])
         global_shape = op("shape", "AddV2", [shape, grow])
-        one = ir.const(f"{base}/one", 1, index, dev)
-        begin = op("begin", "Mul", [hot, cast(offset, "offset")])
-        size = op("size", "Sub", [op("rows_plus_one", "Mul", [hot, op("count_plus_one", "AddV2",
-                                                                      [cast(count, "count"), one])]),
-                                  one])
+        first = cast(offset, "offset")
+        if block != 1:
+            first = op("first_row", "Mul", [first, const("block", block)])
         readers = list(ir.nodes[copy].inputs)
         ir.remove_many([copy])
         ir.add_node(Node(base, node.op, [global_shape] + readers[1:], list(node.control), dev,
                          dict(node.attrs)))
-        ir.add(copy, "Slice", [base, begin, size], device=dev, attrs={"T": out_type, "Index": index})
+        if outer == 1:
+            # The tower's rows: its count, or the local shape's (the same number) inside a
+            # loop, without another value to bring into the frame, or with block rows each.
+            rows = local if chain or block != 1 else cast(count, "count")
+            begin = op("begin", "Mul", [onehot(axis_at, rank), first])
+            ir.add(copy, "Slice", [base, begin, sizes(axis_at, rank, rows)], device=dev,
+                   attrs={"T": out_type, "Index": index})
+            return
+        # `outer` copies one after the other: view the axis as [outer, rows of one copy], keep
+        # the tower's rows of every copy, and give the draw the tower's shape again.
+        copies = const("copies", [outer])
+        per_copy = op("copy_rows", "FloorDiv", [glob, const("outer", outer)])
+        parts = op("view_dims", "ConcatV2", [global_shape, copies, op("per_copy", "Reshape", [
+            per_copy, const("vector", [1], dtypes.int32)], Tshape=dtypes.int32),
+            const("concat_axis", 0, dtypes.int32)], N=3, Tidx=dtypes.int32)
+        order = list(range(axis_at)) + [rank, rank + 1] + list(range(axis_at + 1, rank))
+        view = ir.add(f"{base}/view_shape", "GatherV2", [parts, const("view_order", order, dtypes.int32),
+                                                         const("zero", 0, dtypes.int32)], device=dev,
+                      attrs={"Tparams": index, "Tindices": dtypes.int32, "Taxis": dtypes.int32}).name
+        viewed = ir.add(f"{base}/view", "Reshape", [base, view], device=dev,
+                        attrs={"T": out_type, "Tshape": index}).name
+        mine = op("tower_rows", "FloorDiv", [local, const("outer_again", outer)])
+        begin = op("begin", "Mul", [onehot(axis_at + 1, rank + 1), first])
+        kept = ir.add(f"{base}/kept", "Slice", [viewed, begin, sizes(axis_at + 1, rank + 1, mine)],
+                      device=dev, attrs={"T": out_type, "Index": index}).name
+        ir.add(copy, "Reshape", [kept, shape], device=dev, attrs={"T": out_type, "Tshape": index})

@@ -247,7 +247,8 @@ def _shape_value(ctx: Context, ref: str, f: Fact) -> tuple | None:
         return None
     out: list = list(dims)
     if f.kind == PART:
-        out[f.axis] = Sym(_rows(f), f.cls)
+        outer = f.outer if isinstance(f.outer, int) and isinstance(f.block, int) else 1
+        out[f.axis] = Sym(_rows(f), f.cls, outer)
     return tuple(out)
 
 

@@ -221,6 +221,9 @@ def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis
             return mixed(node.name, f"{node.op} adds shared rows to the batch", taint)
         if len(ps) == 1:
             return ps[0].with_(taint=taint)
+        stacked = _stacked_copies(ctx, ps)
+        if stacked is not None:
+            return stacked.with_(taint=taint)
         cls = ctx.classes.compose([f.cls for f in ps])
         return part(axis, cls, None, ordered=False, filtered=any(f.filtered for f in ps), taint=taint)
     out = combine_parts(ctx, node, ps, batch_axis + (out_shift if axis <= batch_axis else 0))
@@ -232,6 +235,18 @@ def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis
         if f.kind == SHARED:
             ctx.demand(ref, batch_axis, out, node)
     return out.with_(taint=taint)
+
+
+def _stacked_copies(ctx: Context, ps: list[Fact]) -> Fact | None:
+    """Copies of one batch joined along its axis (``concat(split(q, heads, 2), 0)``, a batch
+    and its augmented copy): tower ``k`` holds its own rows of each copy, one copy after the
+    other, as a time-major merge does, so the copies are the fact's ``outer`` blocks."""
+    first = ps[0]
+    if any(not ctx.classes.same(f.cls, first.cls) or f.block != first.block
+           or not isinstance(f.block, int) or not isinstance(f.outer, int) or f.filtered
+           or f.tail or not f.ordered for f in ps):
+        return None
+    return first.with_(outer=sum(f.outer for f in ps), value=None, index=None)
 
 
 def concat(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -292,6 +307,11 @@ def split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if out is not None:
         return out
     axis = ctx.axes(axis_ref, ctx.rank(node.inputs[data]))
+    if axis is not None and axis[0] == f.axis and node.op == "Split" and isinstance(f.outer, int) \
+            and f.outer % n == 0 and f.outer > 1:
+        # the copies of a batch joined along its axis, taken apart again: each piece holds
+        # outer/n whole copies, in every tower as on one device
+        return [f.with_(outer=f.outer // n, value=None, index=None)] * n
     if axis is None or axis[0] == f.axis:
         return [mixed(node.name, f"{node.op} along the batch", f.taint)] * n
     return [f.with_(value=None, index=None)] * n
@@ -392,9 +412,16 @@ def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if f.kind != PART:
         return [_sized_by(ctx, node, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
     multiples = ctx.int_value(node.inputs[1])
-    if multiples is None or f.axis >= len(multiples) or multiples[f.axis] != 1:
+    if multiples is None or f.axis >= len(multiples) or not isinstance(multiples[f.axis], int):
         return [mixed(node.name, "Tile repeats the examples of the batch", f.taint)]
-    return [f.with_(value=None, index=None)]
+    times = multiples[f.axis]
+    if times == 1:
+        return [f.with_(value=None, index=None)]
+    if times < 1 or not isinstance(f.outer, int) or f.filtered or f.tail:
+        return [mixed(node.name, "Tile repeats the examples of the batch", f.taint)]
+    # m copies of the batch one after the other (a mask tiled over attention heads folded
+    # into the batch): tower k holds its rows of each copy, the fact's outer blocks
+    return [f.with_(outer=f.outer * times, value=None, index=None)]
 
 
 def broadcast_to(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -424,6 +451,8 @@ def shape_source(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         syms = [(j, v) for j, v in enumerate(value) if isinstance(v, Sym)]
         if syms:
             j, v = syms[0]
+            if v.outer > 1 and isinstance(v.coef, int) and v.coef % v.outer == 0:
+                return [part(j, v.cls, v.coef // v.outer, taint=taint, outer=v.outer)]
             return [part(j, v.cls, v.coef, taint=taint)]
     if dims.kind == RED and dims.merge != "size":      # a size computed from the batch: a coupling
         taint = taint | ({dims.src} if dims.src and not ctx.in_gradient(node) else set())

@@ -1,0 +1,109 @@
+"""Copies of the batch along its own axis: attention heads folded into the batch
+(``concat(split(q, heads, 2), 0)``, masks tiled over the heads, the heads split back), and
+examples flattened with their time steps, with dropout drawn over either layout.
+
+Each tower holds its own rows of every copy, one copy after the other, as a time-major merge
+does; a draw over such a tensor is made at the global shape, viewed as its copies, and each
+tower keeps its rows of each one. Checked with plain SGD against one device, seeded, at 3
+towers with an uneven batch, with an empty tower, and with ``accumulate=2``.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.equivalence import compare
+
+v1 = tf.compat.v1
+
+RTOL = 1e-5
+HEADS, T, D = 2, 5, 8
+
+
+def _attention(dropout: bool) -> tf.Graph:
+    """Self-attention in the style of 2017 Transformer ports: heads folded into the batch,
+    key masks tiled over them, a masked accuracy fetched beside the loss."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, T, D], name="x")
+        y = v1.placeholder(tf.int64, [None, T], name="y")
+        init = v1.glorot_uniform_initializer(seed=2)
+        q, k, v = [tf.tensordot(x, v1.get_variable(n, [D, D], initializer=init), [[2], [0]])
+                   for n in ("wq", "wk", "wv")]
+        q_, k_, v_ = [tf.concat(tf.split(t, HEADS, axis=2), axis=0) for t in (q, k, v)]
+        scores = tf.matmul(q_, tf.transpose(k_, [0, 2, 1])) / np.sqrt(D / HEADS)
+        key_masks = tf.tile(tf.sign(tf.abs(tf.reduce_sum(x, axis=-1))), [HEADS, 1])
+        key_masks = tf.tile(tf.expand_dims(key_masks, 1), [1, tf.shape(q)[1], 1])
+        scores = tf.where(tf.equal(key_masks, 0), tf.ones_like(scores) * -1e9, scores)
+        weights = tf.nn.softmax(scores)
+        if dropout:
+            weights = tf.nn.dropout(weights, rate=0.2, seed=3)
+        out = tf.concat(tf.split(tf.matmul(weights, v_), HEADS, axis=0), axis=2)
+        logits = tf.tensordot(out + x, v1.get_variable("wo", [D, 4], initializer=init), [[2], [0]])
+        target = tf.cast(tf.not_equal(y, 0), tf.float32)
+        hits = tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.float32)
+        tf.identity(tf.reduce_sum(hits * target) / tf.reduce_sum(target), name="acc")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        loss = tf.identity(tf.reduce_sum(xent * target) / tf.reduce_sum(target), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def _flattened() -> tf.Graph:
+    """Examples flattened with their time steps ([B*T, D], T rows per example) and dropped out."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, T, D], name="x")
+        y = v1.placeholder(tf.int64, [None, T], name="y")
+        w = v1.get_variable("w", [D, 4], initializer=v1.glorot_uniform_initializer(seed=2))
+        flat = tf.nn.dropout(tf.reshape(x, [-1, D]), rate=0.3, seed=4)
+        logits = tf.reshape(tf.matmul(flat, w), [-1, T, 4])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def _feeds(batch: int):
+    rng = np.random.RandomState(0)
+    return [{"x:0": rng.randn(batch, T, D).astype(np.float32), "y:0": rng.randint(0, 4, (batch, T))}
+            for _ in range(3)]
+
+
+@pytest.mark.parametrize("dropout,towers,batch,accumulate", [
+    (False, 3, 7, 1), (True, 3, 7, 1), (True, 3, 2, 1), (True, 2, 7, 2)])
+def test_heads_folded_into_the_batch_train_exactly(dropout, towers, batch, accumulate):
+    graph = _attention(dropout)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    if dropout:
+        assert list(res.report.random["reproduced"].values()) == ["rows"]
+    cmp = compare(graph, res.graph, "train", _feeds(batch), fetch=("loss:0", "acc:0"))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+@pytest.mark.parametrize("towers,batch,accumulate", [(3, 2, 1), (2, 7, 2)])
+def test_dropout_over_examples_flattened_with_their_steps_is_exact(towers, batch, accumulate):
+    graph = _flattened()
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_a_split_of_the_batch_itself_is_still_a_reason():
+    """Only copies of the batch may be split apart along its axis: halving the batch gives
+    each tower halves of its own rows, not of the batch's."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        w = v1.get_variable("w", [D, 1], initializer=v1.glorot_uniform_initializer(seed=2))
+        first, second = tf.split(tf.matmul(x, w), 2, axis=0)
+        loss = tf.reduce_mean(tf.square(first - second), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    assert not res.report.exact
+    assert any("Split along the batch" in r.what for r in res.report.reasons), res.report.reasons
