@@ -119,6 +119,39 @@ def test_a_regularizer_added_to_the_mean_loss_is_counted_once(local):
     _check(local, model, res, local_batches=(5, 2))
 
 
+def _masked(numerator: str) -> models.Model:
+    """A token loss divided by the count of a fed mask: ``sum(loss * mask) / sum(mask)``, or
+    with the numerator not masked (each tower then divides by the count of every worker)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        mask = v1.placeholder(tf.float32, [None], name="mask")
+        w = v1.get_variable("w", [4, 1], initializer=v1.glorot_uniform_initializer(seed=7),
+                            use_resource=True)
+        err = tf.square(tf.squeeze(tf.matmul(x, w), 1) - y)
+        if numerator == "masked":
+            err = err * mask
+        tf.math.divide(tf.reduce_sum(err), tf.reduce_sum(mask), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(graph.get_tensor_by_name("loss:0"),
+                                                        name="train")
+
+    def feed(rng, b):
+        return {"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randn(b).astype(np.float32),
+                "mask:0": (rng.rand(b) > 0.4).astype(np.float32)}
+    return models.Model(graph, "train", feed)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("numerator", ["masked", "unmasked"])
+def test_a_loss_over_a_fed_mask_count_divides_by_every_workers_count(local, numerator):
+    """The count the loss divides by is the whole global batch's, over all workers."""
+    model = _masked(numerator)
+    res = replicate.transform(model.graph, "/cpu:0,/cpu:1", between_graph=True, cluster=local.cluster)
+    assert res.report.exact, str(res.report)
+    _check(local, model, res, local_batches=(5, 3))
+
+
 @pytest.mark.timeout(300)
 def test_cnn_two_towers_per_worker_uneven(local):
     # Momentum: with Adam this small CNN amplifies summation-order rounding on these batches to

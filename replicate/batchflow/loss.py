@@ -26,13 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from tensorflow.core.framework import types_pb2
+
 from replicate import ops
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
 from replicate.facts import Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM"]
+__all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM", "sync_sources",
+           "vanishes_with_count", "positive_shift"]
 
 ONES = ("ones",)
 #: Each tower weighs 1/N: a batch-independent term added to a sum-reduced loss.
@@ -319,3 +322,77 @@ def weigh(terms: list[Term]) -> Weighting:
         corrections += [(t.root, UNIFORM) for t in shared_terms]
     kind = kinds[0] if len(kinds) == 1 and len(specs) == 1 else "mixed"
     return Weighting(primary, corrections, kind, classes)
+
+
+#: Ops whose output is never negative (a 0/1 mask made from a comparison, squares, norms).
+_NONNEGATIVE = frozenset({"Relu", "Relu6", "Square", "Abs", "Exp", "Sigmoid", "Softplus",
+                          "OnesLike", "ZerosLike", "Size", "Shape"})
+_THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics", "StopGradient"})
+
+
+def _root(ir: IR, ref: str) -> str:
+    """``ref`` behind identities."""
+    for _ in range(16):
+        node = ir.nodes[node_of(ref)]
+        if node.op not in _THROUGH or not node.inputs:
+            break
+        ref = node.inputs[0]
+    return tensor_name(*parse_tensor(ref))
+
+
+def _nonnegative(ir: IR, ref: str) -> bool:
+    """``ref`` has no negative entry: a cast of booleans (``sequence_mask``, ``not_equal``) or
+    of another such value, an op in :data:`_NONNEGATIVE`, a non-negative constant."""
+    for _ in range(16):
+        node = ir.nodes[node_of(_root(ir, ref))]
+        if node.op == "Cast":
+            if node.attr("SrcT") == types_pb2.DT_BOOL:
+                return True
+            ref = node.inputs[0]
+            continue
+        if node.op in _NONNEGATIVE:
+            return True
+        value = ir.const_value(node.name) if node.op == "Const" else None
+        return value is not None and bool((value >= 0).all())
+    return False
+
+
+def vanishes_with_count(ctx: Context, numerator: str, denominator: str) -> bool:
+    """True when the batch sum ``numerator`` is proven zero wherever the batch count
+    ``denominator`` is, so that a tower whose count is zero may be weighed by its share of the
+    count, zero, without dropping anything: ``sum(x * m) / sum(m)`` with ``m`` non-negative
+    (where the count is zero every ``m`` is), the size of per-example values (zero only in a
+    tower without examples, whose sums are zero too: ``SUM_OVER_BATCH_SIZE``), or
+    ``sum(s) / size(s)`` of one selection ``s``. ``sum(loss) / sum(mask)`` is not: a tower
+    whose mask is all zero still has a loss."""
+    ir = ctx.ir
+
+    def reduced(ref: str, ops_: tuple[str, ...]) -> tuple[str, str] | None:
+        node = ir.nodes[node_of(_root(ir, ref))]
+        if node.op == "Cast" and node.inputs:
+            node = ir.nodes[node_of(_root(ir, node.inputs[0]))]
+        if node.op not in ops_ or not node.inputs:
+            return None
+        return node.op, _root(ir, node.inputs[0])
+
+    summed, counted = reduced(numerator, ("Sum",)), reduced(denominator, ("Sum", "Size"))
+    if summed is None or counted is None:
+        return False
+    if counted[0] == "Size":
+        sized = ctx.fact(counted[1])
+        unfiltered = sized is not None and sized.kind == PART and not sized.filtered
+        return unfiltered or summed[1] == counted[1]
+    if not _nonnegative(ir, counted[1]):
+        return False
+    product = ir.nodes[node_of(summed[1])]
+    return product.op in ("Mul", "MulNoNan") and any(_root(ir, f) == counted[1]
+                                                     for f in product.inputs[:2])
+
+
+def positive_shift(ctx: Context, spec: tuple) -> bool:
+    """A shifted denominator ``count + c`` or ``maximum(count, c)`` with a constant ``c > 0``:
+    never zero in a tower."""
+    if not spec or spec[0] != "shifted":
+        return False
+    value = ctx.const(spec[4])
+    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) > 0

@@ -60,11 +60,26 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
 
             if ir.output_dtype(ref) not in FLOAT_TYPES:
                 return Merge("other", note="a mean of a non-float value")
+            if fact.merge == "ratio" and not _shares_suffice(ir, flow, fact):
+                return Merge("other", note="a ratio whose numerator need not vanish where its "
+                             "count does (recomputed from the batch's sums)")
             return Merge(fact.merge, spec)
         if fact.merge in ("max", "min"):
             return Merge(fact.merge)
         return Merge("other", note=fact.why or f"a batch-dependent {fact.merge} value")
     return Merge("other", note="shared")
+
+
+def _shares_suffice(ir: IR, flow, fact) -> bool:
+    """Weighing each tower's ratio by its share of the count gives the batch's ratio: the count
+    is never zero in a tower, or the numerator is zero where it is."""
+    from replicate.batchflow.loss import positive_shift, vanishes_with_count
+
+    spec = fact.spec
+    if not spec or spec[0] not in ("value", "shifted") or positive_shift(flow.ctx, spec):
+        return True
+    return fact.src is not None and fact.src in ir.nodes and \
+        vanishes_with_count(flow.ctx, f"{fact.src}:0", spec[1])
 
 
 #: The most ops a recomputed output may need (it runs once, on the controller).

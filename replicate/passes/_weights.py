@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate.batchflow.loss import ONES, UNIFORM, Term, sync_sources, weigh
+from replicate.batchflow.loss import (ONES, UNIFORM, Term, positive_shift, sync_sources,
+                                      vanishes_with_count, weigh)
 from replicate.errors import AnalysisError
 from replicate.facts import GradScope, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -89,8 +90,9 @@ def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reaso
                 continue
             found, reason = flow.losses[loss]
             if reason is None:
-                found = _global_denominators(flow, found)
+                found, unproven = _global_denominators(flow, found)
                 flow.losses[loss] = (found, None)
+                reasons.extend(unproven)
             if reason is not None:
                 if not any(r.node == reason.node and r.what == reason.what for r in reasons):
                     reasons.append(reason)
@@ -132,22 +134,46 @@ def _zero_shares(flow, terms: list, weighting) -> list[Reason]:
                    "zero (tf.maximum(count, 1.0) or count + 1e-7); exact for a single term")]
 
 
-def _global_denominators(flow, terms: list[Term]) -> list[Term]:
-    """Terms normalized by a batch sum the data decides (a mask's count), beside terms weighted
-    otherwise, divide by the synchronized global sum instead: each tower's term is then its
-    exact share, a plain sum over its examples, and a tower whose count is zero adds zero
-    instead of losing its share of the other terms. A single weighting needs no
-    synchronization (its weights are shares of the global count) and keeps accumulation's
-    memory savings; a denominator that cannot be synchronized stays a reason (_zero_shares)."""
+def _global_denominators(flow, terms: list[Term]) -> tuple[list[Term], list[Reason]]:
+    """Terms normalized by a batch sum the data decides (a mask's count) divide by the
+    synchronized global sum instead, where weighing each tower's own ratio by its share of the
+    count is not proven exact:
+
+    - beside terms weighted otherwise: each tower's term is then its exact share, a plain sum
+      over its examples, and a tower whose count is zero adds zero instead of losing its share
+      of the other terms (a denominator that cannot be synchronized stays a reason,
+      :func:`_zero_shares`);
+    - alone, when its numerator need not vanish where the count does (``sum(loss) /
+      sum(mask)``: a tower whose mask is all zero has a nonzero numerator over a zero count,
+      and its share, zero, dropped it: 0.36 off in an independent review). A numerator proven
+      to vanish with the count (:func:`_vanishes_with_count`) keeps the towers' shares, which
+      need no synchronization and keep accumulation's memory savings. A denominator that cannot
+      be synchronized is then a reason."""
     batch = [t for t in terms if t.kind != "shared"]
-    if len({t.spec for t in batch}) < 2:
-        return terms
-    out = []
+    mixed = len({t.spec for t in batch}) >= 2
+    out, reasons = [], []
     for t in terms:
-        if _data_ratio(t) and not _positive_shift(flow, t.spec):
-            t = _over_global_denominator(flow, t) or t
+        if _data_ratio(t) and not _positive_shift(flow, t.spec) and (
+                mixed or not _vanishes_with_count(flow, t)):
+            converted = _over_global_denominator(flow, t)
+            if converted is None and not mixed:
+                reasons.append(Reason(node_of(t.root), f"the loss divides by '{t.spec[1]}', a count "
+                                      "the data decides, and its numerator does not vanish where "
+                                      "that count does: a tower whose count is zero would drop its "
+                                      "examples", "multiply the summed values by the same mask "
+                                      "(sum(loss * mask) / sum(mask)), or keep the count above "
+                                      "zero (tf.maximum(count, 1.0))"))
+            t = converted or t
         out.append(t)
-    return out
+    return out, reasons
+
+
+def _vanishes_with_count(flow, t: Term) -> bool:
+    """Ratio term ``t``'s numerator is zero wherever its count is (see
+    :func:`~replicate.batchflow.loss.vanishes_with_count`)."""
+    ratio = flow.ctx.ir.nodes[node_of(t.root)]
+    return len(ratio.inputs) >= 2 and _same(flow.ctx.ir, ratio.inputs[1], t.spec[1]) \
+        and vanishes_with_count(flow.ctx, ratio.inputs[0], t.spec[1])
 
 
 def _data_ratio(t: Term) -> bool:
@@ -165,12 +191,7 @@ def _over_global_denominator(flow, t: Term, synced: frozenset = frozenset()) -> 
 
 
 def _positive_shift(flow, spec: tuple) -> bool:
-    """A shifted denominator ``count + c`` or ``maximum(count, c)`` with a constant ``c > 0``:
-    never zero in a tower."""
-    if spec[0] != "shifted":
-        return False
-    value = flow.ctx.const(spec[4])
-    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) > 0
+    return positive_shift(flow.ctx, spec)
 
 
 def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> bool:

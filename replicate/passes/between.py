@@ -113,7 +113,7 @@ class Between:
             self._single_tower_allreduce(ir, analysis, ir.facts["aggregates"], towers.devices[0])
         else:
             self._regroup(ir, size)
-        globals_ = self._global_totals(ir)
+        globals_ = self._global_totals(ir) + self._global_denominators(ir, analysis)
         for node in [n for n in ir if n.name.startswith(WEIGHTS + "/") and n.name.endswith("/uniform")]:
             ir.set_const(node.name, 1.0 / size)    # a batch-independent term: 1/N of every tower
         gathered = self._gather_sparse(ir, analysis, ir.facts["aggregates"])
@@ -213,6 +213,26 @@ class Between:
                 readers = [c.name for c in ir.consumers(weight.name) if _gradient_side(c.name)]
                 ir.replace_uses(weight.name, global_weight, only=readers)
             done.append(total)
+        return done
+
+    def _global_denominators(self, ir: IR, analysis) -> list[str]:
+        """A loss denominator the gradient code reads as the batch's (passes/_denominator.py)
+        is combined over the workers too: its batch sums are all-reduced; a batch mean in it
+        stays each worker's, a reason."""
+        done = []
+        for tensor, merge in ir.facts.get("global_denominators", []):
+            name = node_of(tensor)
+            if merge not in ("sum", "count", "size"):
+                analysis.reasons.append(Reason(name, "the loss's denominator reads a batch mean, "
+                                               "which each worker takes over its own examples",
+                                               "divide by a batch sum (a count), or train in-graph"))
+                continue
+            readers = [c.name for c in ir.consumers(name)]
+            tf_dtype = dtypes.as_dtype(ir.output_dtype(tensor))
+            reduced = self.collective(ir, f"{name}_global/allreduce", "CollectiveReduceV2", tensor,
+                                      tf_dtype, ir.nodes[name].device)
+            ir.replace_uses(tensor, reduced, only=readers)
+            done.append(name)
         return done
 
     # ------------------------------------------------------------------ sparse gradients

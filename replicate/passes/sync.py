@@ -25,7 +25,8 @@ Produces, for each coupling:
   runs in every mode, since it is cheap and makes the towers' shapes agree with one device's.
 
 - a loss denominator computed from batch sums (a mask's count beside terms weighted
-  otherwise): the gradient code of every tower reads the global denominator, computed once
+  otherwise, or alone when its numerator need not vanish where the count does):
+  the gradient code of every tower reads the global denominator, computed once
   from the towers' sums (:mod:`replicate.passes._denominator`); the forward pass keeps each
   tower's own value, so fetched values merge as before.
 
@@ -89,7 +90,9 @@ class Sync:
         for den, sources in analysis.denominators.items():
             if not set(sources) <= set(synced):
                 synced.extend(s for s in sources if s not in synced)
-                _GlobalDenominator(ir, self.controller, den, sources, in_grad).run()
+                made = _GlobalDenominator(ir, self.controller, den, sources, in_grad)
+                made.run()
+                ir.facts.setdefault("global_denominators", []).extend(made.built)
         handled = set(synced)
         analysis.reasons[:] = [r for r in analysis.reasons if r.node not in handled]
         for name in left:

@@ -261,7 +261,14 @@ def shape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [shared(value, f.taint)]
     if value is None:
         return [red(f.cls, "size", None, taint=f.taint)]
-    return [size_fact(value, f.taint)]
+    return [size_fact(value, f.taint if _coupled_dims(value, f) else frozenset())]
+
+
+def _coupled_dims(value: tuple, f) -> bool:
+    """A shape may carry a coupling (a batch statistic) in its dimensions other than the
+    batch's; when they are all static, only the tower's own count is left, which no batch
+    statistic decides (``ones_like(losses)`` of batch-normalized logits)."""
+    return any(not isinstance(v, int) for i, v in enumerate(value) if i != f.axis)
 
 
 def shape_n(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
