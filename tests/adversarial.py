@@ -41,6 +41,8 @@ LOSSES = {
     "concat_rows_mean": False, "concat_rows_gather_sum": False, "concat_head_k": False,
     # positions in the batch: each tower numbers its rows from 0
     "batch_position": False,
+    # the examples' order changed, then paired with per-example values in the old order
+    "reversed_batch": False, "shuffled_batch": False,
 }
 
 
@@ -195,6 +197,10 @@ def _loss(case: Case, x, y, logits, sq, per, variables):
         return tf.reduce_mean(tf.concat([per, tf.constant([1.0, 2.0])], axis=0)[:k + 1]), None
     if kind == "batch_position":
         return tf.reduce_mean(per * (1.0 + tf.cast(tf.range(tf.shape(per)[0]), tf.float32))), None
+    if kind in ("reversed_batch", "shuffled_batch"):
+        moved = tf.reverse(per, [0]) if kind == "reversed_batch" else \
+            tf.gather(per, tf.random.shuffle(tf.range(tf.shape(per)[0]), seed=9))
+        return tf.reduce_mean(moved * tf.cast(tf.argmax(y, axis=1) + 1, tf.float32)), None
     if kind == "topk":
         return tf.reduce_mean(tf.nn.top_k(per, k).values), None
     if kind == "first_k":

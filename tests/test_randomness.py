@@ -249,9 +249,9 @@ def test_draws_in_parallel_loop_iterations_are_reasons(frames):
                for r in res.report.reasons), res.report.reasons
 
 
-def test_draws_in_defun_bodies_are_reasons():
-    """A draw in a function called by a defun (not a cond or loop body) is not reproduced yet:
-    the report names the op inside the function."""
+def _defun(nested: bool) -> tf.Graph:
+    """A dropout inside a ``tf.function`` called from the graph (a PartitionedCall), or inside
+    a ``tf.cond`` in that function (a body nested in a body)."""
     graph = tf.Graph()
     with graph.as_default():
         v1.set_random_seed(5)
@@ -261,11 +261,34 @@ def test_draws_in_defun_bodies_are_reasons():
 
         @tf.function
         def noisy(h):
+            if nested:
+                return tf.cond(tf.reduce_sum(w) > -1e9, lambda: tf.nn.dropout(h, 0.5, seed=3),
+                               lambda: h)
             return tf.nn.dropout(h, 0.5, seed=3)
 
         loss = tf.reduce_mean(tf.square(noisy(tf.matmul(x, w))), name="loss")
         v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    return graph
+
+
+@pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 1), (2, 7, 2)])
+def test_draws_in_defun_bodies_are_exact(towers, batch, accumulate):
+    """The defun's function takes the global batch size and the tower's first row as two more
+    arguments, as a cond's branches do."""
+    graph = _defun(nested=False)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {"body"}
+    rng = np.random.RandomState(0)
+    cmp = compare(graph, res.graph, "train", [{"x:0": rng.randn(batch, 6).astype(np.float32)}
+                                              for _ in range(3)], fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_draws_in_nested_function_bodies_are_reasons():
+    """A draw in a cond inside a defun is not reproduced yet: the report names the op inside
+    the functions, never "exact"."""
+    res = replicate.transform(_defun(nested=True), ["/cpu:1", "/cpu:2"])
     assert not res.report.exact
     assert any("RandomUniform" in r.what and "function" in r.what for r in res.report.reasons)
 

@@ -11,6 +11,9 @@ shape with the batch dimension set to the global size, with its original seeds, 
 output inside the function (returns included) reads the tower's rows. The other branch only
 gains the two (unused) arguments: both branches of an ``If`` take the same arguments.
 
+A dropout inside a defun (a ``tf.function`` called from the graph: ``PartitionedCall``) is
+rewritten like a branch: its function takes the two values as two more arguments.
+
 A dropout inside a loop body (``DropoutWrapper`` cells in ``dynamic_rnn``) is rewritten the
 same way; the two values become two more loop variables that the body passes on unchanged and
 the condition ignores. Each tower's loop runs its own kernel of every random op, with the
@@ -39,7 +42,9 @@ __all__ = ["rewrite_branches", "rewire_call", "SUFFIX", "FUNCTION_ATTRS"]
 FUNCTION_ATTRS = {"If": (("then_branch", False), ("else_branch", False)),
                   "StatelessIf": (("then_branch", False), ("else_branch", False)),
                   "While": (("cond", False), ("body", True)),
-                  "StatelessWhile": (("cond", False), ("body", True))}
+                  "StatelessWhile": (("cond", False), ("body", True)),
+                  "PartitionedCall": (("f", False),),
+                  "StatefulPartitionedCall": (("f", False),)}
 
 SUFFIX = "_replicate_rows"
 
@@ -47,9 +52,9 @@ SUFFIX = "_replicate_rows"
 BATCH_ARG, OFFSET_ARG = "replicate_global_batch", "replicate_first_row"
 
 
-def rewrite_branches(ir: IR, call: str, draw) -> tuple[str, str]:
-    """The names of the rewritten functions of cond or loop ``call`` (made once), in the
-    order of :data:`FUNCTION_ATTRS`."""
+def rewrite_branches(ir: IR, call: str, draw) -> tuple[str, ...]:
+    """The names of the rewritten functions of cond, loop or defun call ``call`` (made once),
+    in the order of :data:`FUNCTION_ATTRS`."""
     node = ir.nodes[call]
     names = []
     by_function: dict[str, list] = {}
@@ -62,12 +67,12 @@ def rewrite_branches(ir: IR, call: str, draw) -> tuple[str, str]:
         if ir.function(new) is None:
             ir.add_function(_rewrite(ir.function(fname), new, by_function.get(fname, []), passes_on))
         names.append(new)
-    return names[0], names[1]
+    return tuple(names)
 
 
-def rewire_call(ir: IR, copy: str, branches: tuple[str, str], batch: str, offset: str) -> None:
-    """Point tower copy ``copy`` of the cond at the rewritten branches, passing the global
-    batch size and the tower's first row."""
+def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], batch: str, offset: str) -> None:
+    """Point tower copy ``copy`` of the cond, loop or defun call at the rewritten functions,
+    passing the global batch size and the tower's first row."""
     node = ir.nodes[copy]
     loop = node.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"

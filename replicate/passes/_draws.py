@@ -15,13 +15,14 @@ must get exactly its rows of that draw. Two kinds of draw can be reproduced:
 
 A ``rows`` draw may sit inside TF1 while loops (``Enter``/``Exit`` frames) when each loop
 runs one iteration at a time (``parallel_iterations=1``): the draw pass brings its values
-into the frames. A ``body`` draw is a cond or while_v2 body whose random ops draw rows.
+into the frames. A ``body`` draw is a cond, while_v2 or defun body whose random ops draw
+rows directly.
 
 Anything else stays a reason: unseeded draws (one device does not reproduce itself
-either), draws in loops that run iterations in parallel, draws inside defuns and nested
-function bodies, draws that read per-example values (``Multinomial``
-of per-example logits), draws whose batch dimension is folded with another one in a way the facts do not describe, and ops
-that permute examples (``RandomShuffle``).
+either), draws in loops that run iterations in parallel, draws in function bodies nested in
+other bodies, draws that read per-example values (``Multinomial`` of per-example logits),
+draws whose batch dimension is folded with another one in a way the facts do not describe,
+and ops that permute examples (``RandomShuffle``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from replicate.passes._frames import frames
 __all__ = ["Draw", "reproducible"]
 
 
-#: Call ops whose functions' draws the draw pass rewrites (conds and loops).
-BODY_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile"})
+#: Call ops whose functions' draws the draw pass rewrites (conds, loops and defuns).
+BODY_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
+                        "StatefulPartitionedCall"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +95,8 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
     first = effects[0]
     not_yet = (f"random op '{first.path[-1]}' ({first.op}) inside function "
                f"{' -> '.join(first.path[1:-1])} draws a separate stream in each tower",
-               "results match single-device training in distribution only; draws in loop and "
-               "defun bodies, and in conds nested in them, are not reproduced yet")
+               "results match single-device training in distribution only; draws in function "
+               "bodies nested in other bodies are not reproduced yet")
     if node.op not in BODY_CALLS or any(len(e.path) != 3 for e in effects):
         return None, not_yet
     parallel = node.attr("parallel_iterations", 1) if node.op.endswith("While") else 1
@@ -130,8 +132,8 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
     if effect.inner:
         return (f"random op '{effect.path[-1]}' ({effect.op}) inside function "
                 f"{' -> '.join(effect.path[1:-1])} draws a separate stream in each tower",
-                "results match single-device training in distribution only; draws inside "
-                "function bodies (tf.cond, while_v2, defuns) are not reproduced yet")
+                "results match single-device training in distribution only; draws in function "
+                "bodies nested in other bodies are not reproduced yet")
     if getattr(flow, "depths", {}).get(node.name, 0):
         busy = [f for f in frames(ir, node.name) if f.parallel != 1]
         if busy:
@@ -149,6 +151,12 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
     if fact is not None and fact.kind == SHARED and all(
             (f := flow.fact(r)) is not None and f.kind == SHARED for r in node.inputs):
         return None
+    data = flow.fact(node.inputs[0]) if node.inputs else None
+    if node.op == "RandomShuffle" and data is not None and data.kind == PART and data.axis == 0:
+        return ("random_shuffle permutes the examples of the batch: each tower shuffles its own "
+                "slice, so the towers' examples meet other examples than on one device",
+                "shuffle the data before it is fed (in the input pipeline), or train this graph "
+                "on one device")
     shape_arg = SHAPE_SOURCES.get(node.op)
     rank = ir.static_shape(f"{node.name}:0")
     others = [r for i, r in enumerate(node.inputs) if i != shape_arg]

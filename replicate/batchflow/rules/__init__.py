@@ -65,6 +65,7 @@ RULES.update({
     "StridedSlice": shape.strided_slice, "StridedSliceGrad": shape.strided_slice_grad,
     "Tile": shape.tile, "BroadcastTo": shape.broadcast_to, "Pad": shape.pad, "PadV2": shape.pad,
     "MirrorPad": shape.pad, "ReverseV2": shape.reverse, "OneHot": shape.one_hot,
+    "RandomShuffle": shape.shuffle,
     "Range": shape.range_,
     "Gather": index.gather, "GatherV2": index.gather, "ResourceGather": index.gather,
     "GatherNd": index.gather_nd, "ResourceGatherNd": index.gather_nd, "Where": index.where,
