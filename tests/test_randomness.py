@@ -249,6 +249,51 @@ def test_draws_in_parallel_loop_iterations_are_reasons(frames):
                for r in res.report.reasons), res.report.reasons
 
 
+def test_dropout_with_the_batch_on_another_axis_is_exact():
+    """Dropout on a time-major tensor ([T, B, D]: the batch on axis 1) failed to build (the
+    draw read its row count from the wrong element of its shape)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        init = v1.glorot_uniform_initializer(seed=2)
+        w1, w2 = (v1.get_variable(n, [6, 6], initializer=init, use_resource=True) for n in ("w1", "w2"))
+        steps = tf.stack([tf.matmul(x, w1), tf.matmul(x, w2)], 0)            # [2, B, 6]
+        h = tf.reduce_mean(tf.nn.dropout(steps, rate=0.3, seed=3), 0)
+        w = v1.get_variable("w", [6, 3], initializer=init, use_resource=True)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, w)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    for towers, batch in ((3, 7), (3, 2)):
+        res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+        assert res.report.exact, res.report.reasons
+        cmp = compare(graph, res.graph, "train", _feeds(batch), fetch=("loss:0",))
+        assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_tf1_cond_dropout_with_accumulation_runs_and_is_exact():
+    """A TF1 cond (Switch/Merge) under a training flag with accumulate=2: the micro-batch gate
+    waited on an op of the branch not taken, so it was dead and so was everything it held
+    ("Retval[0] does not have value")."""
+    graph = tf.Graph()
+    with graph.as_default(), control_flow_v1():
+        v1.set_random_seed(5)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        training = v1.placeholder_with_default(True, [], name="training")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2),
+                            use_resource=True)
+        h = v1.layers.dropout(x, 0.4, training=training, seed=3)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, w)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=2)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds(7), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
 def _defun(nested: bool) -> tf.Graph:
     """A dropout inside a ``tf.function`` called from the graph (a PartitionedCall), or inside
     a ``tf.cond`` in that function (a body nested in a body)."""

@@ -242,3 +242,28 @@ def test_one_table_read_by_batch_ids_and_shared_ids(variant):
     dense one), was refused; all three are exact now."""
     graph, feed = _table_model(variant)
     assert outcome(graph, feed) == "exact"
+
+
+@pytest.mark.parametrize("use", ["add", "divide_then_sum", "fill"])
+def test_the_batch_size_used_as_a_value_is_not_claimed_exact(use):
+    """``tf.shape(x)[0]`` as a number in per-example arithmetic: each tower reads its own count
+    (an independent review: claimed exact, 0.24 to 0.99 off). ``reduce_sum(loss) / B`` stays
+    exact: a loss normalized by the batch size."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.float32, [None, 1], name="y")
+        w = v1.get_variable("w", [D, 1], initializer=v1.glorot_uniform_initializer(seed=1))
+        size = tf.cast(tf.shape(x)[0], tf.float32)
+        per = tf.reduce_sum(tf.square(tf.matmul(x, w) - y), 1)
+        if use == "add":
+            value = tf.reduce_mean(tf.square(per + 0.1 * size))
+        elif use == "divide_then_sum":
+            value = tf.reduce_sum(per / size)
+        else:
+            value = tf.reduce_mean(per * tf.fill(tf.shape(per), size))
+        loss = tf.identity(value, name="loss")
+        v1.train.GradientDescentOptimizer(0.05).minimize(loss, name="train")
+    res = replicate.transform(graph, CPUS)
+    assert not res.report.exact
+    assert any("batch size" in r.what for r in res.report.reasons), str(res.report)

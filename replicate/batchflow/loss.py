@@ -30,7 +30,7 @@ from tensorflow.core.framework import types_pb2
 
 from replicate import ops
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
+from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Sym
 from replicate.facts import Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
@@ -366,6 +366,10 @@ def vanishes_with_count(ctx: Context, numerator: str, denominator: str) -> bool:
     ``sum(s) / size(s)`` of one selection ``s``. ``sum(loss) / sum(mask)`` is not: a tower
     whose mask is all zero still has a loss."""
     ir = ctx.ir
+    den = ctx.fact(denominator)
+    if den is not None and den.kind == RED and den.merge == "size" and den.value \
+            and any(isinstance(v, Sym) for v in den.value):
+        return True                     # a multiple of the batch size: zero only without examples
 
     def reduced(ref: str, ops_: tuple[str, ...]) -> tuple[str, str] | None:
         node = ir.nodes[node_of(_root(ir, ref))]

@@ -150,7 +150,10 @@ def _rows(fdef, op: str, d) -> None:
     axis = add("axis", "Const", [], dtype=make_attr(dtypes.int32),
                value=attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(
                    np.int32(d.axis)))) + ":output:0"
-    local = add("local_rows", "GatherV2", [shape_ref, axis, axis], Tparams=make_attr(index),
+    zero = add("zero", "Const", [], dtype=make_attr(dtypes.int32),
+               value=attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(
+                   np.int32(0)))) + ":output:0"
+    local = add("local_rows", "GatherV2", [shape_ref, axis, zero], Tparams=make_attr(index),
                 Tindices=make_attr(dtypes.int32), Taxis=make_attr(dtypes.int32),
                 batch_dims=make_attr(0)) + ":output:0"
     grow = arith("grow", "Mul", hot_ref, arith("missing", "Sub", as_index(BATCH_ARG), local))

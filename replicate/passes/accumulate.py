@@ -58,7 +58,7 @@ class Accumulate:
         if towers.micro <= 1:
             return PassResult(ir, False)
         analysis, copies = ir.facts["analysis"], ir.facts["copies"]
-        done_of = [self._done(analysis, copy) for copy in copies]
+        done_of = [self._done(ir, analysis, copy) for copy in copies]
         plan = []        # (tower, previous tower, [(slice, readers)])
         for chain in towers.chains():
             for prev, t in zip(chain, chain[1:]):
@@ -107,15 +107,36 @@ class Accumulate:
                  towers.micro, len(towers.chains()))
         return PassResult(ir, True)
 
-    @staticmethod
-    def _done(analysis, copy: dict[str, str]) -> list[str]:
+    @classmethod
+    def _done(cls, ir: IR, analysis, copy: dict[str, str]) -> list[str]:
         """The tower ops whose completion ends a micro-batch: its gradients and forward outputs.
 
-        Only ops outside TF1 loops: a control edge out of a loop frame into the root frame is
-        invalid, and a loop is done once its ``Exit`` values, which its readers wait for, are."""
+        Only ops outside TF1 loops and conds: a control edge out of a loop frame into the root
+        frame is invalid, and an op in the branch a TF1 cond does not take is dead, which would
+        kill the gate and everything it holds ("Retval does not have value"); a loop or cond is
+        done once its ``Exit`` or ``Merge`` values, which its readers wait for, are."""
         names = {node_of(f.tensor) for f in analysis.frontier} | {node_of(f.tensor) for f in analysis.outputs}
         depths = analysis.flow.depths
-        return sorted(copy[n] for n in names if n in copy and not depths.get(n, 0))
+        branches = cls._in_branches(ir, names)
+        return sorted(copy[n] for n in names if n in copy and not depths.get(n, 0) and n not in branches)
+
+    @staticmethod
+    def _in_branches(ir: IR, names: set[str]) -> set[str]:
+        """The nodes of ``names`` that run only in one branch of a TF1 cond: reached from a
+        ``Switch`` without passing a ``Merge`` (or a loop's ``Exit``, after which a loop's
+        ``Switch`` no longer decides)."""
+        if not any(n.op in ("Switch", "RefSwitch") for n in ir):
+            return set()
+        seen: set[str] = set()
+        work = [n.name for n in ir if n.op in ("Switch", "RefSwitch")]
+        while work:
+            cur = work.pop()
+            for reader in ir.consumers(cur):
+                if reader.name not in seen and reader.op not in ("Merge", "RefMerge", "Exit",
+                                                                 "RefExit"):
+                    seen.add(reader.name)
+                    work.append(reader.name)
+        return seen & names
 
     @staticmethod
     def _cycle(ir: IR, plan, done_of) -> str | None:

@@ -142,7 +142,8 @@ class Draw:
                 onehot(at, size), op(f"count_plus_one_{size}", "AddV2", [rows, one])]), one])
 
         axis = const("axis", axis_at, dtypes.int32)
-        local = ir.add(f"{base}/local_rows", "GatherV2", [shape, axis, axis], device=dev,
+        local = ir.add(f"{base}/local_rows", "GatherV2", [shape, axis, const("zero", 0, dtypes.int32)],
+                       device=dev,
                        attrs={"Tparams": index, "Tindices": dtypes.int32, "Taxis": dtypes.int32}).name
         # The axis holds `outer` copies of the batch, `block` rows per example in each.
         glob = cast(batch, "batch")

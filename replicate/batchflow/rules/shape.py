@@ -446,6 +446,9 @@ def shape_source(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     taint = couple(ctx, node, others) | dims.taint
     if any(f.kind in (PART, MIXED) for f in others):
         return [mixed(node.name, f"{node.op} with per-example parameters", taint)]
+    if not ctx.in_gradient(node) and any(f.kind == RED and f.merge == "size" for f in others):
+        return [mixed(node.name, f"{node.op} with the batch size as its value: each tower fills "
+                      "in its own count", taint)]
     value = dims.value or ctx.int_value(node.inputs[pos])
     if value is not None:
         syms = [(j, v) for j, v in enumerate(value) if isinstance(v, Sym)]
