@@ -102,8 +102,9 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 merged[t] = Frontier(t, "first", False)     # one resource, passed through a
                 return                                      # loop: every tower's is the same
             if red.kind == "none":
-                raise AnalysisError(f"'{t}' is a handle computed per tower and read by a shared op; "
-                                    "it cannot be merged")
+                why = f" ({fact.why} at '{fact.src}')" if fact is not None and fact.kind == "mixed" else ""
+                raise AnalysisError(f"'{t}' is a handle computed per tower{why} and read by a shared "
+                                    "op; it cannot be merged")
             unmergeable.append(t)
             merged[t] = Frontier(t, "first", False)
             return

@@ -35,6 +35,9 @@ def switch(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, "a branch or loop condition decided per example", taint_of(ins))] * 2
     if pred.kind == MIXED:
         return [pred.with_(handle=None)] * 2
+    if pred.kind == RED and not pred.src and not ctx.in_gradient(node):
+        from replicate.batchflow.rules.functional import SIZE_DECIDES
+        return [mixed(node.name, SIZE_DECIDES, pred.taint)] * 2
     taint = data.taint | pred.taint
     if pred.kind == RED and pred.src and not ctx.in_gradient(node):
         taint |= {pred.src}

@@ -130,12 +130,19 @@ def _outer(ctx: Context, node: Node, fact: Fact | None) -> Fact | None:
     return fact.with_(taint=outer) if outer != fact.taint else fact
 
 
+#: Why a branch or loop whose condition reads the batch size (``i < tf.shape(x)[0]``) is mixed.
+SIZE_DECIDES = ("a branch or loop condition decided by the batch size (or another batch value "
+                "that cannot be synchronized): each tower decides with its own count")
+
+
 def _condition(ctx: Context, node: Node, pred: Fact | None, outs: list[Fact | None]) -> list[Fact | None]:
     if pred is None:
         return outs
     if pred.kind in (PART, MIXED):
         why = "a branch or loop condition decided per example" if pred.kind == PART else pred.why
         return [mixed(node.name, why, pred.taint)] * len(outs)
+    if pred.kind == RED and not pred.src and not ctx.in_gradient(node):
+        return [mixed(node.name, SIZE_DECIDES, pred.taint)] * len(outs)
     taint = pred.taint
     if pred.kind == RED and pred.src and not ctx.in_gradient(node):
         taint = taint | {pred.src}
