@@ -35,7 +35,7 @@ from replicate.facts import Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM", "sync_sources",
-           "vanishes_with_count", "positive_shift"]
+           "vanishes_with_count", "positive_shift", "behind"]
 
 ONES = ("ones",)
 #: Each tower weighs 1/N: a batch-independent term added to a sum-reduced loss.
@@ -330,14 +330,17 @@ _NONNEGATIVE = frozenset({"Relu", "Relu6", "Square", "Abs", "Exp", "Sigmoid", "S
 _THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics", "StopGradient"})
 
 
-def _root(ir: IR, ref: str) -> str:
-    """``ref`` behind identities."""
+def behind(ir: IR, ref: str, through: frozenset = _THROUGH) -> str:
+    """``ref`` behind the ops of ``through`` (identities)."""
     for _ in range(16):
         node = ir.nodes[node_of(ref)]
-        if node.op not in _THROUGH or not node.inputs:
+        if node.op not in through or not node.inputs:
             break
         ref = node.inputs[0]
     return tensor_name(*parse_tensor(ref))
+
+
+_root = behind
 
 
 def _nonnegative(ir: IR, ref: str) -> bool:

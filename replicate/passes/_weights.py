@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate.batchflow.loss import (ONES, UNIFORM, Term, positive_shift, sync_sources,
+from replicate.batchflow.loss import (ONES, UNIFORM, Term, behind, positive_shift, sync_sources,
                                       vanishes_with_count, weigh)
 from replicate.errors import AnalysisError
 from replicate.facts import GradScope, Reason
@@ -59,14 +59,7 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
 
 def _same(ir: IR, a: str, b: str) -> bool:
     """True when tensors ``a`` and ``b`` are one value behind identities."""
-    def root(ref: str) -> str:
-        for _ in range(16):
-            node = ir.nodes[node_of(ref)]
-            if node.op not in _THROUGH or not node.inputs:
-                break
-            ref = node.inputs[0]
-        return tensor_name(*parse_tensor(ref))
-    return root(a) == root(b)
+    return behind(ir, a, _THROUGH) == behind(ir, b, _THROUGH)
 
 
 def losses(grad_scopes: list[GradScope]) -> list[str]:

@@ -98,9 +98,24 @@ def shift(fact: Fact, axis: int, **changes) -> Fact:
     return fact.with_(axis=axis, value=None, **changes)
 
 
+def misaligned(facts: list[Fact]) -> bool:
+    """Rows of one batch as fed (one per example, in order) beside rows of it in another order
+    (regrouped by ``dynamic_partition``, reversed): each tower would pair other examples than
+    one device. Entries of sparse inputs and other filtered rows pair by their own rules."""
+    plain = [f for f in facts if f.block == 1 and f.outer == 1 and f.ordered and not f.filtered
+             and f.handle is None]
+    moved = [f for f in facts if not f.ordered and f.handle is None and f.tail is None]
+    return bool(plain) and bool(moved)
+
+
 def combine_parts(ctx: Context, node: Node, facts: list[Fact], axis: int) -> Fact:
-    """One partitioned fact on ``axis`` from several partitioned inputs: their classes unite."""
+    """One partitioned fact on ``axis`` from several partitioned inputs: their classes unite.
+    Rows kept in two different orders (a batch regrouped by ``dynamic_partition``, or reversed,
+    against the batch as fed) pair other examples in each tower than on one device: mixed."""
     first = facts[0]
+    if misaligned(facts):
+        return mixed(node.name, "pairs rows of the batch kept in two different orders",
+                     taint_of(facts))
     for other in facts[1:]:
         ctx.classes.union(first.cls, other.cls, node.name)
     blocks = {f.block for f in facts}
