@@ -111,6 +111,16 @@ FIXES = (
      "replicate follows rows that are part batch, part shared only through gathers, "
      "elementwise ops and the slices that take the batch rows and the shared rows apart "
      "(as nce_loss and sampled_softmax_loss do): slice them apart before any other op"),
+    ("the batch size used as a value",
+     "divide the summed loss by the batch size (reduce_sum(loss) / B) instead of each example, "
+     "or feed the global batch size as a placeholder"),
+    ("decided by the batch size",
+     "bound the loop or decide the branch by a constant or a fed value, not tf.shape(x)[0]"),
+    ("with the batch size as its value",
+     "divide the summed loss by the batch size instead, or feed the global batch size"),
+    ("two different orders",
+     "keep the examples in the order they are fed (regroup both sides alike), or train this "
+     "graph on one device"),
     ("", "compute the loss per example and reduce it with a mean or sum over the batch, or "
          "train this graph on one device"),
 )
