@@ -35,7 +35,7 @@ from replicate.facts import Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM", "sync_sources",
-           "vanishes_with_count", "positive_shift", "behind"]
+           "vanishes_with_count", "positive_shift", "shares_suffice", "behind"]
 
 ONES = ("ones",)
 #: Each tower weighs 1/N: a batch-independent term added to a sum-reduced loss.
@@ -350,14 +350,12 @@ def behind(ir: IR, ref: str, through: frozenset = _THROUGH) -> str:
     return tensor_name(*parse_tensor(ref))
 
 
-_root = behind
-
 
 def _nonnegative(ir: IR, ref: str) -> bool:
     """``ref`` has no negative entry: a cast of booleans (``sequence_mask``, ``not_equal``) or
     of another such value, an op in :data:`_NONNEGATIVE`, a non-negative constant."""
     for _ in range(16):
-        node = ir.nodes[node_of(_root(ir, ref))]
+        node = ir.nodes[node_of(behind(ir, ref))]
         if node.op == "Cast":
             if node.attr("SrcT") == types_pb2.DT_BOOL:
                 return True
@@ -385,12 +383,12 @@ def vanishes_with_count(ctx: Context, numerator: str, denominator: str) -> bool:
         return True                     # a multiple of the batch size: zero only without examples
 
     def reduced(ref: str, ops_: tuple[str, ...]) -> tuple[str, str] | None:
-        node = ir.nodes[node_of(_root(ir, ref))]
+        node = ir.nodes[node_of(behind(ir, ref))]
         if node.op == "Cast" and node.inputs:
-            node = ir.nodes[node_of(_root(ir, node.inputs[0]))]
+            node = ir.nodes[node_of(behind(ir, node.inputs[0]))]
         if node.op not in ops_ or not node.inputs:
             return None
-        return node.op, _root(ir, node.inputs[0])
+        return node.op, behind(ir, node.inputs[0])
 
     summed, counted = reduced(numerator, ("Sum",)), reduced(denominator, ("Sum", "Size"))
     if summed is None or counted is None:
@@ -402,7 +400,7 @@ def vanishes_with_count(ctx: Context, numerator: str, denominator: str) -> bool:
     if not _nonnegative(ir, counted[1]):
         return False
     product = ir.nodes[node_of(summed[1])]
-    return product.op in ("Mul", "MulNoNan") and any(_root(ir, f) == counted[1]
+    return product.op in ("Mul", "MulNoNan") and any(behind(ir, f) == counted[1]
                                                      for f in product.inputs[:2])
 
 
@@ -413,3 +411,12 @@ def positive_shift(ctx: Context, spec: tuple) -> bool:
         return False
     value = ctx.const(spec[4])
     return value is not None and value.size == 1 and float(value.reshape(-1)[0]) > 0
+
+
+def shares_suffice(ctx: Context, spec: tuple, numerator: str | None) -> bool:
+    """Weighing each tower's ratio by its share of the count ``spec`` names gives the batch's
+    ratio: the count is never zero in a tower (no data share, or a positive shift), or the
+    batch sum ``numerator`` is zero where it is (:func:`vanishes_with_count`)."""
+    if not spec or spec[0] not in ("value", "shifted") or positive_shift(ctx, spec):
+        return True
+    return numerator is not None and vanishes_with_count(ctx, numerator, spec[1])

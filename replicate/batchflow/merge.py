@@ -13,6 +13,7 @@ import dataclasses
 from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.lattice import MIXED, PART, RED
+from replicate.batchflow.loss import shares_suffice
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Merge", "merge_kind", "recompute_plan"]
@@ -60,7 +61,8 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
 
             if ir.output_dtype(ref) not in FLOAT_TYPES:
                 return Merge("other", note="a mean of a non-float value")
-            if fact.merge == "ratio" and not _shares_suffice(ir, flow, fact):
+            numerator = f"{fact.src}:0" if fact.src in ir.nodes else None
+            if fact.merge == "ratio" and not shares_suffice(flow.ctx, spec, numerator):
                 return Merge("other", note="a ratio whose numerator need not vanish where its "
                              "count does (recomputed from the batch's sums)")
             return Merge(fact.merge, spec)
@@ -68,18 +70,6 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
             return Merge(fact.merge)
         return Merge("other", note=fact.why or f"a batch-dependent {fact.merge} value")
     return Merge("other", note="shared")
-
-
-def _shares_suffice(ir: IR, flow, fact) -> bool:
-    """Weighing each tower's ratio by its share of the count gives the batch's ratio: the count
-    is never zero in a tower, or the numerator is zero where it is."""
-    from replicate.batchflow.loss import positive_shift, vanishes_with_count
-
-    spec = fact.spec
-    if not spec or spec[0] not in ("value", "shifted") or positive_shift(flow.ctx, spec):
-        return True
-    return fact.src is not None and fact.src in ir.nodes and \
-        vanishes_with_count(flow.ctx, f"{fact.src}:0", spec[1])
 
 
 #: The most ops a recomputed output may need (it runs once, on the controller).

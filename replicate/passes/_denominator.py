@@ -2,10 +2,10 @@
 
 A masked mean ``sum(l * m) / sum(m)`` beside terms weighted otherwise cannot be weighed by
 each tower's share of ``sum(m)``: a tower with examples but none masked in has a zero share
-and divides by zero; nor can ``sum(l) / sum(m)``, whose numerator is not zero there. Its towers divide by the batch's count instead, in the gradient code
-only: each tower's gradient of the term is then its exact share of one device's, and a tower
-with a zero count adds zero (the loss analysis turned the term into a plain sum,
-:func:`replicate.passes._weights.assign`).
+and divides by zero; nor can ``sum(l) / sum(m)``, whose numerator is not zero there. Its
+towers divide by the batch's count instead, in the gradient code only: each tower's gradient
+of the term is then its exact share of one device's, and a tower with a zero count adds zero
+(the loss analysis turned the term into a plain sum, :func:`replicate.passes._weights.assign`).
 
 Requires: the clone pass's tower copies (originals still present), ``ir.facts["analysis"]``
 with the denominator (tensor -> the batch reductions it is computed from) and its facts, and
@@ -22,6 +22,8 @@ waits for no tower, so gradient accumulation keeps its micro-batches chained.
 """
 
 from __future__ import annotations
+
+import networkx as nx
 
 from replicate import ops
 from replicate.batchflow.lattice import SHARED
@@ -94,7 +96,6 @@ class GlobalDenominator:
         self.memo[key] = out
         return out
 
-
     def _from_inputs(self, name: str, idx: int) -> str | None:
         """Reduction ``name`` computed once from the whole fed batch, when it reads the dense
         batch inputs through a few stateless ops alone (a mask's sum, ``sequence_mask`` of
@@ -133,7 +134,11 @@ class GlobalDenominator:
                 return ref
             return _ref(copies[0][node], i)          # a shared value: tower 0's copy
 
-        for cur in _topological(ir, cone):
+        inside = nx.DiGraph()
+        inside.add_nodes_from(cone)
+        inside.add_edges_from((parse_tensor(r)[0], cur) for cur in cone for r in ir.nodes[cur].inputs
+                              if parse_tensor(r)[0] in inside)
+        for cur in nx.topological_sort(inside):
             node = ir.nodes[cur]
             new = f"{SCOPE}/whole/{cur}"
             if new not in ir.nodes:
@@ -146,25 +151,6 @@ class GlobalDenominator:
 
 #: The most ops a reduction computed from the whole batch may take.
 MAX_CONE = 32
-
-
-def _topological(ir: IR, names: list[str]) -> list[str]:
-    """``names`` with every node after the nodes of ``names`` it reads."""
-    inside, done, out = set(names), set(), []
-
-    def visit(n: str) -> None:
-        if n in done:
-            return
-        done.add(n)
-        for ref in ir.nodes[n].inputs:
-            dep = parse_tensor(ref)[0]
-            if dep in inside:
-                visit(dep)
-        out.append(n)
-
-    for n in names:
-        visit(n)
-    return out
 
 
 def _ref(node: str, idx: int) -> str:

@@ -78,10 +78,11 @@ def split(ir: IR, towers, triple: tuple, counts: list[str], dev: str) -> None:
                        Tparams=I64, Tindices=I64, Taxis=I32)
         shift = add(f"shift_{k}", "Mul", [first_col, lo64], T=I64)
         towers.inputs[k][indices] = add(f"indices_{k}", "Sub", [gathered, shift], T=I64) + ":0"
-        for j, part in enumerate(p for p in [values] + more if p is not None):
+        entries = [p for p in [values] + more if p is not None]
+        vaxis = const(f"vaxis_{k}", 0, I32) if entries else None
+        for j, part in enumerate(entries):
             towers.inputs[k][part] = add(
-                f"values_{k}" if j == 0 else f"values{j}_{k}", "GatherV2",
-                [_ref(part), picked, const(f"vaxis_{k}", 0, I32) if j == 0 else f"{base}/vaxis_{k}"],
+                f"values_{k}" if j == 0 else f"values{j}_{k}", "GatherV2", [_ref(part), picked, vaxis],
                 Tparams=dtypes.as_dtype(ir.output_dtype(part)), Tindices=I64, Taxis=I32) + ":0"
         if shape is not None:
             n64 = add(f"count64_{k}", "Cast", [count], SrcT=I32, DstT=I64, Truncate=False)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate.batchflow.loss import (ONES, UNIFORM, Term, behind, positive_shift, sync_sources,
-                                      vanishes_with_count, weigh)
+from replicate.batchflow.loss import (ONES, UNIFORM, Term, behind, positive_shift, shares_suffice,
+                                      sync_sources, weigh)
 from replicate.errors import AnalysisError
 from replicate.facts import GradScope, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -139,15 +139,15 @@ def _global_denominators(flow, terms: list[Term]) -> tuple[list[Term], list[Reas
     - alone, when its numerator need not vanish where the count does (``sum(loss) /
       sum(mask)``: a tower whose mask is all zero has a nonzero numerator over a zero count,
       and its share, zero, dropped it: 0.36 off in an independent review). A numerator proven
-      to vanish with the count (:func:`_vanishes_with_count`) keeps the towers' shares, which
-      need no synchronization and keep accumulation's memory savings. A denominator that cannot
-      be synchronized is then a reason."""
+      to vanish with the count (:func:`~replicate.batchflow.loss.shares_suffice`) keeps the
+      towers' shares, which need no synchronization and keep accumulation's memory savings.
+      A denominator that cannot be synchronized is then a reason."""
     batch = [t for t in terms if t.kind != "shared"]
     mixed = len({t.spec for t in batch}) >= 2
     out, reasons = [], []
     for t in terms:
         if _data_ratio(t) and not _positive_shift(flow, t.spec) and (
-                mixed or not _vanishes_with_count(flow, t)):
+                mixed or not shares_suffice(flow.ctx, t.spec, _numerator(flow.ctx.ir, t))):
             converted = _over_global_denominator(flow, t)
             if converted is None and not mixed:
                 reasons.append(Reason(node_of(t.root), f"the loss divides by '{t.spec[1]}', a count "
@@ -161,12 +161,12 @@ def _global_denominators(flow, terms: list[Term]) -> tuple[list[Term], list[Reas
     return out, reasons
 
 
-def _vanishes_with_count(flow, t: Term) -> bool:
-    """Ratio term ``t``'s numerator is zero wherever its count is (see
-    :func:`~replicate.batchflow.loss.vanishes_with_count`)."""
-    ratio = flow.ctx.ir.nodes[node_of(t.root)]
-    return len(ratio.inputs) >= 2 and _same(flow.ctx.ir, ratio.inputs[1], t.spec[1]) \
-        and vanishes_with_count(flow.ctx, ratio.inputs[0], t.spec[1])
+def _numerator(ir: IR, t: Term) -> str | None:
+    """The numerator of ratio term ``t``, when its division reads ``t``'s count."""
+    ratio = ir.nodes[node_of(t.root)]
+    if len(ratio.inputs) >= 2 and _same(ir, ratio.inputs[1], t.spec[1]):
+        return ratio.inputs[0]
+    return None
 
 
 def _data_ratio(t: Term) -> bool:

@@ -98,6 +98,26 @@ def shift(fact: Fact, axis: int, **changes) -> Fact:
     return fact.with_(axis=axis, value=None, **changes)
 
 
+#: Why a branch or loop whose condition reads the batch size (``i < tf.shape(x)[0]``) is mixed.
+SIZE_DECIDES = ("a branch or loop condition decided by the batch size (or another batch value "
+                "that cannot be synchronized): each tower decides with its own count")
+
+#: Why rows of the batch in two orders (see :func:`misaligned`) are mixed.
+MISALIGNED = "pairs rows of the batch kept in two different orders"
+
+
+def condition(ctx: Context, node: Node, pred: Fact) -> tuple[Fact | None, frozenset]:
+    """What a branch or loop condition ``pred`` that is not per example does to the values it
+    decides: ``(mixed, taint)`` when a batch value no tower can synchronize decides (the batch
+    size), else ``(None, taint)`` with the taint they gain (a batch reduction: a coupling)."""
+    taint = pred.taint
+    if pred.kind == RED and not ctx.in_gradient(node):
+        if not pred.src:
+            return mixed(node.name, SIZE_DECIDES, taint), taint
+        taint = taint | {pred.src}
+    return None, taint
+
+
 def misaligned(facts: list[Fact]) -> bool:
     """Rows of one batch as fed (one per example, in order) beside rows of it in another order
     (regrouped by ``dynamic_partition``, reversed): each tower would pair other examples than
@@ -114,8 +134,7 @@ def combine_parts(ctx: Context, node: Node, facts: list[Fact], axis: int) -> Fac
     against the batch as fed) pair other examples in each tower than on one device: mixed."""
     first = facts[0]
     if misaligned(facts):
-        return mixed(node.name, "pairs rows of the batch kept in two different orders",
-                     taint_of(facts))
+        return mixed(node.name, MISALIGNED, taint_of(facts))
     for other in facts[1:]:
         ctx.classes.union(first.cls, other.cls, node.name)
     blocks = {f.block for f in facts}

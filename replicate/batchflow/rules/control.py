@@ -11,8 +11,8 @@ written into them, keyed by the op that created them; their gradients get their 
 from __future__ import annotations
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, join, mixed, shared
-from replicate.batchflow.rules.common import taint_of
+from replicate.batchflow.lattice import MIXED, PART, SHARED, Fact, join, mixed, shared
+from replicate.batchflow.rules.common import condition, taint_of
 from replicate.ir import Node
 
 __all__ = ["merge", "switch", "array_new", "array_write", "array_read", "array_gather",
@@ -35,13 +35,10 @@ def switch(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, "a branch or loop condition decided per example", taint_of(ins))] * 2
     if pred.kind == MIXED:
         return [pred.with_(handle=None)] * 2
-    if pred.kind == RED and not pred.src and not ctx.in_gradient(node):
-        from replicate.batchflow.rules.functional import SIZE_DECIDES
-        return [mixed(node.name, SIZE_DECIDES, pred.taint)] * 2
-    taint = data.taint | pred.taint
-    if pred.kind == RED and pred.src and not ctx.in_gradient(node):
-        taint |= {pred.src}
-    return [data.with_(taint=taint)] * 2
+    bad, taint = condition(ctx, node, pred)
+    if bad is not None:
+        return [bad] * 2
+    return [data.with_(taint=data.taint | taint)] * 2
 
 
 def _key(fact: Fact) -> str | None:

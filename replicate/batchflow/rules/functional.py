@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, RED, SHARED, Fact, join, mixed
-from replicate.batchflow.rules.common import taint_of
+from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, join, mixed
+from replicate.batchflow.rules.common import condition, taint_of
 from replicate.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call"]
@@ -130,22 +130,15 @@ def _outer(ctx: Context, node: Node, fact: Fact | None) -> Fact | None:
     return fact.with_(taint=outer) if outer != fact.taint else fact
 
 
-#: Why a branch or loop whose condition reads the batch size (``i < tf.shape(x)[0]``) is mixed.
-SIZE_DECIDES = ("a branch or loop condition decided by the batch size (or another batch value "
-                "that cannot be synchronized): each tower decides with its own count")
-
-
 def _condition(ctx: Context, node: Node, pred: Fact | None, outs: list[Fact | None]) -> list[Fact | None]:
     if pred is None:
         return outs
     if pred.kind in (PART, MIXED):
         why = "a branch or loop condition decided per example" if pred.kind == PART else pred.why
         return [mixed(node.name, why, pred.taint)] * len(outs)
-    if pred.kind == RED and not pred.src and not ctx.in_gradient(node):
-        return [mixed(node.name, SIZE_DECIDES, pred.taint)] * len(outs)
-    taint = pred.taint
-    if pred.kind == RED and pred.src and not ctx.in_gradient(node):
-        taint = taint | {pred.src}
+    bad, taint = condition(ctx, node, pred)
+    if bad is not None:
+        return [bad] * len(outs)
     return [o.with_(taint=o.taint | taint) if o is not None else None for o in outs]
 
 

@@ -15,8 +15,9 @@ import numpy as np
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import (misaligned, couple, first_mixed, mixed, prologue, red, rows as _rows,
-                                              shared, size_fact, taint_of)
+from replicate.batchflow.rules.common import (MISALIGNED, couple, first_mixed, misaligned, mixed,
+                                              prologue, red, rows as _rows, shared, size_fact,
+                                              taint_of)
 from replicate.batchflow.rules.index import ENTRIES
 from replicate.ir import Node, parse_tensor, tensor_name
 
@@ -164,7 +165,7 @@ def rowwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, f"{node.op} expects the examples on axis 0", taint)] * n
     first = parts_[0]
     if misaligned(parts_):                      # see common.combine_parts
-        return [mixed(node.name, "pairs rows of the batch kept in two different orders", taint)] * n
+        return [mixed(node.name, MISALIGNED, taint)] * n
     for other in parts_[1:]:
         ctx.classes.union(first.cls, other.cls, node.name)
     for i in spec.data:

@@ -22,7 +22,7 @@ has one, a tower's step fails where one device's runs, and the transform refuses
 from __future__ import annotations
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
+from replicate.batchflow.lattice import MIXED, PART, Fact, Sym
 from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, prologue, red,
                                               shared, size_fact)
 from replicate.batchflow.rules.index import ENTRIES, FILLED, UNIQUE, uncounted_rows
