@@ -118,12 +118,16 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
             return None, not_yet
         why = _obstacle(body.ir, body, body.ir.nodes[op], dataclasses.replace(e, path=(op,)))
         fact = body.fact(f"{op}:0")
+        if why is None and fact is not None and fact.kind == SHARED:
+            continue            # each tower's kernel draws what one device draws (same seeds)
         if why is not None or fact is None or fact.kind != PART or fact.block != 1 or fact.outer != 1:
             return None, why or not_yet
         inner.append(Draw(f"{fname}/{op}", "rows", fact.axis, flow.classes.find(fact.cls),
                           len(body.ir.static_shape(f"{op}:0"))))
     if len({d.cls for d in inner}) > 1:
         return None, not_yet
+    if not inner:
+        return Draw(node.name, "same"), None
     return Draw(node.name, "body", cls=inner[0].cls, inner=tuple(inner)), None
 
 

@@ -22,7 +22,7 @@ names by the rewire pass (or is shared and kept); per-example outputs it gives b
 
 from __future__ import annotations
 
-from replicate.batchflow.effects import draws, writes
+from replicate.batchflow.effects import called_functions, draws, writes
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
 from replicate.ir import IR, node_of
 
@@ -47,13 +47,23 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
         if writes(ir, node):
             if _reads_global(ir, flow, node, harmless, inside):
                 out.add(name)
-        elif draws(ir, node):
+        elif draws(ir, node) and not _batch_call(ir, flow, node):
             facts = [flow.fact(f"{name}:{i}") for i in range(len(ir.output_types(node)))]
             if facts and facts[0] is not None and facts[0].kind == SHARED and \
                     all(f is not None and f.kind in (SHARED, PART) for f in facts) and \
                     all(_mergeable(ir, flow, r) for r in node.inputs):
                 out.add(name)
     return out
+
+
+def _batch_call(ir: IR, flow, node) -> bool:
+    """True for a call or loop (``While``, ``If``, a defun) that reads per-example rows: it is
+    the towers' own work, its draws are reproduced per tower by the draw pass, and what it
+    hands its gradient (a loop's accumulators) cannot be cut into rows."""
+    if not (called_functions(node) or ir.function(node.op) is not None):
+        return False
+    return any((f := flow.fact(r)) is not None and f.kind != SHARED for r in node.inputs
+               if not ir.is_handle(r))
 
 
 def _mergeable(ir: IR, flow, ref: str) -> bool:

@@ -57,12 +57,15 @@ class Clone:
             members = [n for n in region if k == 0 or n in analysis.needed]
             inside = set(members)
             slices = towers.inputs[k]
+            # a batch input is cut per tower: colocation with the whole of it (a TF1
+            # TensorArray's unstack of the batch) would pull a tower's op off its device
+            split = gone | {node_of(t) for t in slices}
             for name in members:
                 node = ir.nodes[name]
                 inputs = [self._map_input(ref, inside, slices, prefix) for ref in node.inputs]
                 control = [f"{prefix}/{c}" if c in inside else c for c in node.control
                            if c in inside or c not in analysis.region_set]
-                attrs = self._attrs(node, k, prefix, inside, gone, name in analysis.draws)
+                attrs = self._attrs(node, k, prefix, inside, split, name in analysis.draws)
                 where = anchors[name] or device
                 if where == device and not has_kernel(node.op, kinds[k], node.attrs):
                     where = hosts[k]

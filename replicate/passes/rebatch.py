@@ -97,7 +97,8 @@ class Rebatch:
         for name, forward in sorted(plan.slice_pads.items()):
             self._slice_pad(name, forward)
             done.append(name)
-        done += self._relax_element_shapes({name for name, _ in plan.attrs})
+        done += self._relax_element_shapes({name for name, _ in plan.attrs},
+                                           {v for v in analysis.classes.values() if v})
         relaxed = self._relax_call_shapes({v for v in analysis.classes.values() if v})
         if relaxed:
             log.info("rebatch: %d conds and loops no longer state the static batch", len(relaxed))
@@ -239,12 +240,15 @@ class Rebatch:
                               attrs={"T": index, "N": 2, "axis": 1}).name
             ir.set_input(copy, 1, paddings)
 
-    def _relax_element_shapes(self, planned: set[str]) -> list[str]:
-        """A tower's TensorArray keeps its rank but not its element dimensions, unless the
-        analysis resized them: ``element_shape`` only checks the elements written, and a
-        static global batch in it (a ``dynamic_rnn`` over a static batch) would refuse the
-        tower's rows. Relaxing a check changes no value."""
+    def _relax_element_shapes(self, planned: set[str], static: set[int]) -> list[str]:
+        """A tower's TensorArray keeps its rank but not its element dimensions that are a
+        multiple of a static batch size, unless the analysis resized them: ``element_shape``
+        only checks the elements written, and a static global batch in it (a ``dynamic_rnn``
+        over a static batch) would refuse the tower's rows. Relaxing a check changes no value;
+        the other dimensions stay (stacking an empty array needs them: an empty tower)."""
         relaxed = []
+        if not static:
+            return relaxed
         for name in sorted(n.name for n in self.ir if n.op in RELAXED_SHAPE_ATTRS):
             if name in planned:
                 continue
@@ -255,9 +259,10 @@ class Rebatch:
                     continue
                 out = attr_value_pb2.AttrValue()
                 out.CopyFrom(self.ir.nodes[copy].attrs[attr])
-                if out.shape.unknown_rank or all(d.size < 0 for d in out.shape.dim):
+                batch = [d for d in out.shape.dim if d.size > 0 and any(d.size % s == 0 for s in static)]
+                if out.shape.unknown_rank or not batch:
                     continue
-                for d in out.shape.dim:
+                for d in batch:
                     d.size = -1
                 self.ir.set_attr(copy, attr, out)
                 relaxed.append(copy)

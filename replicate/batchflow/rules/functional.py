@@ -169,7 +169,30 @@ def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
     else:
         return _unanalysable(ctx, node, ins, f"the loop variables of '{node.name}' did not settle")
     pred = call(ctx, node, cond, refs, facts)
-    return _condition(ctx, node, pred[0] if pred else None, facts)
+    decided = _condition(ctx, node, pred[0] if pred else None, facts)
+    kept = _passed_through(ctx, node, refs)
+    return [f if i in kept else d for i, (f, d) in enumerate(zip(facts, decided))]
+
+
+def _passed_through(ctx: Context, node: Node, refs: list[str]) -> set[int]:
+    """The loop variables the body returns unchanged (a variable's handle, a captured weight):
+    however often the loop runs, they leave it as they entered."""
+    found = _body(ctx, node.attr("body"), [ctx.shape(r) for r in refs])
+    if found is None:
+        return set()
+    body, args, outs = found
+    kept = set()
+    for i, (arg, out) in enumerate(zip(args, outs)):
+        cur = out
+        while True:
+            name, _ = parse_tensor(cur)
+            inner = body.nodes.get(name)
+            if inner is None or inner.op not in ("Identity", "IdentityN") or not inner.inputs:
+                break
+            cur = inner.inputs[parse_tensor(cur)[1] if inner.op == "IdentityN" else 0]
+        if tensor_name(*parse_tensor(cur)) == tensor_name(*parse_tensor(arg)):
+            kept.add(i)
+    return kept
 
 
 def if_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
