@@ -29,7 +29,8 @@ FEATURES = 4
 CLASSES = 3
 HIDDEN = 5
 
-BLOCKS = ("dense", "cond", "while", "defun", "map_fn", "dropout", "dropout_in_cond",
+BLOCKS = ("dense", "cond", "while", "defun", "map_fn", "map_fn_weight", "scan_over_batch",
+          "dropout_in_map_fn", "dropout", "dropout_in_cond",
           "noise_in_while", "layers_bn", "layers_dropout", "keras_dropout", "clip_grad",
           "clip_grad_by_norm", "shape_arith", "drop_last_row", "reshape_fold",
           "segment_mean_by_label", "partition_by_label", "class_frequency")
@@ -39,8 +40,11 @@ HEADS = ("mean_ce", "sum_ce", "masked_mean", "masked_mean_plus_l2", "vector_deno
 #: The categories docs/testing.md lists, by the blocks and heads that exercise them.
 CATEGORIES = {
     "cond_v2 / while_v2 / defun / map_fn bodies": ("cond", "while", "defun", "map_fn",
-                                                   "dropout_in_cond", "noise_in_while"),
-    "random ops": ("dropout", "dropout_in_cond", "noise_in_while", "layers_dropout", "keras_dropout"),
+                                                   "map_fn_weight", "scan_over_batch",
+                                                   "dropout_in_map_fn", "dropout_in_cond",
+                                                   "noise_in_while"),
+    "random ops": ("dropout", "dropout_in_cond", "noise_in_while", "dropout_in_map_fn",
+                   "layers_dropout", "keras_dropout"),
     "layers with a training placeholder": ("layers_bn", "layers_dropout", "keras_dropout"),
     "custom gradients": ("clip_grad", "clip_grad_by_norm"),
     "integer arithmetic on tf.shape": ("shape_arith", "drop_last_row", "reshape_fold"),
@@ -87,7 +91,7 @@ class Program:
 
 def draw(seed: int) -> Program:
     """Program ``seed``. The first block and the head go round the vocabulary with the seed,
-    so any 19 consecutive seeds use every block and any 12 every head."""
+    so any 22 consecutive seeds use every block and any 12 every head."""
     rng = random.Random(seed)
     towers = rng.choice([2, 3])
     blocks = (BLOCKS[seed % len(BLOCKS)],) + tuple(rng.choice(BLOCKS) for _ in range(rng.choice([1, 2])))
@@ -127,6 +131,14 @@ def _block(kind: str, h, i: int, ctx: dict):
         return body(h, tf.identity(w))
     if kind == "map_fn":
         return tf.map_fn(lambda row: tf.nn.tanh(row * 1.5 + 0.1), h)
+    if kind == "map_fn_weight":
+        w = v1.get_variable(name, [HIDDEN, HIDDEN], initializer=v1.glorot_uniform_initializer(seed=s))
+        return tf.map_fn(lambda row: tf.nn.tanh(tf.linalg.matvec(w, row, transpose_a=True)), h)
+    if kind == "scan_over_batch":
+        # a running state over the examples: not per example
+        return tf.scan(lambda a, row: 0.5 * a + row, h, initializer=tf.zeros([HIDDEN]))
+    if kind == "dropout_in_map_fn":
+        return tf.map_fn(lambda row: tf.nn.dropout(row, rate=0.3, seed=s), h, parallel_iterations=1)
     if kind == "dropout":
         return tf.nn.dropout(h, rate=0.3, seed=s)
     if kind == "dropout_in_cond":

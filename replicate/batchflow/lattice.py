@@ -41,7 +41,7 @@ import dataclasses
 from typing import Any
 
 __all__ = ["Fact", "Sym", "SHARED", "PART", "RED", "MIXED", "shared", "part", "red", "mixed",
-           "join", "MERGES", "Classes", "LIST", "EMPTY_LIST"]
+           "join", "MERGES", "Classes", "LIST", "EMPTY_LIST", "ROWS"]
 
 SHARED = "shared"
 PART = "part"
@@ -52,6 +52,10 @@ MIXED = "mixed"
 EMPTY_LIST = "list:empty"
 #: The handle of a TensorList fact, whose other fields describe its elements.
 LIST = "list"
+#: The handle of a TensorList with one element per example of the batch, in order (the rows
+#: ``tf.map_fn`` iterates over, and the results it collects): the fact is that of the stacked
+#: list, partitioned along axis 0.
+ROWS = "list:rows"
 
 #: How a RED value combines across towers: linear (sum/mean/ratio/count) or extreme (max/min).
 MERGES = ("sum", "mean", "ratio", "count", "size", "max", "min", "other")

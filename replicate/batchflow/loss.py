@@ -118,6 +118,15 @@ FIXES = (
      "bound the loop or decide the branch by a constant or a fed value, not tf.shape(x)[0]"),
     ("with the batch size as its value",
      "divide the summed loss by the batch size instead, or feed the global batch size"),
+    ("a loop over the batch's examples draws",
+     "draw the noise for the whole batch before tf.map_fn (one tf.nn.dropout on the stacked "
+     "result), or train this graph on one device"),
+    ("carries a value from one example to the next",
+     "keep each example's computation to itself (tf.map_fn, not tf.scan over the batch), or "
+     "train this graph on one device"),
+    ("puts values of the whole batch into its results",
+     "compute what the examples share (a batch mean, the batch size) outside the loop and "
+     "feed it as a constant, or train this graph on one device"),
     ("two different orders",
      "keep the examples in the order they are fed (regroup both sides alike), or train this "
      "graph on one device"),

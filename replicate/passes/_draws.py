@@ -106,6 +106,13 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
                       "depend on scheduling, so one device need not reproduce its own draws",
                       "build the loop with parallel_iterations=1 (dynamic_rnn(..., "
                       "parallel_iterations=1)): its draws are then reproduced exactly")
+    trips = flow.fact(f"{node.name}:0") if node.op.endswith("While") else None
+    if trips is not None and trips.kind != SHARED:
+        return None, (f"random op '{first.path[-1]}' ({first.op}) inside loop '{node.name}' draws "
+                      "once per iteration, and the loop runs a number of iterations that depends "
+                      "on the batch: a tower's iteration t is not one device's",
+                      "bound the loop by a constant or a fed value, or draw the noise for the "
+                      "whole batch before the loop")
     inner = []
     for e in effects:
         fname, op = e.path[1], e.path[2]

@@ -73,10 +73,12 @@ class Clone:
                 ir.add_node(Node(f"{prefix}/{name}", node.op, inputs, control, where, attrs))
             copies.append({n: f"{prefix}/{n}" for n in members})
         ir.facts["copies"] = copies
+        outer = _function_colocation(ir)
         if moved:
             analysis.warnings.append(f"{moved} tower ops have no kernel for their tower's device "
                                      "type and run on the same task's CPU")
-        log.info("cloned %d region nodes into %d towers", len(region), len(towers.prefixes))
+        log.info("cloned %d region nodes into %d towers (%d colocations of function nodes with "
+                 "the calling graph dropped)", len(region), len(towers.prefixes), outer)
         return PassResult(ir, True)
 
     @staticmethod
@@ -154,3 +156,26 @@ class Clone:
         if not changed:
             return attrs
         return {**attrs, **changed}
+
+
+def _function_colocation(ir: IR) -> int:
+    """Drop the ``_class`` colocation of function nodes with nodes of the calling graph (a
+    gradient loop's ops colocated with the forward ops outside it): every tower calls the same
+    function, so once inlined the towers' copies would all join one group, on no one device."""
+    dropped = 0
+    for fdef in (ir.library.function if ir.library is not None else ()):
+        own = {n.name for n in fdef.node_def}
+        for node in fdef.node_def:
+            if "_class" not in node.attr:
+                continue
+            entries = [e.decode() if isinstance(e, bytes) else e for e in node.attr["_class"].list.s]
+            kept = [e for e in entries if not e.startswith("loc:@") or e[5:] in own]
+            if len(kept) == len(entries):
+                continue
+            dropped += len(entries) - len(kept)
+            if kept:
+                del node.attr["_class"].list.s[:]
+                node.attr["_class"].list.s.extend(e.encode() for e in kept)
+            else:
+                del node.attr["_class"]
+    return dropped

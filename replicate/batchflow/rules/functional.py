@@ -17,6 +17,7 @@ import logging
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, join, mixed
 from replicate.batchflow.rules.common import condition, taint_of
+from replicate.batchflow.rules.rowloop import rows_loop
 from replicate.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call"]
@@ -152,6 +153,10 @@ def _unanalysable(ctx: Context, node: Node, ins: list[Fact], what: str) -> list[
 def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
     body, cond = node.attr("body"), node.attr("cond")
     refs = node.inputs[:len(ins)]
+    kept = _passed_through(ctx, node, refs)
+    over_rows = rows_loop(ctx, node, ins, _body, call, kept)
+    if over_rows is not None:
+        return over_rows
     facts: list[Fact | None] = list(ins)
     for _ in range(MAX_ITERATIONS):
         outs = call(ctx, node, body, refs, facts)
@@ -170,7 +175,6 @@ def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
         return _unanalysable(ctx, node, ins, f"the loop variables of '{node.name}' did not settle")
     pred = call(ctx, node, cond, refs, facts)
     decided = _condition(ctx, node, pred[0] if pred else None, facts)
-    kept = _passed_through(ctx, node, refs)
     return [f if i in kept else d for i, (f, d) in enumerate(zip(facts, decided))]
 
 
