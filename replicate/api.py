@@ -543,4 +543,4 @@ def _report(ir: IR, analysis: Analysis, towers: Towers, devices: list[str], cont
         passes=[dataclasses.asdict(r) for r in records],
         mirrored=list(ir.facts.get("mirrored", [])),
         shared_why=dict(analysis.demoted), train_ops=list(analysis.train_ops),
-        tower0_values=list(analysis.tower0_values))
+        tower0_values=list(analysis.tower0_values), phases=list(analysis.phases))

@@ -147,6 +147,10 @@ class Analysis:
     denominators: dict[str, tuple] = dataclasses.field(default_factory=dict)
     flow: Any = None
     draws: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Ops outside the towers that tower gradient code waits for by a control edge: the
+    #: train op of an earlier phase of the step (a GAN's discriminator update, pix2pix), applied
+    #: once from the merged gradients before the towers compute the next phase's gradients.
+    phases: list[str] = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def region_set(self) -> frozenset[str]:

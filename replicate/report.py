@@ -62,6 +62,7 @@ class Report:
     random: dict[str, Any] = dataclasses.field(default_factory=dict)
     check: dict[str, Any] = dataclasses.field(default_factory=dict)
     tower0_values: list[str] = dataclasses.field(default_factory=list)
+    phases: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""
@@ -93,6 +94,9 @@ class Report:
             why = self.shared_why.get(name)
             lines.append(f"  shared input  {name}  (not split{': ' + why if why else ''})")
         lines.append(f"  optimizers    {', '.join(self.optimizers) or 'none'}  ({count(self.updates, 'update')})")
+        if self.phases:
+            lines.append(f"  phases        {len(self.phases) + 1} in one step: the towers' later gradients "
+                         f"wait for {', '.join(self.phases)}, applied once from the merged gradients")
         lines.append(f"  variables     {self.variables} ({self.trainable_variables} updated by the optimizer), "
                      f"{_human_bytes(self.variable_bytes)}")
         if self.global_step:

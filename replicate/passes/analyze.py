@@ -87,7 +87,9 @@ class Analyze:
         crossing = [tensor_name(n, parse_tensor(r)[1]) for n in in_grad for c in ir.consumers(n)
                     if c.name not in in_grad for r in c.inputs if node_of(r) == n]
         crossing = list(dict.fromkeys(sorted(crossing, key=_order(ir))))
-        region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses])
+        barriers = _barriers(ir, graph, apply_ops, in_grad)
+        region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses], barriers)
+        phases, phase_reasons = _phases(ir, graph, region, barriers, apply_ops)
         candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
         forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
         if self.shared_inputs:       # never split what the user says every tower reads whole
@@ -117,7 +119,7 @@ class Analyze:
         shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates + sorted(followers))
                          if t not in flow.inputs]
         primary = batch_inputs[0].cls
-        reasons = _weights.assign(grad_scopes, flow, primary)
+        reasons = _weights.assign(grad_scopes, flow, primary) + phase_reasons
         reasons += _custom.settle(ir, flow, region, grad_scopes)
         couplings = flow.couplings()
         reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
@@ -223,22 +225,30 @@ class Analyze:
             denominators=flow.denominators(),
             flow=flow,
             draws=reproduced,
+            phases=phases,
         )
         _exactness.collect(ir, analysis)
         ir.facts["analysis"] = analysis
         return PassResult(ir, False)
 
     # ------------------------------------------------------------------ pieces
-    def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str]) -> tuple[list[str], set[str]]:
-        stop: set[str] = set()
+    def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str], barriers: set[str]
+                ) -> tuple[list[str], set[str]]:
+        stop: set[str] = set(barriers)
         for name, node in ir.nodes.items():
             if node.op in ops.VARIABLE_OPS or node.op in ops.INPUT_SOURCE_OPS or _large_const(ir, node):
                 stop.add(name)
         seen = ir.ancestors(targets, graph, stop=stop)
-        applies = [n for n in seen if ir.nodes[n].op in ops.APPLY_OPS]
-        if applies:
-            raise AnalysisError(f"optimizer update '{applies[0]}' runs before a gradient is "
-                                "computed; sequential optimizers cannot be replicated")
+        applies = [n for n in seen if ir.nodes[n].op in ops.APPLY_OPS and n not in barriers]
+        read = [node_of(r) for n in seen if n not in stop for r in ir.nodes[n].inputs
+                if node_of(r) in barriers and not _variable_read(ir, node_of(r))]
+        if applies or read:
+            first = applies[0] if applies else read[0]
+            raise AnalysisError(f"'{first}' runs after an optimizer update and the towers' "
+                                "gradient computation reads its value: the towers would wait "
+                                "for an update that itself waits for them. Chain the phases "
+                                "by control edges only (tf.control_dependencies around the "
+                                "later compute_gradients), reading variables after the update")
         # A v1 loop's unused exits and switches belong with the rest of the loop.
         work = [n for n in seen if n not in stop]
         while work:
@@ -440,3 +450,51 @@ def _synchronized_statistics(ir: IR, outputs: list, couplings: list[str]) -> lis
     merged = {node_of(f.tensor) for f in outputs if f.role != "recompute"
               and node_of(f.tensor) in fused and parse_tensor(f.tensor)[1] == 0}
     return [f for f in outputs if not (node_of(f.tensor) in merged and parse_tensor(f.tensor)[1] > 0)]
+
+
+def _barriers(ir: IR, graph: nx.DiGraph, apply_ops, in_grad: set[str]) -> set[str]:
+    """Optimizer updates, and the train ops, state updates and variable reads after them that
+    are not gradient code (the train op of a discriminator that a generator's gradients wait
+    for, pix2pix-style): the phases of one step. Code that waits for one (by a control edge)
+    runs in the towers after the update, which runs once; the region stops there."""
+    # optimizer kernels only: their gradients are merged like every optimizer's; a plain
+    # assignment from gradient rows (per-example state written by hand) stays in the region
+    updates = {a.name for a in apply_ops if a.name in graph and ir.nodes[a.name].op in ops.APPLY_OPS}
+    after: set[str] = set()
+    for name in updates:
+        after |= nx.descendants(graph, name)
+    return updates | {n for n in after if n not in in_grad and (
+        ir.nodes[n].op in ("NoOp",) or ir.nodes[n].op in ops.MUTATING_OPS
+        or ir.nodes[n].op in ops.APPLY_OPS or _variable_read(ir, n))}
+
+
+def _phases(ir: IR, graph: nx.DiGraph, region: list[str], barriers: set[str], apply_ops
+            ) -> tuple[list[str], list[Reason]]:
+    """The barriers tower ops wait for, and why a phase is not exact: a reference variable
+    updated in an earlier phase and read in the towers (on one device the later gradient code
+    reads the variable's buffer, updated in place or not depending on when the read's
+    consumers run; a tower reads a copy made before the update)."""
+    inside = set(region)
+    waits = sorted({c for n in region for c in ir.nodes[n].control if c in barriers})
+    if not waits:
+        return [], []
+    earlier = ir.ancestors(waits, graph)
+    reasons = []
+    for apply in apply_ops:
+        var = ir.nodes.get(apply.variable)
+        if apply.name not in earlier or var is None or var.op not in ("VariableV2", "Variable"):
+            continue
+        if any(c.name in inside for c in ir.consumers(var.name)):
+            reasons.append(Reason(apply.name, f"reference variable '{var.name}' is updated in an "
+                                  "earlier phase of the step and read by the towers: on one device "
+                                  "the later gradients read its buffer, which the update changes in "
+                                  "place", "create the variables with use_resource=True (reads are "
+                                  "then values)"))
+    return waits, reasons
+
+
+def _variable_read(ir: IR, name: str) -> bool:
+    """A read of a variable's value (``ReadVariableOp``, a reference variable's ``Identity``)."""
+    node = ir.nodes[name]
+    return node.op == "ReadVariableOp" or (node.op == "Identity" and bool(node.inputs)
+                                           and ir.nodes[node_of(node.inputs[0])].op in ops.VARIABLE_OPS)

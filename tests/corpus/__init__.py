@@ -38,6 +38,7 @@ PROGRAMS = [
     "gcn",
     "transformer",
     "bilstm_crf",
+    "pix2pix",
 ]
 
 __all__ = ["PROGRAMS"]
