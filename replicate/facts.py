@@ -151,6 +151,10 @@ class Analysis:
     #: train op of an earlier phase of the step (a GAN's discriminator update, pix2pix), applied
     #: once from the merged gradients before the towers compute the next phase's gradients.
     phases: list[str] = dataclasses.field(default_factory=list)
+    #: Reads of reference variables an earlier phase updates, by region consumers that wait
+    #: for it: consumer -> {input position: (variable, barriers)}; each tower reads again
+    #: after the barriers (on one device the consumer sees the buffer updated in place).
+    phase_reads: dict[str, dict[int, tuple[str, tuple[str, ...]]]] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def region_set(self) -> frozenset[str]:

@@ -145,3 +145,25 @@ def test_shared_inputs_are_never_split():
                             shared_inputs=["class_weights:0"])
     with pytest.raises(replicate.ReplicateError, match="not a tensor of the graph"):
         replicate.transform(graph, ["/cpu:1", "/cpu:2"], shared_inputs=["nope:0"])
+
+
+def test_batch_inputs_that_cannot_be_made_consistent_are_refused():
+    """A full-batch graph convolution: every node's output depends on every node, so labels
+    and a mask named as batch inputs pair row by row with a value that has no batch axis.
+    The rewrite could not run (its gradient needs every row); the override is refused at
+    transform time, naming the value."""
+    n, f, c = 6, 3, 2
+    graph = tf.Graph()
+    with graph.as_default():
+        adj = v1.placeholder(tf.float32, [n, n], name="adj")
+        feats = v1.placeholder(tf.float32, [n, f], name="features")
+        labels = v1.placeholder(tf.float32, [None, c], name="labels")
+        mask = v1.placeholder(tf.float32, [None], name="mask")
+        w1 = v1.get_variable("w1", [f, 4], initializer=v1.glorot_uniform_initializer(seed=1))
+        w2 = v1.get_variable("w2", [4, c], initializer=v1.glorot_uniform_initializer(seed=2))
+        logits = adj @ tf.nn.relu(adj @ feats @ w1) @ w2
+        ce = tf.nn.softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        loss = tf.identity(tf.reduce_sum(ce * mask) / tf.reduce_sum(mask), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    with pytest.raises(replicate.ReplicateError, match="no batch axis"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2"], batch_inputs=["labels:0", "mask:0"])

@@ -100,11 +100,17 @@ def test_the_phases_are_what_makes_it_exact():
     assert result.max_rel <= RTOL
 
 
-def test_reference_variables_in_a_chained_step_are_inexact():
-    res, result = _check(_gan(resource=False), 2)
-    assert not res.report.exact
-    assert any("use_resource=True" in str(r) for r in res.report.reasons)
-    assert np.isfinite(result.max_rel)
+@pytest.mark.parametrize("towers,accumulate", [(2, 1), (3, 1), (2, 2)])
+def test_reference_variables_are_read_again_after_the_earlier_phase(towers, accumulate):
+    """On one device the generator's gradient code reads the discriminator's reference
+    variables through ``read`` identities that alias their buffers, so it sees the values
+    the discriminator's update wrote in place; each tower reads them again after the
+    update (without that, 1.6e-5 off on pix2pix at 3 towers)."""
+    res, result = _check(_gan(resource=False), towers, accumulate)
+    assert res.report.exact, res.report.reasons
+    late = [n for n in res.graph_def.node if "/replicate/phase_read/" in n.name]
+    assert late and all(any(c.startswith("^disc_train") for c in n.input) for n in late)
+    assert result.max_rel <= RTOL, (result.worst, result.max_rel)
 
 
 def _two_steps(after_update):

@@ -89,7 +89,7 @@ class Analyze:
         crossing = list(dict.fromkeys(sorted(crossing, key=_order(ir))))
         barriers = _barriers(ir, graph, apply_ops, in_grad)
         region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses], barriers)
-        phases, phase_reasons = _phases(ir, graph, region, barriers, apply_ops)
+        phases, phase_reads = _phases(ir, graph, region, barriers, apply_ops)
         candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
         forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
         if self.shared_inputs:       # never split what the user says every tower reads whole
@@ -106,6 +106,8 @@ class Analyze:
         flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced,
                       sparse=triples)
         _refuse_batch_arithmetic_ranges(ir, flow, region)
+        if forced:
+            _refuse_inconsistent_override(ir, graph, flow, apply_ops, forced)
         classes = flow.classes
         roles = flow.ctx.sparse
         whole = {part_: triple for triple in triples for part_ in triple if part_ in roles}
@@ -119,7 +121,7 @@ class Analyze:
         shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates + sorted(followers))
                          if t not in flow.inputs]
         primary = batch_inputs[0].cls
-        reasons = _weights.assign(grad_scopes, flow, primary) + phase_reasons
+        reasons = _weights.assign(grad_scopes, flow, primary)
         reasons += _custom.settle(ir, flow, region, grad_scopes)
         couplings = flow.couplings()
         reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
@@ -226,6 +228,7 @@ class Analyze:
             flow=flow,
             draws=reproduced,
             phases=phases,
+            phase_reads=phase_reads,
         )
         _exactness.collect(ir, analysis)
         ir.facts["analysis"] = analysis
@@ -469,32 +472,61 @@ def _barriers(ir: IR, graph: nx.DiGraph, apply_ops, in_grad: set[str]) -> set[st
 
 
 def _phases(ir: IR, graph: nx.DiGraph, region: list[str], barriers: set[str], apply_ops
-            ) -> tuple[list[str], list[Reason]]:
-    """The barriers tower ops wait for, and why a phase is not exact: a reference variable
-    updated in an earlier phase and read in the towers (on one device the later gradient code
-    reads the variable's buffer, updated in place or not depending on when the read's
-    consumers run; a tower reads a copy made before the update)."""
+            ) -> tuple[list[str], dict[str, dict[int, tuple[str, tuple[str, ...]]]]]:
+    """The barriers tower ops wait for, and the reads of reference variables that later
+    phases must repeat. On one device the generator's gradient code reads the
+    discriminator's reference variables through their ``read`` identities, which alias the
+    variables' buffers: it sees the values the discriminator's update wrote in place. A
+    tower's copy of such a read runs early, and on another device is a copy made before the
+    update; the tower's waiting ops read the variable again after the barriers instead.
+    Returns ``(barriers waited for, consumer -> {input position: (variable, barriers)})``."""
     inside = set(region)
     waits = sorted({c for n in region for c in ir.nodes[n].control if c in barriers})
     if not waits:
-        return [], []
+        return [], {}
+    # the barriers each region node waits for, directly or through its inputs
+    after: dict[str, set[str]] = {}
+    for barrier in waits:
+        work = [n for n in region if barrier in ir.nodes[n].control]
+        while work:
+            name = work.pop()
+            if barrier in after.setdefault(name, set()):
+                continue
+            after[name].add(barrier)
+            work.extend(s for s in graph.successors(name) if s in inside)
     earlier = ir.ancestors(waits, graph)
-    reasons = []
-    for apply in apply_ops:
-        var = ir.nodes.get(apply.variable)
-        if apply.name not in earlier or var is None or var.op not in ("VariableV2", "Variable"):
-            continue
-        if any(c.name in inside for c in ir.consumers(var.name)):
-            reasons.append(Reason(apply.name, f"reference variable '{var.name}' is updated in an "
-                                  "earlier phase of the step and read by the towers: on one device "
-                                  "the later gradients read its buffer, which the update changes in "
-                                  "place", "create the variables with use_resource=True (reads are "
-                                  "then values)"))
-    return waits, reasons
-
+    updated = {a.variable for a in apply_ops if a.name in earlier and a.variable in ir.nodes
+               and ir.nodes[a.variable].op in ("VariableV2", "Variable")}
+    reads: dict[str, dict[int, tuple[str, tuple[str, ...]]]] = {}
+    for name, deps in after.items():
+        for i, ref in enumerate(ir.nodes[name].inputs):
+            read = ir.nodes.get(node_of(ref))
+            if read is not None and read.op == "Identity" and read.inputs \
+                    and node_of(read.inputs[0]) in updated and node_of(ref) not in after:
+                reads.setdefault(name, {})[i] = (node_of(read.inputs[0]), tuple(sorted(deps)))
+    return waits, reads
 
 def _variable_read(ir: IR, name: str) -> bool:
     """A read of a variable's value (``ReadVariableOp``, a reference variable's ``Identity``)."""
     node = ir.nodes[name]
     return node.op == "ReadVariableOp" or (node.op == "Identity" and bool(node.inputs)
                                            and ir.nodes[node_of(node.inputs[0])].op in ops.VARIABLE_OPS)
+
+
+def _refuse_inconsistent_override(ir: IR, graph: nx.DiGraph, flow, apply_ops, forced) -> None:
+    """Named batch inputs that pair row by row with a value the model computes from its
+    trained variables over the whole graph (a full-batch GCN's node outputs beside its
+    labels): the towers would have to cut that value to their rows, and its gradient code
+    expects every row, so the rewrite could not run. Refused, naming the value."""
+    trained = {a.variable for a in apply_ops}
+    for tensor in sorted(set(flow.plan.splits) | set(flow.plan.slices)):
+        name = node_of(tensor)
+        if trained & ir.ancestors([name], graph):
+            named = ", ".join(sorted(forced))
+            raise AnalysisError(
+                f"batch_inputs ({named}): '{tensor}' has no batch axis (it is computed from the "
+                "trained variables over the whole input, every row from every other) but is "
+                "paired row by row with the named batch inputs, so each tower would need its "
+                "rows of a value whose gradient needs all of them; there is no batch to split "
+                "here: name inputs whose rows are examples (the features the rows are computed "
+                "from), or train this graph on one device")

@@ -63,6 +63,9 @@ class Clone:
             for name in members:
                 node = ir.nodes[name]
                 inputs = [self._map_input(ref, inside, slices, prefix) for ref in node.inputs]
+                for position, (variable, barriers) in analysis.phase_reads.get(name, {}).items():
+                    inputs[position] = self._late_read(ir, node.inputs[position], variable,
+                                                       barriers, prefix)
                 control = [f"{prefix}/{c}" if c in inside else c for c in node.control
                            if c in inside or c not in analysis.region_set]
                 attrs = self._attrs(node, k, prefix, inside, split, name in analysis.draws)
@@ -80,6 +83,18 @@ class Clone:
         log.info("cloned %d region nodes into %d towers (%d colocations of function nodes with "
                  "the calling graph dropped)", len(region), len(towers.prefixes), outer)
         return PassResult(ir, True)
+
+    @staticmethod
+    def _late_read(ir: IR, read: str, variable: str, barriers: tuple[str, ...], prefix: str) -> str:
+        """The tower's read of reference variable ``variable`` after ``barriers`` (an earlier
+        phase's update), beside the variable, for the tower ops that wait for them."""
+        name = f"{prefix}/replicate/phase_read/{variable}"
+        if name not in ir.nodes:
+            original = ir.nodes[node_of(read)]
+            attrs = {k: v for k, v in original.attrs.items() if k != "_class"}
+            ir.add_node(Node(name, "Identity", [variable], sorted(barriers),
+                             ir.nodes[variable].device, attrs))
+        return name
 
     @staticmethod
     def _map_input(ref: str, inside: set[str], slices: dict[str, str], prefix: str) -> str:
