@@ -17,7 +17,7 @@ import logging
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, join, mixed
 from replicate.batchflow.rules.common import condition, taint_of
-from replicate.batchflow.rules.rowloop import rows_loop
+from replicate.batchflow.rules.rowloop import behind, rows_loop
 from replicate.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call"]
@@ -185,18 +185,8 @@ def _passed_through(ctx: Context, node: Node, refs: list[str]) -> set[int]:
     if found is None:
         return set()
     body, args, outs = found
-    kept = set()
-    for i, (arg, out) in enumerate(zip(args, outs)):
-        cur = out
-        while True:
-            name, _ = parse_tensor(cur)
-            inner = body.nodes.get(name)
-            if inner is None or inner.op not in ("Identity", "IdentityN") or not inner.inputs:
-                break
-            cur = inner.inputs[parse_tensor(cur)[1] if inner.op == "IdentityN" else 0]
-        if tensor_name(*parse_tensor(cur)) == tensor_name(*parse_tensor(arg)):
-            kept.add(i)
-    return kept
+    return {i for i, (arg, out) in enumerate(zip(args, outs))
+            if behind(body, out) == tensor_name(*parse_tensor(arg))}
 
 
 def if_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:

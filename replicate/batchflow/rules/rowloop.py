@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.effects import draws
-from replicate.batchflow.lattice import LIST, MIXED, PART, RED, ROWS, SHARED, Fact, Sym, join, mixed, red, shared
+from replicate.batchflow.lattice import LIST, PART, RED, ROWS, SHARED, Fact, Sym, join, mixed, red, shared
 from replicate.ir import IR, Node, parse_tensor, tensor_name
 
-__all__ = ["rows_loop", "ROW"]
+__all__ = ["rows_loop", "ROW", "behind"]
 
 #: Taint of the values of a loop's current example (never leaves the loop's rule).
 ROW = "replicate:row"
@@ -151,8 +151,8 @@ def _list_result(node: Node, cls: int, before: Fact, after: Fact) -> Fact:
     return Fact(PART, axis=0, cls=cls, handle=ROWS, taint=_strip(after.taint))
 
 
-def _behind(ir: IR, ref: str) -> str:
-    """``ref`` behind identities, as ``name:index``."""
+def behind(ir: IR, ref: str) -> str:
+    """``ref`` behind identities (of a function body), as ``name:index``."""
     while True:
         name, idx = parse_tensor(ref)
         node = ir.nodes.get(name)
@@ -167,10 +167,10 @@ def _counters(body: IR, args: list[str], outs: list[str], ins: list[Fact]) -> se
     for i, (arg, out) in enumerate(zip(args, outs)):
         if ins[i].kind != SHARED or ins[i].value != (0,):
             continue
-        node = body.nodes.get(parse_tensor(_behind(body, out))[0])
+        node = body.nodes.get(parse_tensor(behind(body, out))[0])
         if node is None or node.op not in ("AddV2", "Add") or len(node.inputs) != 2:
             continue
-        a, b = (_behind(body, r) for r in node.inputs)
+        a, b = (behind(body, r) for r in node.inputs)
         arg = tensor_name(*parse_tensor(arg))
         one = [r for r in (a, b) if r != arg]
         if len(one) == 1 and arg in (a, b):
@@ -187,14 +187,14 @@ def _bound(ctx: Context, found, counters: set[int], ins: list[Fact]) -> int | No
     classes: set[int] = set()
 
     def walk(ref: str) -> bool:
-        node = cond.nodes.get(parse_tensor(_behind(cond, ref))[0])
+        node = cond.nodes.get(parse_tensor(behind(cond, ref))[0])
         if node is None:
             return False
         if node.op == "LogicalAnd":
             return all(walk(r) for r in node.inputs)
         if node.op != "Less" or len(node.inputs) != 2:
             return False
-        a, b = (index.get(_behind(cond, r)) for r in node.inputs)
+        a, b = (index.get(behind(cond, r)) for r in node.inputs)
         if a not in counters or b is None:
             return False
         n = ins[b]
@@ -220,7 +220,7 @@ def _indexed(body: IR, args: list[str], counters: set[int], rows: set[int], grad
         if node.op == "TensorListPopBack" and not gradient:
             return False
         if node.op in ("TensorListGetItem", "TensorListSetItem"):
-            index = _behind(body, node.inputs[1])
+            index = behind(body, node.inputs[1])
             name, _ = parse_tensor(index)
             popped = body.nodes.get(name) is not None and body.nodes[name].op == "TensorListPopBack" \
                 and parse_tensor(index)[1] == 1
@@ -229,7 +229,7 @@ def _indexed(body: IR, args: list[str], counters: set[int], rows: set[int], grad
         if node.op == "TensorListLength" and not gradient and \
                 any(c.op != "TensorListPushBack" for c in body.consumers(node.name)):
             return False
-        if node.op in ("TensorListPushBack",) and parse_tensor(_behind(body, node.inputs[0]))[0] in row_args:
+        if node.op in ("TensorListPushBack",) and parse_tensor(behind(body, node.inputs[0]))[0] in row_args:
             return False
     return True
 
@@ -237,11 +237,11 @@ def _indexed(body: IR, args: list[str], counters: set[int], rows: set[int], grad
 def _carried_sum(body: IR, arg: str, out: str) -> bool:
     """True when the body returns its argument ``arg`` plus something (``AddN``, ``AddV2``)
     and uses ``arg`` nowhere else."""
-    node = body.nodes.get(parse_tensor(_behind(body, out))[0])
+    node = body.nodes.get(parse_tensor(behind(body, out))[0])
     if node is None or node.op not in _SUMS:
         return False
     arg = tensor_name(*parse_tensor(arg))
-    mine = [r for r in node.inputs if _behind(body, r) == arg]
+    mine = [r for r in node.inputs if behind(body, r) == arg]
     if len(mine) != 1:
         return False
     users = [c for c in body.consumers(parse_tensor(arg)[0])]
