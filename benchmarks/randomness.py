@@ -5,13 +5,15 @@
 
 For each model (the seeds' CNN with seeded dropout on its dense layer; a char-RNN-style
 2-layer LSTM, unrolled, with seeded dropout on every step's input and output) and device
-count, one process builds three graphs: one device, replicate's output (every tower draws the
-global batch's mask with the original seeds and keeps its rows) and the same transform with
+count, one process builds three graphs: one device, replicate's output (the global batch's
+mask drawn with the original seeds, once per step for a draw at the top level, and each tower
+keeps its rows) and the same transform with
 the draws left per tower (each tower draws its own mask: what hand-written towers and
 MirroredStrategy do; the analysis is told no draw needs care). Rounds are interleaved and
 the median step time is reported; ``exact/streams`` is the overhead of exactness. The extra
-memory is computed from the shapes: each tower holds a ``B``-row mask instead of ``B/N``
-rows until the slice. Results go to ``benchmarks/results/randomness.json``.
+memory is computed from the shapes: a top-level draw's ``B``-row mask lives beside the towers'
+slices until they are cut (one mask, ``B`` rows), a draw in a loop holds ``B`` rows in every
+tower instead of ``B/N``. Results go to ``benchmarks/results/randomness.json``.
 """
 
 from __future__ import annotations
@@ -92,14 +94,17 @@ def _step(graph: tf.Graph, feed: dict, cpus: int):
 
 
 def _extra_bytes(graph: tf.Graph, res) -> int:
-    """Bytes per example of the global batch that the towers' masks add, all towers together:
-    each tower draws every example's row and keeps 1/N of them (float32)."""
+    """Bytes per example of the global batch that the masks add, all towers together (float32):
+    a draw made once per step holds every example's row once until the towers' slices are
+    cut; one made in every tower holds it in N - 1 towers more."""
     towers = len(res.towers.devices)
-    row_bytes = 0
+    shared = {n.name for n in res.graph_def.node if n.name.startswith("replicate/draw/")}
+    extra = 0
     for name in res.report.random.get("reproduced", {}):
         dims = graph.get_operation_by_name(name).outputs[0].shape.as_list()
-        row_bytes += int(np.prod([d for d in dims[1:] if d is not None] or [1])) * 4
-    return row_bytes * (towers - 1)
+        row_bytes = int(np.prod([d for d in dims[1:] if d is not None] or [1])) * 4
+        extra += row_bytes * (1 if f"replicate/draw/{name}" in shared else towers - 1)
+    return extra
 
 
 def measure(model: str, n: int, rounds: int, per_round: int) -> dict:

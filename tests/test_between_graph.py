@@ -543,3 +543,41 @@ def test_sparse_input_local_batches_is_exact(local):
     for worker in out:
         diff, worst = drv.largest_difference(worker["final"], single)
         assert diff <= RTOL, f"{worst} differs from one device by {diff:.3g}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("resource", [True, False])
+def test_chained_optimizers_run_as_phases_across_workers(local, resource):
+    """pix2pix-style phases between graphs: every worker's generator gradients wait for the
+    discriminator's update, applied once from all workers' gradients."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        z = v1.placeholder(tf.float32, [None, 3], name="z")
+        with v1.variable_scope("gen", use_resource=resource):
+            fake = v1.layers.dense(tf.nn.relu(v1.layers.dense(z, 5)), 4)
+        with v1.variable_scope("disc", use_resource=resource):
+            def disc(t, reuse):
+                with v1.variable_scope("d", reuse=reuse):
+                    return tf.squeeze(v1.layers.dense(tf.nn.tanh(v1.layers.dense(t, 5, name="h")), 1,
+                                                      name="o"), 1)
+            real, fake_logit = disc(x, False), disc(fake, True)
+        xent = tf.nn.sigmoid_cross_entropy_with_logits
+        d_loss = tf.reduce_mean(xent(labels=tf.ones_like(real), logits=real)
+                                + xent(labels=tf.zeros_like(fake_logit), logits=fake_logit))
+        g_loss = tf.reduce_mean(xent(labels=tf.ones_like(fake_logit), logits=fake_logit))
+        with tf.name_scope("disc_train"):
+            opt = v1.train.GradientDescentOptimizer(0.3)
+            d_train = opt.minimize(d_loss, var_list=[v for v in v1.trainable_variables() if "disc" in v.name])
+        with tf.name_scope("gen_train"), tf.control_dependencies([d_train]):
+            opt = v1.train.GradientDescentOptimizer(0.3)
+            g_train = opt.minimize(g_loss, var_list=[v for v in v1.trainable_variables() if "gen" in v.name])
+        tf.group(g_train, name="train")
+
+    def feed(rng, b):
+        return {"x:0": rng.randn(b, 4).astype(np.float32), "z:0": rng.randn(b, 3).astype(np.float32)}
+    model = models.Model(graph, "train", feed)
+    res = replicate.transform(graph, "/cpu:0,/cpu:1", between_graph=True, cluster=local.cluster)
+    assert res.report.exact and res.report.phases, str(res.report)
+    _check(local, model, res)

@@ -88,11 +88,11 @@ def test_towers_with_their_own_streams_differ():
     broken = v1.MetaGraphDef()
     broken.CopyFrom(res.meta_graph_def)
     changed = 0
-    for node in broken.graph_def.node:          # undo the fix: each tower its own stream
-        if node.op == "RandomUniform" and node.name.endswith("/global_draw"):
-            node.attr["seed2"].i += 1 + int(node.name.startswith("tower_1"))
+    for node in broken.graph_def.node:          # undo the fix: the towers draw another stream
+        if node.op == "RandomUniform" and node.name.startswith("replicate/draw/"):
+            node.attr["seed2"].i += 1
             changed += 1
-    assert changed == 2
+    assert changed == 1                         # one global draw per step, sliced by the towers
     cmp = compare(graph, broken, "train", _feeds(6))
     assert cmp.max_rel > 1e-3
 

@@ -65,6 +65,9 @@ class Draw:
         for draw in rows:
             if draw.cls not in offsets:
                 offsets[draw.cls] = self._offsets(ir, towers, draw.cls)
+            if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls]):
+                done += [c[draw.name] for c in copies if draw.name in c]
+                continue
             for k in range(len(towers.prefixes)):
                 copy = copies[k].get(draw.name)
                 if copy is None:
@@ -96,6 +99,68 @@ class Draw:
             out.append(ir.add(f"{scope}/offset_{k}", "AddV2", [out[-1], counts[k - 1]],
                               device=device, attrs={"T": dtypes.int32}).name)
         return out
+
+    @staticmethod
+    def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str]) -> bool:
+        """A top-level draw of a shape known but for the batch: drawn once per step outside
+        the towers (``replicate/draw/<op>``, on the first tower's device), each tower's copy
+        becomes a ``Slice`` of its rows. The global shape and each tower's slice bounds are
+        made once per shape and batch class, so a model with many draws (an unrolled LSTM's
+        dropout at every step) adds one op per tower and draw. False when it does not apply."""
+        mine = [(k, c[draw.name]) for k, c in enumerate(copies) if draw.name in c]
+        if not mine or draw.block != 1 or draw.outer != 1 or frames(ir, mine[0][1]):
+            return False
+        first = ir.nodes[mine[0][1]]
+        dims = ir.static_shape(f"{draw.name}:0")
+        if dims is None or any(d is None for i, d in enumerate(dims) if i != draw.axis):
+            return False
+        index = dtypes.as_dtype(ir.output_dtype(first.inputs[0]))
+        out_type = dtypes.as_dtype(ir.output_dtype(f"{first.name}:0"))
+        scope = f"{SCOPE}/class_{draw.cls}"
+        device = ir.nodes[node_of(offsets[0])].device
+        rank, axis = len(dims), draw.axis
+        hot = np.zeros(rank, dtype=index.as_numpy_dtype)
+        hot[axis] = 1
+        tag = f"{index.name}_{rank}_{axis}"
+
+        def cached(name: str, make) -> str:
+            return name if name in ir.nodes else make(name)
+
+        def const(name: str, value) -> str:
+            return cached(f"{scope}/{name}", lambda n: ir.const(n, value, index, device))
+
+        def as_index(ref: str, name: str) -> str:
+            if index == dtypes.int32:
+                return ref
+            return cached(f"{scope}/{name}_{index.name}", lambda n: ir.add(
+                n, "Cast", [ref], device=device,
+                attrs={"SrcT": dtypes.int32, "DstT": index, "Truncate": False}).name)
+
+        def along_axis(name: str, scalar: str, base: str) -> str:
+            """``base`` with ``scalar`` added at the batch axis."""
+            return cached(f"{scope}/{name}", lambda n: ir.add(n, "AddV2", [base, ir.add(
+                f"{n}/at_axis", "Mul", [const(f"axis_mask_{tag}", hot), scalar], device=device,
+                attrs={"T": index}).name], device=device, attrs={"T": index}).name)
+
+        rest = [0 if i == axis else d for i, d in enumerate(dims)]
+        shape = along_axis(f"shape_{'x'.join(map(str, rest))}_{tag}", as_index(
+            towers.class_batch[draw.cls], "batch"), const(f"rest_{'x'.join(map(str, rest))}_{tag}", rest))
+        source = ir.unique_name(f"{SCOPE}/{draw.name}")
+        ir.add_node(Node(source, first.op, [shape] + list(first.inputs[1:]), list(first.control),
+                         first.device, dict(first.attrs)))
+        # one SplitV per draw cuts every tower's rows (cheaper than a Slice per tower)
+        counts = towers.class_counts[draw.cls]
+        sizes = cached(f"{scope}/split_sizes", lambda n: ir.add(
+            n, "Pack", counts, device=device, attrs={"T": dtypes.int32, "N": len(counts), "axis": 0}).name)
+        split = ir.add(f"{source}/rows", "SplitV", [source, sizes, cached(
+            f"{scope}/split_axis_{axis}", lambda n: ir.const(n, axis, dtypes.int32, device))],
+            device=first.device, attrs={"T": out_type, "Tlen": dtypes.int32, "num_split": len(counts)}).name
+        for k, copy in mine:
+            node = ir.nodes[copy]
+            ir.remove_many([copy])
+            ir.add(copy, "Identity", [f"{split}:{k}"], list(node.control), node.device,
+                   attrs={"T": out_type})
+        return True
 
     @staticmethod
     def _rows(ir: IR, copy: str, draw, batch: str, count: str, offset: str) -> None:
