@@ -7,7 +7,8 @@ optimizer's gradients computed by ``tf.gradients`` (``minimize`` or
 Produces: ``ir.facts["analysis"]``, an :class:`~replicate.facts.Analysis`: the train ops,
 variables, batch inputs (decided by the batch dataflow, :mod:`replicate.batchflow`), the
 losses and how each is weighted across towers, optimizer updates, the tower region
-(ancestors of the gradient frontier and the losses, minus variables and input sources),
+(ancestors of the gradient frontier and the losses, minus variables and input sources,
+stopping at the barriers of earlier phases of the step: :mod:`replicate.passes._phases`),
 the gradient and forward frontier with how each tensor combines across towers, the rewrite
 plan for batch sizes baked into the graph, and the reasons the result may not be exact.
 The graph itself is not changed.
@@ -29,7 +30,7 @@ from replicate.batchflow.rules.functional import INSIDE
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _weights
+from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _phases, _weights
 from replicate.passes._frontier import classify
 from replicate.passes._updates import find_train_ops
 from replicate.pipeline import PassResult
@@ -87,9 +88,9 @@ class Analyze:
         crossing = [tensor_name(n, parse_tensor(r)[1]) for n in in_grad for c in ir.consumers(n)
                     if c.name not in in_grad for r in c.inputs if node_of(r) == n]
         crossing = list(dict.fromkeys(sorted(crossing, key=_order(ir))))
-        barriers = _barriers(ir, graph, apply_ops, in_grad)
+        barriers = _phases.barriers(ir, graph, apply_ops, in_grad)
         region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses], barriers)
-        phases, phase_reads = _phases(ir, graph, region, barriers, apply_ops)
+        phases, phase_reads = _phases.phases(ir, graph, region, barriers, apply_ops)
         candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
         forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
         if self.shared_inputs:       # never split what the user says every tower reads whole
@@ -244,7 +245,7 @@ class Analyze:
         seen = ir.ancestors(targets, graph, stop=stop)
         applies = [n for n in seen if ir.nodes[n].op in ops.APPLY_OPS and n not in barriers]
         read = [node_of(r) for n in seen if n not in stop for r in ir.nodes[n].inputs
-                if node_of(r) in barriers and not _variable_read(ir, node_of(r))]
+                if node_of(r) in barriers and not _phases.variable_read(ir, node_of(r))]
         if applies or read:
             first = applies[0] if applies else read[0]
             raise AnalysisError(f"'{first}' runs after an optimizer update and the towers' "
@@ -453,64 +454,6 @@ def _synchronized_statistics(ir: IR, outputs: list, couplings: list[str]) -> lis
     merged = {node_of(f.tensor) for f in outputs if f.role != "recompute"
               and node_of(f.tensor) in fused and parse_tensor(f.tensor)[1] == 0}
     return [f for f in outputs if not (node_of(f.tensor) in merged and parse_tensor(f.tensor)[1] > 0)]
-
-
-def _barriers(ir: IR, graph: nx.DiGraph, apply_ops, in_grad: set[str]) -> set[str]:
-    """Optimizer updates, and the train ops, state updates and variable reads after them that
-    are not gradient code (the train op of a discriminator that a generator's gradients wait
-    for, pix2pix-style): the phases of one step. Code that waits for one (by a control edge)
-    runs in the towers after the update, which runs once; the region stops there."""
-    # optimizer kernels only: their gradients are merged like every optimizer's; a plain
-    # assignment from gradient rows (per-example state written by hand) stays in the region
-    updates = {a.name for a in apply_ops if a.name in graph and ir.nodes[a.name].op in ops.APPLY_OPS}
-    after: set[str] = set()
-    for name in updates:
-        after |= nx.descendants(graph, name)
-    return updates | {n for n in after if n not in in_grad and (
-        ir.nodes[n].op in ("NoOp",) or ir.nodes[n].op in ops.MUTATING_OPS
-        or ir.nodes[n].op in ops.APPLY_OPS or _variable_read(ir, n))}
-
-
-def _phases(ir: IR, graph: nx.DiGraph, region: list[str], barriers: set[str], apply_ops
-            ) -> tuple[list[str], dict[str, dict[int, tuple[str, tuple[str, ...]]]]]:
-    """The barriers tower ops wait for, and the reads of reference variables that later
-    phases must repeat. On one device the generator's gradient code reads the
-    discriminator's reference variables through their ``read`` identities, which alias the
-    variables' buffers: it sees the values the discriminator's update wrote in place. A
-    tower's copy of such a read runs early, and on another device is a copy made before the
-    update; the tower's waiting ops read the variable again after the barriers instead.
-    Returns ``(barriers waited for, consumer -> {input position: (variable, barriers)})``."""
-    inside = set(region)
-    waits = sorted({c for n in region for c in ir.nodes[n].control if c in barriers})
-    if not waits:
-        return [], {}
-    # the barriers each region node waits for, directly or through its inputs
-    after: dict[str, set[str]] = {}
-    for barrier in waits:
-        work = [n for n in region if barrier in ir.nodes[n].control]
-        while work:
-            name = work.pop()
-            if barrier in after.setdefault(name, set()):
-                continue
-            after[name].add(barrier)
-            work.extend(s for s in graph.successors(name) if s in inside)
-    earlier = ir.ancestors(waits, graph)
-    updated = {a.variable for a in apply_ops if a.name in earlier and a.variable in ir.nodes
-               and ir.nodes[a.variable].op in ("VariableV2", "Variable")}
-    reads: dict[str, dict[int, tuple[str, tuple[str, ...]]]] = {}
-    for name, deps in after.items():
-        for i, ref in enumerate(ir.nodes[name].inputs):
-            read = ir.nodes.get(node_of(ref))
-            if read is not None and read.op == "Identity" and read.inputs \
-                    and node_of(read.inputs[0]) in updated and node_of(ref) not in after:
-                reads.setdefault(name, {})[i] = (node_of(read.inputs[0]), tuple(sorted(deps)))
-    return waits, reads
-
-def _variable_read(ir: IR, name: str) -> bool:
-    """A read of a variable's value (``ReadVariableOp``, a reference variable's ``Identity``)."""
-    node = ir.nodes[name]
-    return node.op == "ReadVariableOp" or (node.op == "Identity" and bool(node.inputs)
-                                           and ir.nodes[node_of(node.inputs[0])].op in ops.VARIABLE_OPS)
 
 
 def _refuse_inconsistent_override(ir: IR, graph: nx.DiGraph, flow, apply_ops, forced) -> None:
