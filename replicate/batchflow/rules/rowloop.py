@@ -112,7 +112,8 @@ def rows_loop(ctx: Context, node: Node, ins: list[Fact], body_of, call, passed) 
         elif variant[i]:
             out.append(_list_result(node, cls, before, after))
         elif not _has_row(after):
-            out.append(after)
+            # changed once per example without reading one: its value counts the examples
+            out.append(mixed(node.name, CARRIES, after.taint))
         elif after.kind == SHARED and _carried_sum(body, args[i], outs[i]) and \
                 not _has_row(before):
             out.append(red(cls, "sum", node.name, taint=_strip(after.taint)))
