@@ -169,15 +169,18 @@ def test_cond_on_a_batch_sum_is_reported_then_synced():
 
 def test_seeded_dropout_draws_the_single_device_mask():
     """The towers' masks are rows of one global draw with the original seeds (they were
-    drawn per tower with changed seeds): the same seeds in every tower, and exact."""
+    drawn per tower with changed seeds): one draw per step outside the towers, with the
+    original seeds, and exact."""
     model = bm.dropout(seed=4)
     res, _ = check(model, towers=3, batch=9)
     assert res.report.exact, res.report.reasons
     original = {(n.attr["seed"].i, n.attr["seed2"].i) for n in model.graph.as_graph_def().node
                 if n.op == "RandomUniform"}
-    seeds = {(n.attr["seed"].i, n.attr["seed2"].i) for n in res.graph_def.node
-             if n.op == "RandomUniform" and n.name.startswith("tower_")}
+    draws = [n for n in res.graph_def.node if n.op == "RandomUniform"
+             and (n.name.startswith("tower_") or n.name.startswith("replicate/draw/"))]
+    seeds = {(n.attr["seed"].i, n.attr["seed2"].i) for n in draws}
     assert seeds == original and len(original) == 1
+    assert [n.name.startswith("replicate/draw/") for n in draws] == [True]
 
 
 @pytest.mark.parametrize("build", [bm.layers_cnn, bm.keras_in_graph], ids=["v1_layers", "keras"])
