@@ -160,3 +160,14 @@ def test_a_gradient_reading_a_state_update_by_data_is_refused():
         return x[:, :1] * v1.assign_add(counter, 1.0)
     with pytest.raises(AnalysisError, match="control edges only"):
         replicate.transform(_two_steps(after), CPUS[:2])
+
+
+def test_inspect_shows_the_phases(tmp_path, capsys):
+    from replicate import cli
+
+    path = str(tmp_path / "gan.meta")
+    graph = _gan()
+    v1.train.export_meta_graph(filename=path, graph=graph)
+    assert cli.main(["inspect", path, "--devices", "/cpu:0,/cpu:1"]) == 0
+    text = capsys.readouterr().out
+    assert "Phases: 2 in one step; the towers' later gradients wait for disc_train/GradientDescent" in text

@@ -111,6 +111,7 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
                    + len(report.shared_inputs)},
         "mirrored": list(report.mirrored),
         "accumulate": dict(report.accumulate),
+        "phases": list(report.phases),
         "merged_outputs": [f.tensor for f in analysis.outputs if f.role != "first"],
         "named_outputs": [f.tensor for f in analysis.outputs
                           if f.role != "first" and _named(ir, f.tensor)],
@@ -229,6 +230,9 @@ def render(info: dict[str, Any]) -> str:
     if info.get("mirrored"):
         lines.append(f"Mirrored: {len(info['mirrored'])} variables (weights and optimizer state) "
                      "copied on every tower device; the update runs on each device")
+    if info.get("phases"):
+        lines.append(f"Phases: {len(info['phases']) + 1} in one step; the towers' later gradients "
+                     f"wait for {', '.join(info['phases'])}, applied once from the merged gradients")
     acc = info.get("accumulate") or {}
     if acc.get("micro", 1) > 1:
         lines.append(f"Accumulation: {acc['micro']} micro-batches per device, gradients summed on "
