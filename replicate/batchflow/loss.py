@@ -347,15 +347,19 @@ def weigh(terms: list[Term]) -> Weighting:
 _NONNEGATIVE = frozenset({"Relu", "Relu6", "Square", "Abs", "Exp", "Sigmoid", "Softplus",
                           "OnesLike", "ZerosLike", "Size", "Shape"})
 _THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics", "StopGradient"})
+#: The plain identities (a function body's returns pass through them).
+IDENTITIES = frozenset({"Identity", "IdentityN"})
 
 
 def behind(ir: IR, ref: str, through: frozenset = _THROUGH) -> str:
-    """``ref`` behind the ops of ``through`` (identities)."""
+    """``ref`` behind the ops of ``through`` (identities; output ``k`` of an ``IdentityN`` is
+    its input ``k``), as ``name:index``."""
     for _ in range(16):
-        node = ir.nodes[node_of(ref)]
-        if node.op not in through or not node.inputs:
+        name, idx = parse_tensor(ref)
+        node = ir.nodes.get(name)
+        if node is None or node.op not in through or not node.inputs:
             break
-        ref = node.inputs[0]
+        ref = node.inputs[idx if node.op == "IdentityN" else 0]
     return tensor_name(*parse_tensor(ref))
 
 

@@ -17,7 +17,8 @@ import logging
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, join, mixed
 from replicate.batchflow.rules.common import condition, taint_of
-from replicate.batchflow.rules.rowloop import behind, rows_loop
+from replicate.batchflow.loss import IDENTITIES, behind
+from replicate.batchflow.rules.rowloop import rows_loop
 from replicate.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call"]
@@ -186,7 +187,7 @@ def _passed_through(ctx: Context, node: Node, refs: list[str]) -> set[int]:
         return set()
     body, args, outs = found
     return {i for i, (arg, out) in enumerate(zip(args, outs))
-            if behind(body, out) == tensor_name(*parse_tensor(arg))}
+            if behind(body, out, IDENTITIES) == tensor_name(*parse_tensor(arg))}
 
 
 def if_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.effects import draws
+from replicate.batchflow.loss import IDENTITIES, behind
 from replicate.batchflow.lattice import LIST, PART, RED, ROWS, SHARED, Fact, Sym, join, mixed, red, shared
 from replicate.ir import IR, Node, parse_tensor, tensor_name
 
-__all__ = ["rows_loop", "ROW", "behind"]
+__all__ = ["rows_loop", "ROW"]
 
 #: Taint of the values of a loop's current example (never leaves the loop's rule).
 ROW = "replicate:row"
@@ -44,7 +45,6 @@ _WHOLE_LIST = frozenset({"TensorListStack", "TensorListGather", "TensorListConca
                          "TensorListScatter", "TensorListScatterV2",
                          "TensorListScatterIntoExistingList"})
 _SUMS = frozenset({"AddN", "AddV2", "Add"})
-_IDENTITY = frozenset({"Identity", "IdentityN"})
 
 DRAWS = ("a loop over the batch's examples draws per iteration: iteration t is example t on one "
          "device but the tower's first row plus t in a tower")
@@ -152,26 +152,16 @@ def _list_result(node: Node, cls: int, before: Fact, after: Fact) -> Fact:
     return Fact(PART, axis=0, cls=cls, handle=ROWS, taint=_strip(after.taint))
 
 
-def behind(ir: IR, ref: str) -> str:
-    """``ref`` behind identities (of a function body), as ``name:index``."""
-    while True:
-        name, idx = parse_tensor(ref)
-        node = ir.nodes.get(name)
-        if node is None or node.op not in _IDENTITY or not node.inputs:
-            return tensor_name(name, idx)
-        ref = node.inputs[idx if node.op == "IdentityN" else 0]
-
-
 def _counters(body: IR, args: list[str], outs: list[str], ins: list[Fact]) -> set[int]:
     """Loop variables that enter as 0 and leave as themselves plus 1."""
     found = set()
     for i, (arg, out) in enumerate(zip(args, outs)):
         if ins[i].kind != SHARED or ins[i].value != (0,):
             continue
-        node = body.nodes.get(parse_tensor(behind(body, out))[0])
+        node = body.nodes.get(parse_tensor(behind(body, out, IDENTITIES))[0])
         if node is None or node.op not in ("AddV2", "Add") or len(node.inputs) != 2:
             continue
-        a, b = (behind(body, r) for r in node.inputs)
+        a, b = (behind(body, r, IDENTITIES) for r in node.inputs)
         arg = tensor_name(*parse_tensor(arg))
         one = [r for r in (a, b) if r != arg]
         if len(one) == 1 and arg in (a, b):
@@ -188,14 +178,14 @@ def _bound(ctx: Context, found, counters: set[int], ins: list[Fact]) -> int | No
     classes: set[int] = set()
 
     def walk(ref: str) -> bool:
-        node = cond.nodes.get(parse_tensor(behind(cond, ref))[0])
+        node = cond.nodes.get(parse_tensor(behind(cond, ref, IDENTITIES))[0])
         if node is None:
             return False
         if node.op == "LogicalAnd":
             return all(walk(r) for r in node.inputs)
         if node.op != "Less" or len(node.inputs) != 2:
             return False
-        a, b = (index.get(behind(cond, r)) for r in node.inputs)
+        a, b = (index.get(behind(cond, r, IDENTITIES)) for r in node.inputs)
         if a not in counters or b is None:
             return False
         n = ins[b]
@@ -221,7 +211,7 @@ def _indexed(body: IR, args: list[str], counters: set[int], rows: set[int], grad
         if node.op == "TensorListPopBack" and not gradient:
             return False
         if node.op in ("TensorListGetItem", "TensorListSetItem"):
-            index = behind(body, node.inputs[1])
+            index = behind(body, node.inputs[1], IDENTITIES)
             name, _ = parse_tensor(index)
             popped = body.nodes.get(name) is not None and body.nodes[name].op == "TensorListPopBack" \
                 and parse_tensor(index)[1] == 1
@@ -230,7 +220,8 @@ def _indexed(body: IR, args: list[str], counters: set[int], rows: set[int], grad
         if node.op == "TensorListLength" and not gradient and \
                 any(c.op != "TensorListPushBack" for c in body.consumers(node.name)):
             return False
-        if node.op in ("TensorListPushBack",) and parse_tensor(behind(body, node.inputs[0]))[0] in row_args:
+        if node.op == "TensorListPushBack" and \
+                parse_tensor(behind(body, node.inputs[0], IDENTITIES))[0] in row_args:
             return False
     return True
 
@@ -238,16 +229,16 @@ def _indexed(body: IR, args: list[str], counters: set[int], rows: set[int], grad
 def _carried_sum(body: IR, arg: str, out: str) -> bool:
     """True when the body returns its argument ``arg`` plus something (``AddN``, ``AddV2``)
     and uses ``arg`` nowhere else."""
-    node = body.nodes.get(parse_tensor(behind(body, out))[0])
+    node = body.nodes.get(parse_tensor(behind(body, out, IDENTITIES))[0])
     if node is None or node.op not in _SUMS:
         return False
     arg = tensor_name(*parse_tensor(arg))
-    mine = [r for r in node.inputs if behind(body, r) == arg]
+    mine = [r for r in node.inputs if behind(body, r, IDENTITIES) == arg]
     if len(mine) != 1:
         return False
     users = [c for c in body.consumers(parse_tensor(arg)[0])]
-    if not all(c.name == node.name or (c.op in _IDENTITY and all(
+    if not all(c.name == node.name or (c.op in IDENTITIES and all(
             u.name == node.name for u in body.consumers(c.name))) for c in users):
         return False
     # the running sum is only returned: no example's result depends on earlier examples
-    return all(c.op in _IDENTITY and not body.consumers(c.name) for c in body.consumers(node.name))
+    return all(c.op in IDENTITIES and not body.consumers(c.name) for c in body.consumers(node.name))
