@@ -141,19 +141,26 @@ def test_dropout_under_a_training_flag_is_exact(towers, batch, training):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def test_keras_dropout_under_a_training_flag_is_exact():
+def _flagged(drop, tf1: bool = False) -> tf.Graph:
+    """x -> ``drop(x, training)`` under a ``training`` flag -> dense -> mean cross-entropy,
+    SGD; with ``tf1`` the flag's cond is a TF1 Switch/Merge."""
     graph = tf.Graph()
-    with graph.as_default():
+    with graph.as_default(), (control_flow_v1() if tf1 else contextlib.nullcontext()):
         v1.set_random_seed(5)
         x = v1.placeholder(tf.float32, [None, 6], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         training = v1.placeholder_with_default(True, [], name="training")
         w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2),
                             use_resource=True)
-        h = tf.keras.layers.Dropout(0.4, seed=11)(x, training=training)
+        h = drop(x, training)
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=y, logits=tf.matmul(h, w)), name="loss")
         v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def test_keras_dropout_under_a_training_flag_is_exact():
+    graph = _flagged(lambda x, training: tf.keras.layers.Dropout(0.4, seed=11)(x, training=training))
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     cmp = compare(graph, res.graph, "train", _feeds(8), fetch=("loss:0",))
     assert res.report.exact, res.report.reasons
@@ -276,18 +283,7 @@ def test_tf1_cond_dropout_with_accumulation_runs_and_is_exact():
     """A TF1 cond (Switch/Merge) under a training flag with accumulate=2: the micro-batch gate
     waited on an op of the branch not taken, so it was dead and so was everything it held
     ("Retval[0] does not have value")."""
-    graph = tf.Graph()
-    with graph.as_default(), control_flow_v1():
-        v1.set_random_seed(5)
-        x = v1.placeholder(tf.float32, [None, 6], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        training = v1.placeholder_with_default(True, [], name="training")
-        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2),
-                            use_resource=True)
-        h = v1.layers.dropout(x, 0.4, training=training, seed=3)
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=y, logits=tf.matmul(h, w)), name="loss")
-        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    graph = _flagged(lambda x, training: v1.layers.dropout(x, 0.4, training=training, seed=3), tf1=True)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=2)
     assert res.report.exact, res.report.reasons
     cmp = compare(graph, res.graph, "train", _feeds(7), fetch=("loss:0",))
