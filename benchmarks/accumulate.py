@@ -52,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-DEFAULT_BATCH = {"mnist_cnn": 256, "mlp_20m": 512}
+DEFAULT_BATCH = {"mnist_cnn": 256, "mlp_20m": 512, "mlp_deep": 512}
 
 
 def _rss() -> tuple[int, int]:

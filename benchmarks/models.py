@@ -65,7 +65,8 @@ def _cnn_forward(p: dict, x: tf.Tensor) -> tf.Tensor:
 
 def _mlp_forward(p: dict, x: tf.Tensor) -> tf.Tensor:
     net = x
-    for layer in ("fc1", "fc2"):
+    hidden = sorted({name.split("/")[0] for name in p if name.startswith("fc")}, key=lambda s: int(s[2:]))
+    for layer in hidden:
         net = tf.nn.relu(tf.nn.bias_add(tf.matmul(net, p[f"{layer}/weights"]), p[f"{layer}/biases"]))
     return tf.nn.bias_add(tf.matmul(net, p["out/weights"]), p["out/biases"])
 
@@ -82,6 +83,13 @@ SPECS: dict[str, Spec] = {
         ("fc1/weights", (784, 4096)), ("fc1/biases", (4096,)),
         ("fc2/weights", (4096, 4096)), ("fc2/biases", (4096,)),
         ("out/weights", (4096, 10)), ("out/biases", (10,))), _mlp_forward),
+    # Many layers of one size (12 x 1024 wide, 13M parameters): no layer dominates the
+    # gradients, as in most deep models, so how long each layer's gradient stays live shows.
+    "mlp_deep": Spec("mlp_deep", 784, (
+        ("fc1/weights", (784, 1024)), ("fc1/biases", (1024,)),
+        *((f"fc{i}/{kind}", (1024, 1024) if kind == "weights" else (1024,))
+          for i in range(2, 13) for kind in ("weights", "biases")),
+        ("out/weights", (1024, 10)), ("out/biases", (10,))), _mlp_forward),
 }
 
 

@@ -48,8 +48,10 @@ def _load(name: str, cache: str):
 
 def profile(graph, towers: int, top: int) -> tuple[str, float]:
     """Profile one transform; return the report text and the transform's seconds."""
+    import graphs
     import replicate
 
+    replicate.transform(graphs.build("deep_2"), ["/cpu:0", "/cpu:1"])   # warm-up: imports, caches
     profiler = cProfile.Profile()
     profiler.enable()
     res = replicate.transform(graph, [f"/cpu:{i}" for i in range(towers)])
