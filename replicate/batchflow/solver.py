@@ -31,21 +31,24 @@ _LOOPY = frozenset({"NextIteration", "RefNextIteration", "TensorArrayV3", "Stack
 
 
 def order(ir: IR, region: list[str]) -> list[str]:
-    """Region nodes in a topological order that follows graph order where it may."""
-    inside = set(region)
-    graph = nx.DiGraph()
-    graph.add_nodes_from(region)
+    """Region nodes in a topological order that follows graph order where it may: the region
+    itself when graph order is already topological (as TensorFlow writes most graphs)."""
+    rank = {name: i for i, name in enumerate(region)}
+    edges = []
     for name in region:
         node = ir.nodes[name]
         for ref in node.inputs:
             producer = ref.split(":")[0] if not ref.startswith("^") else ref[1:]
-            producer = producer if producer in inside else None
-            if producer is not None and ir.nodes[producer].op not in ("NextIteration", "RefNextIteration"):
-                graph.add_edge(producer, name)
+            if producer in rank and ir.nodes[producer].op not in ("NextIteration", "RefNextIteration"):
+                edges.append((producer, name))
         for ctl in node.control:
-            if ctl in inside and ir.nodes[ctl].op not in ("NextIteration", "RefNextIteration"):
-                graph.add_edge(ctl, name)
-    rank = {name: i for i, name in enumerate(region)}
+            if ctl in rank and ir.nodes[ctl].op not in ("NextIteration", "RefNextIteration"):
+                edges.append((ctl, name))
+    if all(rank[a] < rank[b] for a, b in edges):
+        return list(region)     # what the lexicographic sort below returns for such an order
+    graph = nx.DiGraph()
+    graph.add_nodes_from(region)
+    graph.add_edges_from(edges)
     try:
         return list(nx.lexicographical_topological_sort(graph, key=rank.__getitem__))
     except nx.NetworkXUnfeasible:

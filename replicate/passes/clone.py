@@ -52,6 +52,7 @@ class Clone:
         kinds = [tf.DeviceSpec.from_string(d).device_type or "CPU" for d in towers.devices]
         hosts = [host_of(d) for d in towers.devices]
         moved = 0
+        runnable: dict[tuple[str, str], bool] = {}      # (node, device type): has a kernel
         gone = (analysis.region_set - analysis.keep) | analysis.dead
         for k, (prefix, device) in enumerate(zip(towers.prefixes, towers.devices)):
             members = [n for n in region if k == 0 or n in analysis.needed]
@@ -70,9 +71,13 @@ class Clone:
                            if c in inside or c not in analysis.region_set]
                 attrs = self._attrs(node, k, prefix, inside, split, name in analysis.draws)
                 where = anchors[name] or device
-                if where == device and not has_kernel(node.op, kinds[k], node.attrs):
-                    where = hosts[k]
-                    moved += 1
+                if where == device:
+                    key = (name, kinds[k])
+                    if key not in runnable:
+                        runnable[key] = has_kernel(node.op, kinds[k], node.attrs)
+                    if not runnable[key]:
+                        where = hosts[k]
+                        moved += 1
                 ir.add_node(Node(f"{prefix}/{name}", node.op, inputs, control, where, attrs))
             copies.append({n: f"{prefix}/{n}" for n in members})
         ir.facts["copies"] = copies
