@@ -52,7 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_graph_arguments(parser)
     add_strategy_arguments(parser)
     add_cluster_arguments(parser)
+    parser.add_argument("--batch", metavar="B", type=_positive, default=None,
+                        help="global batch size for the memory estimate (default: the inputs' "
+                             "static batch size, if any)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def _positive(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give a whole number of examples, 1 or more")
+    return int(text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,20 +71,21 @@ def run(args: argparse.Namespace) -> int:
     where = targets(args, default=DEFAULT_DEVICES)
     devices, controller = where.pop("devices"), where.pop("controller")
     info = collect(args.input, devices, controller, train_op=args.train_op, loss=args.loss,
-                   outputs=name_list(args.outputs), strategy=where)
+                   outputs=name_list(args.outputs), strategy=where, batch=args.batch)
     info["devices_assumed"] = assumed
     print(json.dumps(info, indent=2, sort_keys=True) if args.json else render(info))
     return 0
 
 
 def collect(path: str, devices: list[str], controller: str, strategy: dict | None = None,
-            **options: Any) -> dict[str, Any]:
+            batch: int | None = None, **options: Any) -> dict[str, Any]:
     """Everything ``inspect`` reports about the graph at ``path``, as plain data.
 
     ``strategy`` holds the transform's placement and aggregation options (see
-    :func:`replicate.commands._common.strategy_options`).
+    :func:`replicate.commands._common.strategy_options`); ``batch`` is the global batch of
+    the memory estimate.
     """
-    from replicate import api, io, meta
+    from replicate import api, io, memory, meta
 
     loaded = io.load(path)
     source = loaded.meta if loaded.meta is not None else loaded.graph_def
@@ -111,6 +121,8 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
                    + len(report.shared_inputs)},
         "mirrored": list(report.mirrored),
         "accumulate": dict(report.accumulate),
+        "memory": memory.estimate(ir, analysis, len(devices), (strategy or {}).get("accumulate", 1),
+                                  batch).to_dict(),
         "phases": list(report.phases),
         "merged_outputs": [f.tensor for f in analysis.outputs if f.role != "first"],
         "named_outputs": [f.tensor for f in analysis.outputs
@@ -238,6 +250,7 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"Accumulation: {acc['micro']} micro-batches per device, gradients summed on "
                      "each device, optimizer once; " + ("run one after the other" if acc["chained"]
                                                          else f"run side by side: {acc['why']}"))
+    lines += _memory(info["memory"], info["controller"])
     lines.append("")
     if info["exact"]:
         lines.append("Exact: yes (N towers train as one device on the same global batch)")
@@ -248,6 +261,24 @@ def render(info: dict[str, Any]) -> str:
     lines += ["", f"Warnings: {len(info['warnings']) or 'none'}"]
     lines += [f"  - {w}" for w in info["warnings"]]
     return "\n".join(lines)
+
+
+def _memory(mem: dict[str, Any], controller: str) -> list[str]:
+    """The memory estimate's lines (see :mod:`replicate.memory`)."""
+    state = f"state (variables, optimizer slots): {human_bytes(mem['state_bytes'])} on {controller}"
+    per_example = human_bytes(mem["saved_activation_bytes_per_example"])
+    unknown = (f"; {count(mem['unknown_saved_tensors'], 'saved tensor')} of unknown size not "
+               "counted" if mem["unknown_saved_tensors"] else "")
+    if mem["batch"] is None:
+        return ["", f"Memory (estimate): {per_example} of saved activations per example{unknown}; "
+                    f"pass --batch B for a step's totals; {state}"]
+    rows = [[f"each tower device ({count(mem['examples_per_micro_batch'], 'example')} at a time)",
+             *(human_bytes(mem["per_device"][k]) for k in ("activations", "gradients", "step"))],
+            ["one device, for comparison",
+             *(human_bytes(mem["one_device"][k]) for k in ("activations", "gradients", "step"))]]
+    return ["", f"Memory per step (estimate from static shapes, global batch {mem['batch']}; "
+                f"{per_example} of saved activations per example{unknown})",
+            table(["", "activations", "gradients", "step"], rows), f"  {state}"]
 
 
 def _shape(shape) -> str:

@@ -1,0 +1,132 @@
+"""An estimate of one training step's memory per device, from static shapes alone.
+
+``replicate inspect`` prints it so that a user can see, before running anything, what
+``--accumulate K`` or more towers buy. Three parts, each from the analysed input graph:
+
+- **state**: every variable, optimizer slots included (on the controller, or spread over the
+  parameter devices);
+- **gradients**, per tower device: without accumulation, one gradient per trained variable
+  (a tower's gradients wait for the aggregation); with ``accumulate=k > 1``, the running sums
+  (one gradient-sized buffer) plus the gradient of the largest variable in flight, since each
+  add runs as soon as a micro-batch's gradient for its variable exists
+  (:mod:`replicate.passes.accumulate`);
+- **activations**, per tower device: the per-example forward tensors that the backward pass
+  reads (kept from the forward pass until the gradient uses them), times the examples of one
+  micro-batch, ``ceil(B / (towers x k))``.
+
+One device on the whole batch is estimated the same way, for comparison. These are upper
+bounds of what stays live, not allocator peaks: TensorFlow frees some saved tensors early,
+reuses buffers in place, and its kernels take scratch memory not counted here
+(``benchmarks/RESULTS.md`` has measured peaks beside these estimates). Tensors whose
+per-example size is not static are counted, not guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tensorflow.python.framework import dtypes
+
+from replicate.batchflow.lattice import PART
+from replicate.facts import Analysis
+from replicate.ir import IR, parse_tensor, tensor_name
+
+__all__ = ["Estimate", "estimate"]
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Bytes of one step, per tower device and for one device on the whole batch."""
+
+    batch: int | None              # the global batch the figures are for (None: per example)
+    towers: int
+    micro: int
+    state: int                     # every variable, slots included
+    trained: int                   # one gradient per trained variable
+    largest: int                   # the largest trained variable's gradient
+    saved_per_example: int         # forward tensors the backward pass reads, per example
+    unknown: int                   # saved tensors whose per-example size is not static
+
+    @property
+    def examples(self) -> int | None:
+        """Examples of one micro-batch on one tower device (the largest slice)."""
+        return None if self.batch is None else math.ceil(self.batch / (self.towers * self.micro))
+
+    @property
+    def gradients(self) -> int:
+        """Gradient buffers on one tower device."""
+        return self.trained + self.largest if self.micro > 1 else self.trained
+
+    def activations(self, examples: int | None) -> int | None:
+        return None if examples is None else self.saved_per_example * examples
+
+    def to_dict(self) -> dict:
+        """Plain data for ``inspect --json``."""
+        per_tower = self.activations(self.examples)
+        single = self.activations(self.batch)
+        return {
+            "batch": self.batch, "examples_per_micro_batch": self.examples,
+            "state_bytes": self.state,
+            "saved_activation_bytes_per_example": self.saved_per_example,
+            "unknown_saved_tensors": self.unknown,
+            "per_device": {"activations": per_tower, "gradients": self.gradients,
+                           "step": None if per_tower is None else per_tower + self.gradients},
+            "one_device": {"activations": single, "gradients": self.trained,
+                           "step": None if single is None else single + self.trained},
+        }
+
+
+def estimate(ir: IR, analysis: Analysis, towers: int, micro: int = 1,
+             batch: int | None = None) -> Estimate:
+    """The estimate for ``towers`` devices with ``micro`` micro-batches each at global batch
+    ``batch`` (default: the inputs' static batch size, if any)."""
+    trained = {a.variable for a in analysis.apply_ops}
+    sizes = [v.bytes for v in analysis.variables.values() if v.name in trained]
+    per_example, unknown = _saved(ir, analysis)
+    return Estimate(batch=batch if batch is not None else analysis.static_batch, towers=towers,
+                    micro=micro, state=sum(v.bytes for v in analysis.variables.values()),
+                    trained=sum(sizes), largest=max(sizes, default=0),
+                    saved_per_example=per_example, unknown=unknown)
+
+
+def _saved(ir: IR, analysis: Analysis) -> tuple[int, int]:
+    """Per-example bytes of the forward tensors that gradient code reads, and how many such
+    tensors have no static per-example size."""
+    prefixes = tuple(s.prefix + "/" for s in analysis.scopes)
+    region = analysis.region_set
+    seen: set[str] = set()
+    total = unknown = 0
+    for name in analysis.region:
+        if not name.startswith(prefixes):
+            continue
+        for ref in ir.nodes[name].inputs:
+            producer, index = parse_tensor(ref)
+            tensor = tensor_name(producer, index)
+            if tensor in seen or producer not in region or producer.startswith(prefixes):
+                continue
+            seen.add(tensor)
+            fact = analysis.flow.fact(tensor) if analysis.flow is not None else None
+            if fact is None or fact.kind != PART:
+                continue                        # shared or reduced: not per example
+            size = _per_example(ir, tensor, fact)
+            if size is None:
+                unknown += 1
+            else:
+                total += size
+    return total, unknown
+
+
+def _per_example(ir: IR, tensor: str, fact) -> int | None:
+    shape = ir.static_shape(tensor)
+    if shape is None or fact.axis is None or fact.axis >= len(shape) \
+            or not isinstance(fact.block, int) or not isinstance(fact.outer, int):
+        return None                             # rows per example unknown (a ragged fold)
+    others = [d for i, d in enumerate(shape) if i != fact.axis]
+    if any(d is None for d in others):
+        return None
+    try:
+        width = dtypes.as_dtype(ir.output_dtype(tensor)).size
+    except (TypeError, ValueError):
+        return None
+    return math.prod(others) * fact.block * fact.outer * width
