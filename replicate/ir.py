@@ -365,12 +365,11 @@ class IR:
         """A DiGraph with an edge producer -> consumer for every data (and control) edge."""
         graph = nx.DiGraph()
         graph.add_nodes_from(self.nodes)
-        for node in self.nodes.values():
-            for ref in node.inputs:
-                graph.add_edge(node_of(ref), node.name)
-            if control:
-                for ctl in node.control:
-                    graph.add_edge(ctl, node.name)
+        graph.add_edges_from((node_of(ref), node.name) for node in self.nodes.values()
+                             for ref in node.inputs)
+        if control:
+            graph.add_edges_from((ctl, node.name) for node in self.nodes.values()
+                                 for ctl in node.control)
         return graph
 
     def ancestors(self, targets: Iterable[str], graph: nx.DiGraph | None = None,
@@ -469,12 +468,14 @@ class IR:
         node = self.nodes[name]
         old = node.control
         node.control = list(dict.fromkeys(control))
+        consumers = self._consumers
         for ctl in node.control:
-            self._consumers.setdefault(ctl, {})[name] = None
-        still = set(node.control) | {node_of(r) for r in node.inputs}
-        for ctl in old:
-            if ctl not in still:
-                self._consumers.get(ctl, {}).pop(name, None)
+            consumers.setdefault(ctl, {})[name] = None
+        gone = set(old).difference(node.control)
+        if gone:
+            gone.difference_update(node_of(r) for r in node.inputs)
+            for ctl in gone:
+                consumers.get(ctl, {}).pop(name, None)
 
     def replace_uses(self, old: str, new: str, only: Iterable[str] | None = None) -> int:
         """Make every reader of tensor ``old`` (or only those named in ``only``) read ``new``.
@@ -506,16 +507,22 @@ class IR:
         """Delete several nodes at once. Readers outside the set keep their references, which
         must be satisfied by nodes added under the same names before the IR is used again."""
         doomed = set(names)
+        consumers = self._consumers
         for name in doomed:
             node = self.nodes.pop(name)
-            for ref in node.inputs:
-                self._consumers.get(node_of(ref), {}).pop(name, None)
-            for ctl in node.control:
-                self._consumers.get(ctl, {}).pop(name, None)
+            # a doomed producer's own entry is cleaned below: skip it here (ResNet-152's
+            # gradient ops each wait for its 312 batch-norm updates, all removed together)
+            for producer in {node_of(r) for r in node.inputs}.union(node.control).difference(doomed):
+                consumers.get(producer, {}).pop(name, None)
         for name in doomed:
-            entry = self._consumers.get(name)
-            if entry is not None and not any(c in self.nodes for c in entry):
-                del self._consumers[name]
+            entry = consumers.get(name)
+            if entry is None:
+                continue
+            live = [c for c in entry if c not in doomed and c in self.nodes]
+            if not live:
+                del consumers[name]
+            elif len(live) < len(entry):
+                consumers[name] = dict.fromkeys(live)
 
     def _forget_if_unused(self, producer: str, consumer: str) -> None:
         node = self.nodes.get(consumer)

@@ -63,14 +63,10 @@ class Validate:
     def _acyclic(ir: IR) -> None:
         if _in_topological_order(ir):
             return
-        back = {n.name for n in ir.nodes.values() if n.op in ("NextIteration", "RefNextIteration")}
-        graph = nx.DiGraph()
-        graph.add_nodes_from(ir.nodes)
-        graph.add_edges_from((p, node.name) for node in ir.nodes.values()
-                             for p in map(node_of, node.inputs + node.control) if p not in back)
+        graph = _dependencies(ir)
         if not nx.is_directed_acyclic_graph(graph):
-            cycle = nx.find_cycle(graph)
-            raise InvariantError(f"the graph has a cycle through '{cycle[0][0]}'")
+            cycle = [u for u, _ in nx.find_cycle(graph) if isinstance(u, str)]
+            raise InvariantError(f"the graph has a cycle through '{cycle[0]}'")
 
     @staticmethod
     def _towers(ir: IR, prefixes: list[str]) -> None:
@@ -105,3 +101,33 @@ def _in_topological_order(ir: IR) -> bool:
                 return False
         seen.add(node.name)
     return True
+
+
+#: Control-input sets at least this large go through one hub node per distinct set.
+HUB_MIN = 8
+
+
+def _dependencies(ir: IR) -> nx.DiGraph:
+    """The graph of data and control edges, while-loop back edges left out, with its cycles
+    and reachability but fewer edges: a set of control inputs that many nodes share (ops built
+    under ``tf.control_dependencies(update_ops)``: ResNet-152's gradient code has 445,000
+    control edges on 15,800 nodes) reaches them through one hub node, a tuple, not a name."""
+    back = {n.name for n in ir.nodes.values() if n.op in ("NextIteration", "RefNextIteration")}
+    hubs: dict[frozenset[str], tuple[str, int]] = {}
+    edges = []
+    for node in ir.nodes.values():
+        edges.extend((p, node.name) for p in map(node_of, node.inputs) if p not in back)
+        control = [c for c in node.control if c not in back]
+        if len(control) < HUB_MIN:
+            edges.extend((c, node.name) for c in control)
+            continue
+        key = frozenset(control)
+        hub = hubs.get(key)
+        if hub is None:
+            hub = hubs[key] = ("hub", len(hubs))
+            edges.extend((c, hub) for c in key)
+        edges.append((hub, node.name))
+    graph = nx.DiGraph()
+    graph.add_nodes_from(ir.nodes)
+    graph.add_edges_from(edges)
+    return graph
