@@ -205,6 +205,43 @@ def test_dropout_in_a_loop_body_is_exact(where, towers, batch):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
+def _time_loop(dropout: bool, frames: bool = False) -> tf.Graph:
+    """A hand-written RNN over a time-major batch: ``tf.while_loop`` reading ``xs[t]`` (a
+    strided slice whose bounds the loop counter gives at run time), optionally dropping out
+    each step's input."""
+    graph = tf.Graph()
+    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
+        x = v1.placeholder(tf.float32, [None, 5, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
+        out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        xs = tf.transpose(x, [1, 0, 2])
+
+        def step(t, h):
+            inp = tf.nn.dropout(xs[t], rate=0.3, seed=7) if dropout else xs[t]
+            return t + 1, tf.tanh(tf.matmul(inp + h, w))
+
+        _, h = tf.while_loop(lambda t, h: t < 5, step, [tf.constant(0), tf.zeros_like(xs[0])],
+                             parallel_iterations=1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, out)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("dropout,frames,towers,batch", [(False, False, 3, 7), (True, False, 2, 7),
+                                                         (True, False, 3, 2), (False, True, 3, 7),
+                                                         (True, True, 2, 5)])
+def test_time_loop_reading_xs_t_is_exact(dropout, frames, towers, batch):
+    """``xs[t]`` slices the time axis, not the batch axis: the spec's length says so without
+    the bound's value (it was "StridedSlice by bounds known only at run time": inexact)."""
+    graph = _time_loop(dropout, frames)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
 @pytest.mark.parametrize("towers,batch,accumulate", [(2, 7, 1), (3, 2, 1), (2, 5, 2)])
 def test_dropout_in_a_tf1_loop_is_exact(towers, batch, accumulate):
     """DropoutWrapper in a TF1 dynamic_rnn draws inside an Enter/Exit frame: each tower's

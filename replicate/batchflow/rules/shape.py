@@ -362,8 +362,10 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [size_fact(tuple(picked), taint_of(ins))]
         return out
     rank = ctx.rank(node.inputs[0])
-    if rank is None or begin is None or end is None or strides is None:
-        return [mixed(node.name, "StridedSlice by bounds known only at run time", f.taint)]
+    if rank is None:
+        return [mixed(node.name, "StridedSlice of unknown rank", f.taint)]
+    if begin is None or end is None or strides is None:
+        return [_runtime_bounds(ctx, node, f, rank, strides)]
     for din, dout, i in strided_entries(rank, len(begin), ell, new, shrink):
         if din != f.axis:
             continue
@@ -379,6 +381,31 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [f.with_(axis=dout, value=None, index=_column(f, rank, begin, ell, new, shrink))]
         return [mixed(node.name, "StridedSlice keeps only some of the examples", f.taint)]
     return [mixed(node.name, "StridedSlice with an unexpected layout", f.taint)]
+
+
+def _spec_length(ctx: Context, node: Node) -> int | None:
+    """How many entries a strided slice's spec has (the static length of ``begin``)."""
+    shape = ctx.shape(node.inputs[1])
+    return shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
+
+
+def _runtime_bounds(ctx: Context, node: Node, f: Fact, rank: int, strides) -> Fact:
+    """A strided slice whose bounds are computed at run time (``xs[t]`` of a time-major batch
+    in a loop over time steps): the batch's rows stay whole when the spec does not reach the
+    batch axis, or takes all of it by its masks; the spec's length and masks say so without
+    the bounds' values."""
+    n = _spec_length(ctx, node)
+    bm, em, ell, new, shrink = _masks(node)
+    if n is not None:
+        for din, dout, i in strided_entries(rank, n, ell, new, shrink):
+            if din != f.axis:
+                continue
+            whole = i is None or ((bm >> i) & 1 and (em >> i) & 1 and strides is not None
+                                  and strides[i] == 1)
+            if whole and dout is not None:
+                return f.with_(axis=dout, value=None, index=None)
+            break
+    return mixed(node.name, "StridedSlice by bounds known only at run time", f.taint)
 
 
 def _column(f: Fact, rank: int, begin: list, ell: int, new: int, shrink: int) -> tuple | None:
@@ -397,10 +424,11 @@ def strided_slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return _other(ctx, node, [dy] + ins[:4])
     shape = ctx.int_value(node.inputs[0])
     begin = ctx.int_value(node.inputs[1])
-    if shape is None or begin is None:
+    n = len(begin) if begin is not None else _spec_length(ctx, node)
+    if shape is None or n is None:
         return [mixed(node.name, "StridedSliceGrad of unknown shape", dy.taint)]
     bm, em, ell, new, shrink = _masks(node)
-    for din, dout, _ in strided_entries(len(shape), len(begin), ell, new, shrink):
+    for din, dout, _ in strided_entries(len(shape), n, ell, new, shrink):
         if dout == dy.axis and din is not None:
             ctx.position(node.inputs[0], din, dy.cls, rows(dy), node)
             return [dy.with_(axis=din, value=None)]
