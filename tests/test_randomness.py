@@ -205,10 +205,10 @@ def test_dropout_in_a_loop_body_is_exact(where, towers, batch):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def _time_loop(dropout: bool, frames: bool = False) -> tf.Graph:
+def _time_loop(dropout: bool, frames: bool = False, read: str = "index") -> tf.Graph:
     """A hand-written RNN over a time-major batch: ``tf.while_loop`` reading ``xs[t]`` (a
-    strided slice whose bounds the loop counter gives at run time), optionally dropping out
-    each step's input."""
+    strided slice whose bounds the loop counter gives at run time; with ``read="slice"``,
+    ``tf.slice`` from ``tf.stack([t, 0, 0])``), optionally dropping out each step's input."""
     graph = tf.Graph()
     with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
         x = v1.placeholder(tf.float32, [None, 5, 6], name="x")
@@ -218,7 +218,8 @@ def _time_loop(dropout: bool, frames: bool = False) -> tf.Graph:
         xs = tf.transpose(x, [1, 0, 2])
 
         def step(t, h):
-            inp = tf.nn.dropout(xs[t], rate=0.3, seed=7) if dropout else xs[t]
+            now = xs[t] if read == "index" else tf.squeeze(tf.slice(xs, tf.stack([t, 0, 0]), [1, -1, -1]), 0)
+            inp = tf.nn.dropout(now, rate=0.3, seed=7) if dropout else now
             return t + 1, tf.tanh(tf.matmul(inp + h, w))
 
         _, h = tf.while_loop(lambda t, h: t < 5, step, [tf.constant(0), tf.zeros_like(xs[0])],
@@ -229,13 +230,15 @@ def _time_loop(dropout: bool, frames: bool = False) -> tf.Graph:
     return graph
 
 
-@pytest.mark.parametrize("dropout,frames,towers,batch", [(False, False, 3, 7), (True, False, 2, 7),
-                                                         (True, False, 3, 2), (False, True, 3, 7),
-                                                         (True, True, 2, 5)])
-def test_time_loop_reading_xs_t_is_exact(dropout, frames, towers, batch):
+@pytest.mark.parametrize("dropout,frames,read,towers,batch", [
+    (False, False, "index", 3, 7), (True, False, "index", 2, 7), (True, False, "index", 3, 2),
+    (False, True, "index", 3, 7), (True, True, "index", 2, 5), (False, False, "slice", 3, 7),
+    (True, True, "slice", 2, 7)])
+def test_time_loop_reading_xs_t_is_exact(dropout, frames, read, towers, batch):
     """``xs[t]`` slices the time axis, not the batch axis: the spec's length says so without
-    the bound's value (it was "StridedSlice by bounds known only at run time": inexact)."""
-    graph = _time_loop(dropout, frames)
+    the bound's value (it was "StridedSlice by bounds known only at run time": inexact);
+    ``tf.slice`` from a packed begin takes the batch axis whole by its packed 0 and -1."""
+    graph = _time_loop(dropout, frames, read)
     res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
     assert res.report.exact, res.report.reasons
     cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))

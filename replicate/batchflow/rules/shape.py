@@ -321,6 +321,19 @@ def _value_slice(value: tuple, begin: int, end: int | None, stride: int = 1) -> 
     return tuple(value[begin:end:stride])
 
 
+def _element(ctx: Context, ref: str, value: tuple | None, i: int):
+    """Element ``i`` of integer vector ``ref``: from its value, else from the scalar packed
+    there when the vector is built at run time (``tf.stack([t, 0, 0])``: the batch axis's
+    bound is known though the time step's is not)."""
+    if value is not None:
+        return value[i] if i < len(value) else None
+    node = ctx.ir.nodes.get(node_of(ref))
+    if node is None or node.op != "Pack" or i >= len(node.inputs) or int(node.attr("axis", 0)):
+        return None
+    scalar = ctx.int_value(node.inputs[i])
+    return scalar[0] if scalar is not None and len(scalar) == 1 else None
+
+
 def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     begin, size = ctx.int_value(node.inputs[1]), ctx.int_value(node.inputs[2])
@@ -329,9 +342,9 @@ def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             end = None if size[0] == -1 else begin[0] + size[0]
             return [size_fact(_value_slice(f.value, begin[0], end), taint_of(ins))]
         return _other(ctx, node, ins)
-    if begin is None or size is None or f.axis >= len(begin):
+    b, s = _element(ctx, node.inputs[1], begin, f.axis), _element(ctx, node.inputs[2], size, f.axis)
+    if b is None or s is None:
         return [mixed(node.name, "Slice by bounds known only at run time", f.taint)]
-    b, s = begin[f.axis], size[f.axis]
     full = ctx.batch_dim(f)
     if b == 0 and (s == -1 or isinstance(s, Sym) or (full is not None and s == full)):
         if isinstance(s, int) and s != -1:
