@@ -352,11 +352,12 @@ def _defun(nested: bool) -> tf.Graph:
     return graph
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["defun", "cond_in_defun"])
 @pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 1), (2, 7, 2)])
-def test_draws_in_defun_bodies_are_exact(towers, batch, accumulate):
+def test_draws_in_defun_bodies_are_exact(towers, batch, accumulate, nested):
     """The defun's function takes the global batch size and the tower's first row as two more
-    arguments, as a cond's branches do."""
-    graph = _defun(nested=False)
+    arguments, as a cond's branches do; nested, it passes them on to the cond it calls."""
+    graph = _defun(nested=nested)
     res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
     assert res.report.exact, res.report.reasons
     assert set(res.report.random["reproduced"].values()) == {"body"}
@@ -366,12 +367,101 @@ def test_draws_in_defun_bodies_are_exact(towers, batch, accumulate):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def test_draws_in_nested_function_bodies_are_reasons():
-    """A draw in a cond inside a defun is not reproduced yet: the report names the op inside
-    the functions, never "exact"."""
-    res = replicate.transform(_defun(nested=True), ["/cpu:1", "/cpu:2"])
+def _weight_noise(nested: bool) -> tf.Graph:
+    """Weight noise (a draw of the weight's shape, the same in every tower) in a defun, or in
+    a cond inside that defun."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(5)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=2),
+                            use_resource=True)
+
+        @tf.function
+        def noisy(h):
+            def noise():
+                return tf.matmul(h, w + tf.random.normal([6, 6], seed=3))
+            if nested:
+                return tf.cond(tf.reduce_sum(w) > -1e9, noise, lambda: tf.matmul(h, w))
+            return noise()
+
+        loss = tf.reduce_mean(tf.square(noisy(x)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["defun", "cond_in_defun"])
+def test_weight_noise_in_function_bodies_is_the_same_in_every_tower(nested):
+    """Each tower calls its own copy of the functions that draw: a call nested in a body
+    shared one instantiation, so one random kernel, between the towers, whose draws then
+    interleaved by scheduling (reported exact, 0.3 off one device after 4 steps)."""
+    graph = _weight_noise(nested)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {"same"}
+    called = {n.attr["f"].func.name for n in res.graph_def.node
+              if n.op == "StatefulPartitionedCall" and n.name.startswith("tower_")}
+    assert len(called) == 3, called
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(7, 6).astype(np.float32)} for _ in range(4)]
+    for _ in range(2):          # twice: the interleaving depended on scheduling
+        cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+        assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def _flagged_loop(parallel: int = 1, inner_loop: bool = False) -> tf.Graph:
+    """``dropout(training=flag)`` in a ``tf.while_loop`` body over time steps: an ``If`` inside
+    a ``While`` (or, with ``inner_loop``, inside a second loop in that body)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 5, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="training")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
+        out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        xs = tf.transpose(x, [1, 0, 2])
+
+        def drop(h):
+            return v1.layers.dropout(h, 0.3, training=flag, seed=7)
+
+        def step(t, h):
+            inp = xs[t]
+            if inner_loop:
+                _, inp = tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, drop(v)),
+                                       [tf.constant(0), inp], parallel_iterations=parallel)
+            else:
+                inp = drop(inp)
+            return t + 1, tf.tanh(tf.matmul(inp + h, w))
+
+        _, h = tf.while_loop(lambda t, h: t < 5, step, [tf.constant(0), tf.zeros_like(xs[0])],
+                             parallel_iterations=1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, out)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("inner_loop,towers,batch,accumulate", [
+    (False, 2, 7, 1), (False, 3, 2, 1), (False, 2, 7, 2), (True, 3, 7, 1)])
+def test_draws_in_bodies_nested_in_loop_bodies_are_exact(inner_loop, towers, batch, accumulate):
+    """The loop body passes the global batch size and the tower's first row on to the cond
+    (and the inner loop) it calls, down to the branch that draws."""
+    graph = _flagged_loop(inner_loop=inner_loop)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {"body"}
+    cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_draws_in_a_nested_parallel_loop_are_reasons():
+    """An inner loop that runs iterations in parallel draws in an order that depends on
+    scheduling, however deep it sits: a reason naming the loop, never "exact"."""
+    res = replicate.transform(_flagged_loop(parallel=4, inner_loop=True), ["/cpu:1", "/cpu:2"])
     assert not res.report.exact
-    assert any("RandomUniform" in r.what and "function" in r.what for r in res.report.reasons)
+    assert any("runs up to 4 iterations at once" in r.what for r in res.report.reasons), \
+        res.report.reasons
 
 
 def _writers(graph: tf.Graph) -> list[str]:

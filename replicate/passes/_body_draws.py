@@ -16,7 +16,12 @@ rewritten like a branch: its function takes the two values as two more arguments
 
 A dropout inside a loop body (``DropoutWrapper`` cells in ``dynamic_rnn``) is rewritten the
 same way; the two values become two more loop variables that the body passes on unchanged and
-the condition ignores. Each tower's loop runs its own kernel of every random op, with the
+the condition ignores.
+
+Bodies nest: a ``dropout(training=flag)`` in a ``tf.while_loop`` body is an ``If`` inside the
+``While``'s body. The rewritten body then passes its two arguments on to the ``If`` it calls,
+whose branches are rewritten in turn, down to the functions that draw; every function on
+the way is rewritten once. Each tower's loop runs its own kernel of every random op, with the
 original seeds, so iteration ``t`` of every tower draws what iteration ``t`` draws on one
 device (when iterations run one at a time: the draw pass requires ``parallel_iterations=1``).
 
@@ -24,7 +29,8 @@ Requires: the ``body`` Draw of :mod:`replicate.passes._draws` (which random ops 
 branch draw rows of which axis).
 
 Produces: new library functions ``<branch>_replicate_rows`` (once per branch, shared by the
-towers) and :func:`rewire_call`, which points one tower's copy of the cond at them.
+towers) and :func:`rewire_call`, which points one tower's copy of the cond at them;
+:func:`calls_of` finds the calls of a function inside another.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.ir import IR, Node, make_attr
 
-__all__ = ["rewrite_branches", "rewire_call", "SUFFIX", "FUNCTION_ATTRS"]
+__all__ = ["rewrite_branches", "rewire_call", "calls_of", "SUFFIX", "FUNCTION_ATTRS"]
 
 #: The function attributes of the calls whose bodies the draw pass rewrites, and whether the
 #: body's results are the loop variables (which must then pass the two values on).
@@ -48,40 +54,85 @@ FUNCTION_ATTRS = {"If": (("then_branch", False), ("else_branch", False)),
 
 SUFFIX = "_replicate_rows"
 
+#: The suffix of a tower's copy of functions whose draws every tower draws whole ("same").
+COPY_SUFFIX = "_replicate_tower"
+
 #: Names of the two arguments every rewritten branch gains.
 BATCH_ARG, OFFSET_ARG = "replicate_global_batch", "replicate_first_row"
 
 
-def rewrite_branches(ir: IR, call: str, draw) -> tuple[str, ...]:
-    """The names of the rewritten functions of cond, loop or defun call ``call`` (made once),
-    in the order of :data:`FUNCTION_ATTRS`."""
+def rewrite_branches(ir: IR, call: str, draw, tower: int) -> tuple[str, ...]:
+    """The names of tower ``tower``'s rewritten functions of cond, loop or defun call ``call``,
+    in the order of :data:`FUNCTION_ATTRS`. Each tower gets its own functions: a stateful
+    random kernel belongs to an instantiation of its function, and calls nested in a body
+    can share one instantiation between towers (then their draws interleave, in an order
+    that depends on scheduling)."""
     node = ir.nodes[call]
-    names = []
-    by_function: dict[str, list] = {}
-    for d in draw.inner:
-        fname, op = d.name.split("/", 1)
-        by_function.setdefault(fname, []).append((op, d))
-    for key, passes_on in FUNCTION_ATTRS[node.op]:
-        fname = node.attr(key)
-        new = fname + SUFFIX
-        if ir.function(new) is None:
-            ir.add_function(_rewrite(ir.function(fname), new, by_function.get(fname, []), passes_on))
-        names.append(new)
-    return tuple(names)
+    args = draw.kind == "body"          # a "same" draw's functions are only copied per tower
+    suffix = f"{SUFFIX if args else COPY_SUFFIX}_{tower}"
+    return tuple(_rewritten(ir, node.attr(key), draw.inner, passes_on, suffix, args)
+                 for key, passes_on in FUNCTION_ATTRS[node.op])
 
 
-def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], batch: str, offset: str) -> None:
+def calls_of(fdef, callee: str) -> list:
+    """The nodes of function ``fdef`` that call function ``callee`` (a cond, loop or defun)."""
+    return [nd for nd in fdef.node_def if nd.op in FUNCTION_ATTRS
+            and any(nd.attr[key].func.name == callee for key, _ in FUNCTION_ATTRS[nd.op])]
+
+
+def _rewritten(ir: IR, fname: str, draws: tuple, passes_on: bool, suffix: str,
+               args: bool = True) -> str:
+    """The name of function ``fname`` rewritten (once per ``suffix``) for the two arguments
+    (``args``; else only copied under the new name): its own ``rows`` draws of ``draws``
+    (Draws whose ``path`` ends at ``fname``) take the tower's rows, and its calls on the way
+    to deeper draws, of any kind, call the functions rewritten likewise."""
+    new = fname + suffix
+    if ir.function(new) is not None:
+        return new
+    own = [(d.name[len("/".join(d.path)) + 1:], d) for d in draws
+           if d.path[-1:] == (fname,) and d.kind == "rows"]
+    deeper = [d for d in draws if fname in d.path[:-1]]
+    out = _rewrite(ir.function(fname), new, own, passes_on, args)
+    for nd in out.node_def:
+        if nd.op not in FUNCTION_ATTRS:
+            continue
+        called = [nd.attr[key].func.name for key, _ in FUNCTION_ATTRS[nd.op]]
+        if not any(d.path[d.path.index(fname) + 1] in called for d in deeper):
+            continue
+        for (key, inner_passes_on), callee in zip(FUNCTION_ATTRS[nd.op], called):
+            nd.attr[key].func.name = _rewritten(ir, callee, tuple(deeper), inner_passes_on,
+                                                suffix, args)
+        if args:
+            _pass_arguments(nd)
+    ir.add_function(out)
+    return new
+
+
+def _pass_arguments(nd) -> None:
+    """Call node ``nd`` (inside a rewritten function) passes that function's two arguments on."""
+    loop = nd.op in ("While", "StatelessWhile")
+    types = "T" if loop else "Tin"
+    nd.input.extend([BATCH_ARG, OFFSET_ARG])
+    nd.attr[types].list.type.extend([dtypes.int32.as_datatype_enum] * 2)
+    if loop and "output_shapes" in nd.attr:
+        nd.attr["output_shapes"].list.shape.add()
+        nd.attr["output_shapes"].list.shape.add()       # two scalars
+
+
+def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], batch: str | None = None,
+                offset: str | None = None) -> None:
     """Point tower copy ``copy`` of the cond, loop or defun call at the rewritten functions,
-    passing the global batch size and the tower's first row."""
+    passing the global batch size and the tower's first row (none for functions only copied)."""
     node = ir.nodes[copy]
     loop = node.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"
-    tin = list(node.attr(types, [])) + [dtypes.int32.as_datatype_enum] * 2
-    inputs = list(node.inputs) + [batch, offset]
+    extra = [batch, offset] if batch is not None else []
+    tin = list(node.attr(types, [])) + [dtypes.int32.as_datatype_enum] * len(extra)
+    inputs = list(node.inputs) + extra
     ir.remove_many([copy])
     attrs = dict(node.attrs)
     attrs[types] = make_attr(tin, "list(type)")
-    if loop and "output_shapes" in attrs:
+    if loop and extra and "output_shapes" in attrs:
         shapes = attr_value_pb2.AttrValue()
         shapes.CopyFrom(attrs["output_shapes"])
         shapes.list.shape.add()
@@ -95,11 +146,12 @@ def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], batch: str, offset
     ir.add_node(Node(copy, node.op, inputs, list(node.control), node.device, attrs))
 
 
-def _rewrite(fdef, name: str, draws: list, passes_on: bool) -> function_pb2.FunctionDef:
+def _rewrite(fdef, name: str, draws: list, passes_on: bool, args: bool = True
+             ) -> function_pb2.FunctionDef:
     out = function_pb2.FunctionDef()
     out.CopyFrom(fdef)
     out.signature.name = name
-    for arg in (BATCH_ARG, OFFSET_ARG):
+    for arg in (BATCH_ARG, OFFSET_ARG) if args else ():
         new = out.signature.input_arg.add()
         new.name = arg
         new.type = dtypes.int32.as_datatype_enum

@@ -16,11 +16,12 @@ must get exactly its rows of that draw. Two kinds of draw can be reproduced:
 A ``rows`` draw may sit inside TF1 while loops (``Enter``/``Exit`` frames) when each loop
 runs one iteration at a time (``parallel_iterations=1``): the draw pass brings its values
 into the frames. A ``body`` draw is a cond, while_v2 or defun body whose random ops draw
-rows directly.
+rows, directly or in conds, loops and defuns it calls (a ``dropout(training=flag)`` in a
+``tf.while_loop`` body: an ``If`` inside a ``While``).
 
 Anything else stays a reason: unseeded draws (one device does not reproduce itself
-either), draws in loops that run iterations in parallel, draws in function bodies nested in
-other bodies, draws that read per-example values (``Multinomial`` of per-example logits),
+either), draws in loops that run iterations in parallel (at any depth), draws that read
+per-example values (``Multinomial`` of per-example logits),
 draws whose batch dimension is folded with another one in a way the facts do not describe,
 and ops that permute examples (``RandomShuffle``).
 """
@@ -48,8 +49,8 @@ BODY_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Partiti
 class Draw:
     """A random op the towers reproduce: ``kind`` is ``rows`` (global shape, tower's rows of
     ``axis``, batch class ``cls``, output rank ``rank``), ``same`` (original seeds) or
-    ``body`` (a cond whose branches draw rows: ``inner`` lists a ``rows`` Draw per random op,
-    named ``function/op``)."""
+    ``body`` (a call whose functions draw rows: ``inner`` lists a ``rows`` Draw per random
+    op, named ``function/.../op``, with ``path`` the functions from the outermost down)."""
 
     name: str
     kind: str
@@ -59,6 +60,7 @@ class Draw:
     inner: tuple = ()
     block: int = 1
     outer: int = 1
+    path: tuple[str, ...] = ()
 
 
 def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], list[Reason]]:
@@ -95,27 +97,20 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
     first = effects[0]
     not_yet = (f"random op '{first.path[-1]}' ({first.op}) inside function "
                f"{' -> '.join(first.path[1:-1])} draws a separate stream in each tower",
-               "results match single-device training in distribution only; draws in function "
-               "bodies nested in other bodies are not reproduced yet")
-    if node.op not in BODY_CALLS or any(len(e.path) != 3 for e in effects):
+               "results match single-device training in distribution only (the analysis could "
+               "not follow the function's draws)")
+    if node.op not in BODY_CALLS:
         return None, not_yet
-    parallel = node.attr("parallel_iterations", 1) if node.op.endswith("While") else 1
-    if parallel != 1:
-        return None, (f"random op '{first.path[-1]}' ({first.op}) inside loop '{node.name}' runs "
-                      f"up to {parallel} iterations at once: which iteration gets which draw can "
-                      "depend on scheduling, so one device need not reproduce its own draws",
-                      "build the loop with parallel_iterations=1 (dynamic_rnn(..., "
-                      "parallel_iterations=1)): its draws are then reproduced exactly")
-    trips = flow.fact(f"{node.name}:0") if node.op.endswith("While") else None
-    if trips is not None and trips.kind != SHARED:
-        return None, (f"random op '{first.path[-1]}' ({first.op}) inside loop '{node.name}' draws "
-                      "once per iteration, and the loop runs a number of iterations that depends "
-                      "on the batch: a tower's iteration t is not one device's",
-                      "bound the loop by a constant or a fed value, or draw the noise for the "
-                      "whole batch before the loop")
+    why = _loop_obstacle(node, flow, first)
+    if why is not None:
+        return None, why
     inner = []
     for e in effects:
-        fname, op = e.path[1], e.path[2]
+        functions, fname, op = e.path[1:-1], e.path[-2], e.path[-1]
+        for outer, callee in zip(functions, functions[1:]):    # calls between the bodies
+            why = _nested_obstacle(ir, flow, outer, callee, e)
+            if why is not None:
+                return None, why
         if not e.seeded:
             return None, (f"random op '{op}' ({e.op}) inside function {fname} has no seed: one "
                           "device does not reproduce its own draws either",
@@ -126,16 +121,65 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
         why = _obstacle(body.ir, body, body.ir.nodes[op], dataclasses.replace(e, path=(op,)))
         fact = body.fact(f"{op}:0")
         if why is None and fact is not None and fact.kind == SHARED:
-            continue            # each tower's kernel draws what one device draws (same seeds)
+            # each tower's kernel draws what one device draws (same seeds): in its own copy of
+            # the functions, which the draw pass makes
+            inner.append(Draw("/".join(functions + (op,)), "same", path=functions))
+            continue
         if why is not None or fact is None or fact.kind != PART or fact.block != 1 or fact.outer != 1:
             return None, why or not_yet
-        inner.append(Draw(f"{fname}/{op}", "rows", fact.axis, flow.classes.find(fact.cls),
-                          len(body.ir.static_shape(f"{op}:0"))))
-    if len({d.cls for d in inner}) > 1:
+        inner.append(Draw("/".join(functions + (op,)), "rows", fact.axis,
+                          flow.classes.find(fact.cls), len(body.ir.static_shape(f"{op}:0")),
+                          path=functions))
+    rows = [d for d in inner if d.kind == "rows"]
+    if len({d.cls for d in rows}) > 1:
         return None, not_yet
-    if not inner:
-        return Draw(node.name, "same"), None
-    return Draw(node.name, "body", cls=inner[0].cls, inner=tuple(inner)), None
+    if not rows:
+        return Draw(node.name, "same", inner=tuple(inner)), None
+    return Draw(node.name, "body", cls=rows[0].cls, inner=tuple(inner)), None
+
+
+def _loop_obstacle(node, flow, effect) -> tuple[str, str] | None:
+    """Why the draws under loop ``node`` (a ``While`` at the top level or in a body whose
+    facts ``flow`` holds) cannot be reproduced, or None (not a loop)."""
+    if not node.op.endswith("While"):
+        return None
+    parallel = node.attr("parallel_iterations", 1)
+    op = effect.path[-1]
+    if parallel != 1:
+        return (f"random op '{op}' ({effect.op}) inside loop '{node.name}' runs up to {parallel} "
+                "iterations at once: which iteration gets which draw can depend on scheduling, "
+                "so one device need not reproduce its own draws",
+                "build the loop with parallel_iterations=1 (dynamic_rnn(..., "
+                "parallel_iterations=1)): its draws are then reproduced exactly")
+    trips = flow.fact(f"{node.name}:0")
+    if trips is not None and trips.kind != SHARED:
+        return (f"random op '{op}' ({effect.op}) inside loop '{node.name}' draws once per "
+                "iteration, and the loop runs a number of iterations that depends on the batch: "
+                "a tower's iteration t is not one device's",
+                "bound the loop by a constant or a fed value, or draw the noise for the whole "
+                "batch before the loop")
+    return None
+
+
+def _nested_obstacle(ir: IR, flow, outer: str, callee: str, effect) -> tuple[str, str] | None:
+    """Why draws in function ``callee``, called from function ``outer``, cannot be
+    reproduced: the call must be one the draw pass rewrites, analysed, and not a loop that
+    runs iterations in parallel or a number of them that depends on the batch."""
+    from replicate.passes._body_draws import calls_of
+
+    body = flow.ctx.functions.get(("inner", outer))
+    fdef = ir.function(outer)
+    sites = calls_of(fdef, callee) if fdef is not None else []
+    if body is None or not sites or any(s.name not in body.ir.nodes for s in sites):
+        return (f"random op '{effect.path[-1]}' ({effect.op}) inside function "
+                f"{' -> '.join(effect.path[1:-1])} draws a separate stream in each tower",
+                "results match single-device training in distribution only; a call the rewrite "
+                "does not handle stands between the bodies")
+    for site in sites:
+        why = _loop_obstacle(body.ir.nodes[site.name], body, effect)
+        if why is not None:
+            return why
+    return None
 
 
 def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
@@ -143,8 +187,7 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
     if effect.inner:
         return (f"random op '{effect.path[-1]}' ({effect.op}) inside function "
                 f"{' -> '.join(effect.path[1:-1])} draws a separate stream in each tower",
-                "results match single-device training in distribution only; draws in function "
-                "bodies nested in other bodies are not reproduced yet")
+                "results match single-device training in distribution only")
     if getattr(flow, "depths", {}).get(node.name, 0):
         busy = [f for f in frames(ir, node.name) if f.parallel != 1]
         if busy:
