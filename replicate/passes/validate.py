@@ -70,18 +70,22 @@ class Validate:
 
     @staticmethod
     def _towers(ir: IR, prefixes: list[str]) -> None:
-        def tower_of(name: str) -> str | None:
-            head = name.split("/", 1)[0]
-            return head if head in prefixes else None
+        prefixes = set(prefixes)
+        owner = {name: head if (head := name.split("/", 1)[0]) in prefixes else None
+                 for name in ir.nodes}
 
-        for node in ir:
-            mine = tower_of(node.name)
+        def tower_of(name: str) -> str | None:
+            return owner.get(name)
+
+        for node in ir.nodes.values():
+            mine = owner[node.name]
             if node.op in ops.VARIABLE_OPS and mine is not None:
                 raise InvariantError(f"variable '{node.name}' lives inside tower '{mine}'")
-            for ref in node.inputs + node.control:
-                theirs = tower_of(node_of(ref))
-                if mine is not None and theirs is not None and theirs != mine:
-                    raise InvariantError(f"'{node.name}' in {mine} reads '{ref}' of {theirs}")
+            if mine is not None:
+                for ref in node.inputs + node.control:
+                    theirs = owner.get(node_of(ref))
+                    if theirs is not None and theirs != mine:
+                        raise InvariantError(f"'{node.name}' in {mine} reads '{ref}' of {theirs}")
             spec = ops.APPLY_OPS.get(node.op)
             if spec is not None and mine is None:
                 pos = ir.arg_index(node, spec.grad_arg)
