@@ -345,9 +345,10 @@ def test_tf1_cond_dropout_with_accumulation_runs_and_is_exact():
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def _defun(nested: bool) -> tf.Graph:
-    """A dropout inside a ``tf.function`` called from the graph (a PartitionedCall), or inside
-    a ``tf.cond`` in that function (a body nested in a body)."""
+def _defun(nested: bool, noise: str = "dropout") -> tf.Graph:
+    """A dropout (or, with ``noise="weight"``, weight noise: a draw of the weight's shape, the
+    same in every tower) inside a ``tf.function`` called from the graph (a PartitionedCall),
+    or inside a ``tf.cond`` in that function (a body nested in a body)."""
     graph = tf.Graph()
     with graph.as_default():
         v1.set_random_seed(5)
@@ -357,13 +358,16 @@ def _defun(nested: bool) -> tf.Graph:
 
         @tf.function
         def noisy(h):
+            def draw():
+                if noise == "weight":
+                    return tf.matmul(h, w + tf.random.normal([6, 6], seed=3))
+                return tf.nn.dropout(tf.matmul(h, w), 0.5, seed=3)
             if nested:
-                return tf.cond(tf.reduce_sum(w) > -1e9, lambda: tf.nn.dropout(h, 0.5, seed=3),
-                               lambda: h)
-            return tf.nn.dropout(h, 0.5, seed=3)
+                return tf.cond(tf.reduce_sum(w) > -1e9, draw, lambda: tf.matmul(h, w))
+            return draw()
 
-        loss = tf.reduce_mean(tf.square(noisy(tf.matmul(x, w))), name="loss")
-        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        loss = tf.reduce_mean(tf.square(noisy(x)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5 if noise == "dropout" else 0.1).minimize(loss, name="train")
     return graph
 
 
@@ -382,35 +386,12 @@ def test_draws_in_defun_bodies_are_exact(towers, batch, accumulate, nested):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def _weight_noise(nested: bool) -> tf.Graph:
-    """Weight noise (a draw of the weight's shape, the same in every tower) in a defun, or in
-    a cond inside that defun."""
-    graph = tf.Graph()
-    with graph.as_default():
-        v1.set_random_seed(5)
-        x = v1.placeholder(tf.float32, [None, 6], name="x")
-        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=2),
-                            use_resource=True)
-
-        @tf.function
-        def noisy(h):
-            def noise():
-                return tf.matmul(h, w + tf.random.normal([6, 6], seed=3))
-            if nested:
-                return tf.cond(tf.reduce_sum(w) > -1e9, noise, lambda: tf.matmul(h, w))
-            return noise()
-
-        loss = tf.reduce_mean(tf.square(noisy(x)), name="loss")
-        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
-    return graph
-
-
 @pytest.mark.parametrize("nested", [False, True], ids=["defun", "cond_in_defun"])
 def test_weight_noise_in_function_bodies_is_the_same_in_every_tower(nested):
     """Each tower calls its own copy of the functions that draw: a call nested in a body
     shared one instantiation, so one random kernel, between the towers, whose draws then
     interleaved by scheduling (reported exact, 0.3 off one device after 4 steps)."""
-    graph = _weight_noise(nested)
+    graph = _defun(nested, noise="weight")
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert res.report.exact, res.report.reasons
     assert set(res.report.random["reproduced"].values()) == {"same"}
