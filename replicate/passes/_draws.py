@@ -49,8 +49,9 @@ BODY_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Partiti
 class Draw:
     """A random op the towers reproduce: ``kind`` is ``rows`` (global shape, tower's rows of
     ``axis``, batch class ``cls``, output rank ``rank``), ``same`` (original seeds) or
-    ``body`` (a call whose functions draw rows: ``inner`` lists a ``rows`` Draw per random
-    op, named ``function/.../op``, with ``path`` the functions from the outermost down)."""
+    ``body`` (a call whose functions draw rows). For a call, ``inner`` lists a ``rows`` or
+    ``same`` Draw per random op of its functions, named ``function/.../op``, with ``path``
+    the functions from the outermost down; each tower calls its own copy of them."""
 
     name: str
     kind: str
