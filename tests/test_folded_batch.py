@@ -107,3 +107,38 @@ def test_a_split_of_the_batch_itself_is_still_a_reason():
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
     assert not res.report.exact
     assert any("Split along the batch" in r.what for r in res.report.reasons), res.report.reasons
+
+
+def _time_major_losses() -> tf.Graph:
+    """Per-step losses of a time-major RNN output: ``[T, B, V]`` logits flattened to
+    ``[T*B, V]`` and the cross-entropy reshaped back to ``[T, B]``, fetched by the driver."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, T, D], name="x")
+        y = v1.placeholder(tf.int32, [None, T], name="y")
+        w = v1.get_variable("w", [D, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        steps = tf.transpose(x, [1, 0, 2])                                # [T, B, D]
+        logits = tf.reshape(tf.matmul(tf.reshape(steps, [-1, D]), w), [T, -1, 3])
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.transpose(y),
+                                                                logits=logits)
+        tf.identity(losses, name="losses")
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(losses, name="loss"),
+                                                        name="train")
+    return graph
+
+
+@pytest.mark.parametrize("towers,batch", [(3, 7), (3, 2)])
+def test_time_major_flattening_reshaped_back_merges(towers, batch):
+    """``[T, B] -> [T*B] -> [T, B]`` keeps the examples in batch order within each time step:
+    the per-step losses merge along their batch axis (they were marked unordered and
+    dropped from the graph, and a driver fetching them by name failed)."""
+    graph = _time_major_losses()
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(batch, T, D).astype(np.float32),
+              "y:0": rng.randint(0, 3, (batch, T)).astype(np.int32)} for _ in range(3)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("losses:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(single[0], multi[0], rtol=RTOL, atol=1e-6)

@@ -78,6 +78,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
         frontier.append(Frontier(t, role, True, variables.get(t), _scope_weights(t, scopes), tail=tail))
 
     unmergeable: list[str] = []
+    forward_only: list[str] = []
     merged: dict[str, Frontier] = {}
 
     def add(t: str, required: bool) -> None:
@@ -96,6 +97,11 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                     merged[t] = Frontier(t, "recompute", False, recompute=tuple(nodes))
                     return
             if not required:
+                if red.kind != "none" and not ir.is_handle(t):
+                    # a forward tensor a driver may fetch by name keeps it: tower 0's value
+                    # (it used to vanish, and the driver's fetch failed)
+                    merged[t] = Frontier(t, "first", False)
+                    forward_only.append(t)
                 return
             fact = flow.fact(t)
             if red.kind == "none" and fact is not None and fact.kind == "shared":
@@ -134,7 +140,8 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                             f"'{fact.src}', while another part of it has shared rows after the "
                             "batch rows (replicate follows such rows through gathers, slices, "
                             "reshapes, concatenations and elementwise ops only)")
-    return frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable, [t for t, _ in doubtful]
+    return (frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable,
+            [t for t, _ in doubtful], forward_only)
 
 
 def _sorted(ir: IR, tensors) -> list[str]:

@@ -166,9 +166,9 @@ class Analyze:
         keep_targets |= {node_of(t) for t in flow.plan.splits}
         keep = ir.ancestors(keep_targets, graph) & inside
         dead = _dead_gradient_code(ir, in_grad - inside)
-        frontier, outputs, unmergeable, doubtful = classify(ir, region, dependent, in_grad, grad_scopes,
-                                                            apply_ops, flow, losses, self.outputs,
-                                                            self.merge_forward, dead)
+        frontier, outputs, unmergeable, doubtful, forward_only = classify(
+            ir, region, dependent, in_grad, grad_scopes, apply_ops, flow, losses, self.outputs,
+            self.merge_forward, dead)
         syncs = loss_syncs | synced
         if syncs:
             outputs = [_global_after_sync(flow, f, syncs) for f in outputs]
@@ -179,6 +179,12 @@ class Analyze:
         tower0_values: list[str] = []
         reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings,
                                           tower0_values)
+        forward_only = [t for t in forward_only if not (syncs and _global_value(flow, t, syncs))]
+        if forward_only:        # intermediates: a warning, not the report's NOT MERGED line
+            warnings.append(f"{len(forward_only)} forward tensors cannot be merged across towers; "
+                            "fetching one by its name gives tower 0's value (" + ", ".join(
+                                f"'{t}'" for t in forward_only[:4]) +
+                            (", ..." if len(forward_only) > 4 else "") + ")")
         reasons += [Reason(node_of(t), f"gradient rows '{t}' join rows shared by every tower with "
                            "the batch's in an order replicate does not follow; they are "
                            "concatenated, which a sum over rows adds up but row-wise processing "

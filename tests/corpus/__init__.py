@@ -39,6 +39,7 @@ PROGRAMS = [
     "transformer",
     "bilstm_crf",
     "pix2pix",
+    "rnn_from_scratch",
 ]
 
 __all__ = ["PROGRAMS"]

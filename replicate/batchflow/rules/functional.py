@@ -19,7 +19,7 @@ from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, j
 from replicate.batchflow.rules.common import condition, taint_of
 from replicate.batchflow.loss import IDENTITIES, behind
 from replicate.batchflow.rules.rowloop import rows_loop
-from replicate.ir import IR, Node, parse_tensor, tensor_name
+from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call"]
 
@@ -35,9 +35,15 @@ def _tf_shape(shape):
     return tf.TensorShape(shape)
 
 
-def _body(ctx: Context, name: str, shapes: list) -> tuple[IR, list[str], list[str]] | None:
-    """The IR of library function ``name`` with static shapes, its argument and result tensors."""
-    key = ("ir", name, tuple(tuple(s) if s is not None else None for s in shapes))
+def _body(ctx: Context, name: str, refs: list[str]) -> tuple[IR, list[str], list[str]] | None:
+    """The IR of library function ``name`` called with tensors ``refs``, with static shapes,
+    its argument and result tensors. A variable read inside the body gets the variable's
+    shape (TensorFlow's import gives a captured handle's read no shape: a bias added in a
+    loop body had an unknown rank, and the step's state became mixed)."""
+    shapes = [ctx.shape(r) for r in refs]
+    variables = [_variable_shape(ctx, r) for r in refs]
+    key = ("ir", name, tuple(tuple(s) if s is not None else None for s in shapes),
+           tuple(tuple(v) if v is not None else None for v in variables))
     if key in ctx.functions:
         return ctx.functions[key]
     fdef = ctx.ir.function(name)
@@ -57,12 +63,30 @@ def _body(ctx: Context, name: str, shapes: list) -> tuple[IR, list[str], list[st
         graph = function_def_to_graph.function_def_to_graph(fdef, input_shapes=[_tf_shape(s) for s in shapes])
     body = IR.from_graph_def(graph.as_graph_def())
     body.load_static_shapes(graph)
+    handles = {parse_tensor(t.name)[0]: v for t, v in zip(graph.inputs, variables) if v is not None}
+    for node in body.nodes.values():
+        if node.op == "ReadVariableOp" and node.inputs and node_of(node.inputs[0]) in handles:
+            body.static_shapes[node.name] = [handles[node_of(node.inputs[0])]]
     body.tf_graph = host
     body.library = ctx.ir.library
     body._functions = ctx.ir._functions
     found = (body, [t.name for t in graph.inputs], [t.name for t in graph.outputs])
     ctx.functions[key] = found
     return found
+
+
+def _variable_shape(ctx: Context, ref: str) -> list | None:
+    """The shape of the resource variable whose handle ``ref`` is (through identities), or None."""
+    for _ in range(8):
+        node = ctx.ir.nodes.get(node_of(ref))
+        if node is None:
+            return None
+        if node.op == "VarHandleOp":
+            return node.attr("shape")
+        if node.op not in ("Identity", "Enter") or not node.inputs:
+            return None
+        ref = node.inputs[0]
+    return None
 
 
 def _library_only(ir: IR):
@@ -80,11 +104,10 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     """The facts of function ``name``'s results when called with ``facts`` (None: not analysable)."""
     from replicate.batchflow.solver import solve
 
-    shapes = [ctx.shape(r) for r in refs]
     key = ("call", name, tuple(facts), ctx.in_gradient(node))
     if key in ctx.functions:
         return ctx.functions[key]
-    found = _body(ctx, name, shapes)
+    found = _body(ctx, name, refs)
     if found is None:
         return None
     body, args, outs = found
@@ -182,7 +205,7 @@ def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
 def _passed_through(ctx: Context, node: Node, refs: list[str]) -> set[int]:
     """The loop variables the body returns unchanged (a variable's handle, a captured weight):
     however often the loop runs, they leave it as they entered."""
-    found = _body(ctx, node.attr("body"), [ctx.shape(r) for r in refs])
+    found = _body(ctx, node.attr("body"), refs)
     if found is None:
         return set()
     body, args, outs = found

@@ -57,13 +57,12 @@ def rows_loop(ctx: Context, node: Node, ins: list[Fact], body_of, call, passed) 
     class (see the module docstring), else None.
 
     Args:
-        body_of: ``(ctx, function, shapes) -> (ir, args, results) | None``.
+        body_of: ``(ctx, function, refs) -> (ir, args, results) | None``.
         call: ``(ctx, node, function, refs, facts) -> facts | None`` (a body's analysis).
         passed: the loop variables the body returns unchanged.
     """
     refs = node.inputs[:len(ins)]
-    shapes = [ctx.shape(r) for r in refs]
-    found_body, found_cond = body_of(ctx, node.attr("body"), shapes), body_of(ctx, node.attr("cond"), shapes)
+    found_body, found_cond = body_of(ctx, node.attr("body"), refs), body_of(ctx, node.attr("cond"), refs)
     if found_body is None or found_cond is None:
         return None
     body, args, outs = found_body

@@ -100,7 +100,10 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     j, outer, inner = found
     if j < len(target) and isinstance(target[j], int) and target[j] != -1 and outer and inner:
         ctx.position(node.inputs[1], j, f.cls, outer * inner, node)
-    return [part(j, f.cls, inner, ordered=f.ordered and outer == 1, filtered=f.filtered,
+    # a time-major flattening ([T, B] -> [T*B]) is T copies of the batch one after the other,
+    # each in batch order: the layout of copies joined along the axis, which stays ordered
+    # (it was marked unordered, so reshaping back to [T, B] could not be merged any more)
+    return [part(j, f.cls, inner, ordered=f.ordered, filtered=f.filtered,
                  taint=f.taint | ins[1].taint, outer=outer)]
 
 
