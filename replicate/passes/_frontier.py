@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 
-from replicate import ops
 from replicate.batchflow.effects import writes
 from replicate.errors import AnalysisError
 from replicate.facts import ApplyOp, Frontier, GradScope
@@ -79,6 +78,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
 
     unmergeable: list[str] = []
     forward_only: list[str] = []
+    recomputed: set[str] = set()        # nodes recomputed once from merged values, by name
     merged: dict[str, Frontier] = {}
 
     def add(t: str, required: bool) -> None:
@@ -92,12 +92,13 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                                       lambda r: merge_kind(ir, flow, r).kind in _MERGEABLE)
                 if plan is not None:
                     nodes, needs = plan
+                    recomputed.update(nodes)
                     for ref in needs:
                         add(ref, True)
                     merged[t] = Frontier(t, "recompute", False, recompute=tuple(nodes))
                     return
             if not required:
-                if red.kind != "none" and not ir.is_handle(t):
+                if red.kind != "none" and not ir.is_handle(t) and node_of(t) not in recomputed:
                     # a forward tensor a driver may fetch by name keeps it: tower 0's value
                     # (it used to vanish, and the driver's fetch failed)
                     merged[t] = Frontier(t, "first", False)

@@ -179,7 +179,11 @@ class Analyze:
         tower0_values: list[str] = []
         reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings,
                                           tower0_values)
-        forward_only = [t for t in forward_only if not (syncs and _global_value(flow, t, syncs))]
+        # a node the shared graph keeps (it computes on the whole batch) keeps its own value
+        kept = {t for t in forward_only if node_of(t) in keep}
+        outputs = [f for f in outputs if f.tensor not in kept]
+        forward_only = [t for t in forward_only if t not in kept
+                        and not (syncs and _global_value(flow, t, syncs))]
         if forward_only:        # intermediates: a warning, not the report's NOT MERGED line
             warnings.append(f"{len(forward_only)} forward tensors cannot be merged across towers; "
                             "fetching one by its name gives tower 0's value (" + ", ".join(
