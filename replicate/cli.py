@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 
 from replicate import quiet
@@ -114,8 +115,26 @@ def _main(argv: list[str]) -> int:
     verbose = {"--debug", "-vv"} & set(argv)
     if not verbose:
         quiet_tensorflow()
-    with _native_stderr_silenced(not verbose):
-        import tensorflow  # noqa: F401 - imported here, quietly, before any subcommand
+    seen: list[int] = []
+
+    def interrupt(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupt) if main_thread else None
+    try:
+        with _native_stderr_silenced(not verbose):
+            import tensorflow  # noqa: F401 - imported here, quietly, before any subcommand
+    except ImportError:
+        # a Ctrl-C inside numpy's C-extension import comes out as an ImportError ("could not
+        # import module 'datetime'"): it is still the user's interrupt
+        if seen:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     parser, modules = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
