@@ -75,18 +75,14 @@ def _body(ctx: Context, name: str, refs: list[str]) -> tuple[IR, list[str], list
     return found
 
 
+#: What a variable's handle passes through on its way into a body.
+_HANDLE_PATH = frozenset({"Identity", "Enter"})
+
+
 def _variable_shape(ctx: Context, ref: str) -> list | None:
     """The shape of the resource variable whose handle ``ref`` is (through identities), or None."""
-    for _ in range(8):
-        node = ctx.ir.nodes.get(node_of(ref))
-        if node is None:
-            return None
-        if node.op == "VarHandleOp":
-            return node.attr("shape")
-        if node.op not in ("Identity", "Enter") or not node.inputs:
-            return None
-        ref = node.inputs[0]
-    return None
+    node = ctx.ir.nodes.get(node_of(behind(ctx.ir, ref, _HANDLE_PATH)))
+    return node.attr("shape") if node is not None and node.op == "VarHandleOp" else None
 
 
 def _library_only(ir: IR):
