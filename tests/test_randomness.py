@@ -187,6 +187,15 @@ def _rnn(parallel: int, where: str = "output", frames: bool = False) -> tf.Graph
     return graph
 
 
+def _reproduced(graph, towers: int, feeds, kind: str, **options) -> None:
+    """The rewrite is exact, reproduces every draw as ``kind``, and trains as one device."""
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], **options)
+    assert res.report.exact, res.report.reasons
+    assert set(res.report.random["reproduced"].values()) == {kind}
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
 def _sequences(batch: int, steps: int = 3):
     rng = np.random.RandomState(0)
     return [{"x:0": rng.randn(batch, 5, 6).astype(np.float32), "y:0": rng.randint(0, 3, batch)}
@@ -266,11 +275,7 @@ def test_dropout_in_a_tf1_loop_is_exact(towers, batch, accumulate):
     loop draws the global mask at every step (the global batch and the tower's first row
     enter the frame as loop constants) and keeps its rows, micro-batches included."""
     graph = _rnn(1, "input", frames=True)
-    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
-    assert res.report.exact, res.report.reasons
-    assert set(res.report.random["reproduced"].values()) == {"rows"}
-    cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))
-    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    _reproduced(graph, towers, _sequences(batch), "rows", accumulate=accumulate)
 
 
 def test_draws_in_nested_tf1_loops_reading_a_variable_are_exact():
@@ -411,11 +416,7 @@ def test_draws_in_bodies_nested_in_loop_bodies_are_exact(inner_loop, towers, bat
     """The loop body passes the global batch size and the tower's first row on to the cond
     (and the inner loop) it calls, down to the branch that draws."""
     graph = _time_loop("flag_loop" if inner_loop else "flag")
-    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
-    assert res.report.exact, res.report.reasons
-    assert set(res.report.random["reproduced"].values()) == {"body"}
-    cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))
-    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    _reproduced(graph, towers, _sequences(batch), "body", accumulate=accumulate)
 
 
 def test_draws_in_a_nested_parallel_loop_are_reasons():
