@@ -391,6 +391,11 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
                             "task, or the first step waits forever (replicate cluster does this)")
         if between is not None:
             warnings.extend(between_rt.notes(ir.facts))
+        if ir.facts.get("min_batch"):
+            need = ir.facts["min_batch"]
+            warnings.append(f"the rewrite needs at least {need['batch']} examples per step: "
+                            f"'{need['ops'][0]}' picks examples of each tower's batch by position; "
+                            "a smaller step stops with an assertion that says so")
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
         if between is not None:

@@ -81,3 +81,49 @@ def test_towers_without_examples_train_through_max_pooling(aggregation, towers, 
     # the gradient still reads the forward pooling output directly (oneDNN pairs them)
     assert int(paired) == towers
     assert float(rel) <= 1e-5
+
+
+def _picking(kind: str):
+    """A graph whose loss picks an example of the batch by position (so it is inexact)."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1))
+        p = tf.reduce_sum(x * w, 1)
+        p = {"first": lambda: p - p[0], "second": lambda: p - tf.gather(p, [1]),
+             "scan": lambda: tf.scan(lambda a, e: a + e, p)}[kind]()
+        loss = tf.reduce_mean(tf.square(p - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("kind,need", [("first", 1), ("second", 2), ("scan", 1)])
+def test_a_tower_too_small_for_a_positional_pick_stops_with_a_message(kind, need):
+    """The last short batch of an epoch: with fewer examples than the towers need, the step
+    stops with the rewrite's own assertion, which names the op and the batch size to feed
+    (TensorFlow's own error was 'slice index 0 of dimension 0 out of bounds' in a tower);
+    with enough examples it runs; the certificate notes it instead of refusing the graph."""
+    import numpy as np
+
+    import replicate
+    from replicate.equivalence import compare
+    from replicate.errors import RewriteError
+
+    towers = 3
+    res = replicate.transform(_picking(kind), [f"/cpu:{k}" for k in range(towers)], check=True)
+    assert not res.report.exact
+    assert any(f"at least {need * towers} examples per step" in w for w in res.report.warnings)
+    assert any("rewrite stops with its assertion" in n for n in res.report.check["notes"])
+    rng = np.random.default_rng(0)
+
+    def feeds(b):
+        return [{"x:0": rng.normal(size=(b, 4)).astype(np.float32),
+                 "y:0": rng.normal(size=(b,)).astype(np.float32)}]
+
+    compare(_picking(kind), res.graph, "train", feeds(need * towers), cpus=towers)
+    with pytest.raises(RewriteError, match="a tower has too few examples.*picks example") as err:
+        compare(_picking(kind), res.graph, "train", feeds(need * towers - 1), cpus=towers)
+    assert f"feed at least {need * towers} examples per step" in str(err.value)

@@ -1,12 +1,16 @@
 """Keep towers with an empty batch slice away from kernels that abort on an empty batch.
 
-Requires: ``ir.facts["towers"]`` and the clone pass's tower copies.
+Requires: ``ir.facts["towers"]``, the clone pass's tower copies (``ir.facts["copies"]``) and
+``ir.facts["analysis"]``.
 
 Produces: every max-pooling gradient in a tower (``MaxPoolGrad``, ``MaxPoolGradV2``,
 ``MaxPool3DGrad``) reads its three batch-shaped inputs padded with one zero example when the
 batch is empty, and its result is sliced back to the tower's batch size. With examples the
 padding is zero and the slice is the whole tensor, so the values are the same bits; with none,
 the kernel sees one example instead of zero.
+
+Also: every tower copy of an op that picks examples by position checks first that its tower
+holds enough examples, with a message that says so (:mod:`replicate.passes._picks`).
 
 When the gradient's ``orig_output`` is the forward pooling op's output (``MaxPool``,
 ``MaxPoolV2``, ``MaxPool3D`` in the same tower, reading the same ``orig_input``) -- the usual
@@ -34,6 +38,7 @@ import logging
 from tensorflow.python.framework import dtypes
 
 from replicate.ir import IR
+from replicate.passes._picks import assert_examples
 from replicate.pipeline import PassResult
 
 __all__ = ["Guard", "GUARDED_OPS"]
@@ -58,6 +63,11 @@ class Guard:
         for node in [n for n in ir if n.op in GUARDED_OPS and n.name.split("/", 1)[0] in prefixes]:
             self._guard(ir, node)
             done += 1
+        picks = assert_examples(ir)
+        if picks:
+            log.info("guard: %d tower ops that pick examples by position check their tower's count",
+                     picks)
+            done += picks
         log.info("guard: %d max-pooling gradients guarded against empty batches", done)
         return PassResult(ir, done > 0)
 

@@ -1,0 +1,121 @@
+"""Say clearly when a tower has too few examples for an op that picks examples by position.
+
+Requires: the clone pass's tower copies (``ir.facts["copies"]``, originals still present) and
+``ir.facts["analysis"]`` (its settled dataflow, ``analysis.flow``).
+
+Produces: ``ir.facts["min_batch"]`` (the smallest global batch every tower can run, and the
+ops that need it) and, before every tower copy of an op that picks a fixed example of the tower's batch
+(``x[0]``, ``tf.gather(x, [2])``, the first element ``tf.scan`` reads to start, ...), an
+``Assert`` that the tower holds enough examples, as a control input of the copy. Nothing else
+changes: with enough examples the assertion passes and the values are the same.
+
+Why: such an op is what makes a rewrite inexact ("picks one example": each tower picks its own
+first example), and the report says so. But with fewer examples in a step than towers -- the
+last, short batch of an epoch -- a tower gets none, and the op fails with TensorFlow's "slice
+index 0 of dimension 0 out of bounds" under a tower's name. The assertion fails instead, first,
+with a message that names the op, the tower, and the batch size the step needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tensorflow.python.framework import dtypes
+
+from replicate.batchflow.lattice import MIXED, PART
+from replicate.ir import IR, Node, node_of
+
+__all__ = ["MARKER", "assert_examples", "PICK_OPS"]
+
+#: The start of every assertion message (the certificate recognizes it).
+MARKER = "replicate: a tower has too few examples"
+
+#: Op type -> (input picked from, input of the position(s), how a tower's count is read):
+#: "shape" (the picked tensor's size along its batch axis), "list" (a TensorList's length),
+#: "array" (a TensorArray's size; the flow is input 2).
+PICK_OPS = {
+    "StridedSlice": (0, 1, "shape"),
+    "GatherV2": (0, 1, "shape"),
+    "Gather": (0, 1, "shape"),
+    "ResourceGather": (0, 1, "shape"),
+    "GatherNd": (0, 1, "shape"),
+    "TensorListGetItem": (0, 1, "list"),
+    "TensorArrayReadV3": (0, 1, "array"),
+}
+
+SCOPE = "replicate/examples"
+
+
+def assert_examples(ir: IR) -> int:
+    """Add the assertions (see the module docstring); returns how many ops got one."""
+    flow, copies = ir.facts["analysis"].flow, ir.facts["copies"]
+    if flow is None:
+        return 0
+    done, needs = 0, {}
+    for k, names in enumerate(copies):
+        prefix = f"{ir.facts['towers'].prefixes[k]}/"
+        for name, copied in names.items():
+            copy = ir.nodes.get(copied)
+            if copy is None or copy.op not in PICK_OPS:
+                continue
+            data, where, kind = PICK_OPS[copy.op]
+            source = copy.inputs[data]
+            picked = flow.fact(source[len(prefix):] if source.startswith(prefix) else source)
+            out = flow.fact(f"{name}:0")
+            if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
+                    or out.src != name:
+                continue
+            needs[name] = _needed(ir, copy, picked.axis, where)
+            _assert(ir, copy, k, picked.axis, needs[name], kind, len(copies))
+            done += 1
+    if needs:
+        ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
+    return done
+
+
+def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
+    """How many examples a tower needs for ``node``'s constant position(s) (1 if unknown)."""
+    ref = node.inputs[where]
+    value = ir.const_value(node_of(ref)) if ref.partition(":")[2] in ("", "0") else None
+    if value is None:
+        return 1
+    value = np.asarray(value)
+    if node.op == "StridedSlice":
+        masks = [int(node.attr(k, 0)) for k in ("begin_mask", "ellipsis_mask", "new_axis_mask")]
+        if masks[1] or masks[2] or value.ndim != 1 or axis >= len(value) or (masks[0] >> axis) & 1:
+            return 1
+        picks = value[axis:axis + 1]
+    elif node.op == "GatherNd":
+        picks = value.reshape(-1, value.shape[-1])[:, 0] if value.ndim and value.shape[-1] else value[:0]
+    else:
+        picks = value.reshape(-1)
+    if not picks.size:
+        return 1
+    return max(1, max(int(k) + 1 if k >= 0 else -int(k) for k in picks))
+
+
+def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int, kind: str, towers: int) -> None:
+    scope = f"{copy.name}/{SCOPE}"
+    i32, dev = dtypes.int32, copy.device
+
+    def add(suffix, op, inputs, **attrs):
+        return ir.add(f"{scope}/{suffix}", op, inputs, device=dev, attrs=attrs).name
+
+    source = copy.inputs[PICK_OPS[copy.op][0]]
+    if kind == "list":
+        count = add("count", "TensorListLength", [source])
+    elif kind == "array":
+        count = add("count", "TensorArraySizeV3", [source, copy.inputs[2]])
+    else:
+        dtype = dtypes.as_dtype(ir.output_dtype(source))
+        shape = add("shape", "Shape", [source], T=dtype, out_type=i32)
+        zero = ir.const(f"{scope}/zero", 0, i32, dev)
+        count = add("count", "GatherV2", [shape, ir.const(f"{scope}/axis", axis, i32, dev), zero],
+                    Tparams=i32, Tindices=i32, Taxis=i32)
+    enough = add("enough", "GreaterEqual", [count, ir.const(f"{scope}/need", need, i32, dev)], T=i32)
+    message = (f"{MARKER}: '{copy.name.split('/', 1)[1]}' picks example(s) of each tower's batch "
+               f"by position (a reason the rewrite is inexact), so tower {tower} needs at least "
+               f"{need} example(s) in every step; feed at least {need * towers} examples per "
+               f"step, or train on fewer towers. Examples in tower {tower}:")
+    text = ir.const(f"{scope}/message", message, dtypes.string, dev)
+    check = add("assert", "Assert", [enough, text, count], T=[dtypes.string, i32], summarize=3)
+    ir.set_control(copy.name, copy.control + [check])
