@@ -218,7 +218,8 @@ def _time_loop(noise: str = "", frames: bool = False, read: str = "index",
                parallel: int = 1) -> tf.Graph:
     """A hand-written RNN over a time-major batch: ``tf.while_loop`` reading ``xs[t]`` (a
     strided slice whose bounds the loop counter gives at run time; with ``read="slice"``,
-    ``tf.slice`` from ``tf.stack([t, 0, 0])``). ``noise`` drops out each step's input:
+    ``tf.slice`` from ``tf.stack([t, 0, 0])``, ``"concat"``: from ``tf.concat([[t], [0, 0]], 0)``,
+    ``"scaled"``: from ``[1, 0, 0] * t``). ``noise`` drops out each step's input:
     ``dropout`` (``tf.nn.dropout``), ``flag`` (``dropout(training=flag)``, an ``If`` inside the
     ``While``) or ``flag_loop`` (that ``If`` inside a second loop, of ``parallel`` iterations
     at once, in the body)."""
@@ -238,7 +239,9 @@ def _time_loop(noise: str = "", frames: bool = False, read: str = "index",
             return v1.layers.dropout(h, 0.3, training=flag, seed=7) if noise else h
 
         def step(t, h):
-            now = xs[t] if read == "index" else tf.squeeze(tf.slice(xs, tf.stack([t, 0, 0]), [1, -1, -1]), 0)
+            begin = {"slice": lambda: tf.stack([t, 0, 0]), "concat": lambda: tf.concat([[t], [0, 0]], 0),
+                     "scaled": lambda: tf.constant([1, 0, 0]) * t}.get(read)
+            now = xs[t] if read == "index" else tf.reshape(tf.slice(xs, begin(), [1, -1, -1]), [-1, 6])
             if noise == "flag_loop":
                 _, now = tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, drop(v)),
                                        [tf.constant(0), now], parallel_iterations=parallel)
@@ -257,11 +260,14 @@ def _time_loop(noise: str = "", frames: bool = False, read: str = "index",
 @pytest.mark.parametrize("noise,frames,read,towers,batch", [
     ("", False, "index", 3, 7), ("dropout", False, "index", 2, 7), ("dropout", False, "index", 3, 2),
     ("", True, "index", 3, 7), ("dropout", True, "index", 2, 5), ("", False, "slice", 3, 7),
-    ("dropout", True, "slice", 2, 7)])
+    ("dropout", True, "slice", 2, 7), ("", False, "concat", 3, 7), ("dropout", True, "scaled", 3, 2)])
 def test_time_loop_reading_xs_t_is_exact(noise, frames, read, towers, batch):
     """``xs[t]`` slices the time axis, not the batch axis: the spec's length says so without
     the bound's value (it was "StridedSlice by bounds known only at run time": inexact);
-    ``tf.slice`` from a packed begin takes the batch axis whole by its packed 0 and -1."""
+    ``tf.slice`` from a packed, concatenated or scaled begin takes the batch axis whole by its
+    0 and -1 there (a begin built otherwise than by ``tf.stack`` was "bounds known only at run
+    time"; with ``[1, 0, 0] * t``, inference leaves the slice's other dimensions unknown, and
+    the reshape after it needs them)."""
     graph = _time_loop(noise, frames, read)
     res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
     assert res.report.exact, res.report.reasons

@@ -324,17 +324,40 @@ def _value_slice(value: tuple, begin: int, end: int | None, stride: int = 1) -> 
     return tuple(value[begin:end:stride])
 
 
-def _element(ctx: Context, ref: str, value: tuple | None, i: int):
-    """Element ``i`` of integer vector ``ref``: from its value, else from the scalar packed
-    there when the vector is built at run time (``tf.stack([t, 0, 0])``: the batch axis's
-    bound is known though the time step's is not)."""
+def _element(ctx: Context, ref: str, value: tuple | None, i: int, depth: int = 0):
+    """Element ``i`` of integer vector ``ref``: from its value, else from how the vector is
+    built at run time, where the batch axis's bound is known though a time step's is not:
+    the scalar packed there (``tf.stack([t, 0, 0])``), the piece concatenated there
+    (``tf.concat([[0], [t], [0]], 0)``), a zero of a constant scaled at run time
+    (``[0, 1, 0] * t``), through identities."""
     if value is not None:
-        return value[i] if i < len(value) else None
+        return value[i] if 0 <= i < len(value) else None
     node = ctx.ir.nodes.get(node_of(ref))
-    if node is None or node.op != "Pack" or i >= len(node.inputs) or int(node.attr("axis", 0)):
+    if node is None or depth > 8 or i < 0:
         return None
-    scalar = ctx.int_value(node.inputs[i])
-    return scalar[0] if scalar is not None and len(scalar) == 1 else None
+    if node.op in ("Identity", "Cast") and node.inputs:
+        return _element(ctx, node.inputs[0], ctx.int_value(node.inputs[0]), i, depth + 1)
+    if node.op == "Pack":
+        if i >= len(node.inputs) or int(node.attr("axis", 0)):
+            return None
+        scalar = ctx.int_value(node.inputs[i])
+        return scalar[0] if scalar is not None and len(scalar) == 1 else None
+    if node.op == "ConcatV2" and ctx.int_value(node.inputs[-1]) in ((0,), (-1,)):
+        for piece in node.inputs[:-1]:
+            shape = ctx.shape(piece)
+            if shape is None or len(shape) != 1 or not isinstance(shape[0], int):
+                return None
+            if i < shape[0]:
+                return _element(ctx, piece, ctx.int_value(piece), i, depth + 1)
+            i -= shape[0]
+        return None
+    if node.op == "Mul" and len(node.inputs) == 2:
+        for a, b in (node.inputs, node.inputs[::-1]):
+            known = ctx.int_value(a)
+            if known is not None and len(known) > i and known[i] == 0 \
+                    and ctx.rank(b) in (0, 1) and ctx.rank(a) == 1:
+                return 0
+    return None
 
 
 def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -352,8 +375,28 @@ def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if b == 0 and (s == -1 or isinstance(s, Sym) or (full is not None and s == full)):
         if isinstance(s, int) and s != -1:
             ctx.position(node.inputs[2], f.axis, f.cls, rows(f), node)
+        _refine_slice(ctx, node, begin, size)
         return [f.with_(value=None, index=None, taint=f.taint | ins[1].taint | ins[2].taint)]
     return [mixed(node.name, "Slice keeps only some of the examples", f.taint)]
+
+
+def _refine_slice(ctx: Context, node: Node, begin, size) -> None:
+    """The static shape of a ``Slice`` whose bounds are built at run time: a dimension whose
+    begin and size elements are known (a size of -1 takes the rest) though inference, not
+    seeing the vector's value, left it unknown (a reshape reading it needs it)."""
+    shape, rank = ctx.shape(node.inputs[0]), ctx.rank(node.inputs[0])
+    if shape is None or rank is None:
+        return
+    out = []
+    for j in range(rank):
+        b, s = _element(ctx, node.inputs[1], begin, j), _element(ctx, node.inputs[2], size, j)
+        if isinstance(s, int) and s >= 0:
+            out.append(s)
+        elif s == -1 and isinstance(b, int) and isinstance(shape[j], int) and 0 <= b <= shape[j]:
+            out.append(shape[j] - b)
+        else:
+            out.append(None)
+    ctx.refine(f"{node.name}:0", out)
 
 
 def _masks(node: Node) -> tuple[int, int, int, int, int]:
