@@ -34,7 +34,8 @@ BLOCKS = ("dense", "cond", "while", "defun", "map_fn", "map_fn_weight", "scan_ov
           "noise_in_while", "layers_bn", "layers_dropout", "keras_dropout", "clip_grad",
           "clip_grad_by_norm", "shape_arith", "drop_last_row", "reshape_fold",
           "segment_mean_by_label", "partition_by_label", "class_frequency")
-HEADS = ("mean_ce", "sum_ce", "masked_mean", "masked_mean_plus_l2", "vector_denominator",
+HEADS = ("mean_ce", "sum_ce", "masked_mean", "masked_mean_plus_l2", "shifted_masked_mean",
+         "vector_denominator",
          "rmse", "losses_none", "losses_sum", "losses_mean", "losses_sum_over_batch_size",
          "losses_sum_by_nonzero_weights", "losses_sum_over_nonzero_weights")
 #: The categories docs/testing.md lists, by the blocks and heads that exercise them.
@@ -51,9 +52,9 @@ CATEGORIES = {
     "unique / segment / dynamic_partition on labels": ("segment_mean_by_label",
                                                       "partition_by_label", "class_frequency"),
     "vector denominators": ("vector_denominator",),
-    "masked means with empty towers": ("masked_mean", "masked_mean_plus_l2"),
+    "masked means with empty towers": ("masked_mean", "masked_mean_plus_l2", "shifted_masked_mean"),
     "tf.compat.v1.losses reductions": tuple(h for h in HEADS if h.startswith("losses_")),
-    "regularization": ("masked_mean_plus_l2",),
+    "regularization": ("masked_mean_plus_l2", "l2"),
 }
 
 
@@ -85,13 +86,13 @@ class Program:
         return out
 
     def categories(self) -> list[str]:
-        parts = set(self.blocks) | {self.head}
+        parts = set(self.blocks) | {self.head} | ({"l2"} if self.l2 else set())
         return [c for c, members in CATEGORIES.items() if parts & set(members)]
 
 
 def draw(seed: int) -> Program:
     """Program ``seed``. The first block and the head go round the vocabulary with the seed,
-    so any 22 consecutive seeds use every block and any 12 every head."""
+    so any 22 consecutive seeds use every block and any 13 every head."""
     rng = random.Random(seed)
     towers = rng.choice([2, 3])
     blocks = (BLOCKS[seed % len(BLOCKS)],) + tuple(rng.choice(BLOCKS) for _ in range(rng.choice([1, 2])))
@@ -200,6 +201,8 @@ def _head(kind: str, logits, ctx: dict):
         return tf.reduce_sum(ce * m) / tf.reduce_sum(m)
     if kind == "masked_mean_plus_l2":
         return tf.reduce_sum(ce * m) / tf.reduce_sum(m) + 0.5 * tf.reduce_mean(ce)
+    if kind == "shifted_masked_mean":
+        return tf.reduce_sum(ce * m) / tf.maximum(tf.reduce_sum(m), 1.0)
     if kind == "vector_denominator":
         per_class = tf.reduce_sum(onehot * tf.expand_dims(ce, 1), axis=0)
         counts = tf.reduce_sum(onehot, axis=0)

@@ -16,7 +16,7 @@ from replicate.equivalence import compare
 v1 = tf.compat.v1
 
 
-def _tagger(shift: str) -> tf.Graph:
+def _tagger(shift: str, l2: bool = False) -> tf.Graph:
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
@@ -36,7 +36,10 @@ def _tagger(shift: str) -> tf.Graph:
             den = tf.maximum(total, 6.0)
         else:
             den = total + v1.placeholder_with_default(4.0, [], name="smoothing")
-        loss = tf.identity(tf.reduce_sum(ce * nonpad) / den, name="loss")
+        loss = tf.reduce_sum(ce * nonpad) / den
+        if l2:
+            loss += 0.5 * tf.nn.l2_loss(w)
+        loss = tf.identity(loss, name="loss")
         v1.train.GradientDescentOptimizer(1.0).minimize(loss, name="train")
     return graph
 
@@ -52,6 +55,24 @@ def _feeds(batch: int, steps: int = 3):
 def test_shifted_denominator_is_exact(shift, towers, batch):
     graph = _tagger(shift)
     res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("shift", ["add", "maximum", "fed"])
+@pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 1), (2, 5, 2)])
+def test_a_regularizer_beside_a_shifted_denominator_counts_once(shift, towers, batch, accumulate):
+    """The towers' shares of a shifted count, ``maximum(S_k, c) / maximum(S, c)``, do not add
+    up to one, so a regularizer every tower computes was weighed by their sum (5/3 with tower
+    counts 3, 0, 0 and c = 1: claimed exact, 1e-2 off one device in an independent review);
+    it is weighed 1/N in each tower instead, and the fetched loss is computed from the batch's
+    sums."""
+    graph = _tagger(shift, l2=True)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)],
+                              accumulate=accumulate)
     assert res.report.exact, res.report.reasons
     cmp = compare(graph, res.graph, "train", _feeds(batch), fetch=("loss:0",))
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

@@ -326,6 +326,13 @@ class Weighting:
     classes: set[int]
 
 
+#: Weights whose towers' shares need not add up to one: a shifted denominator's
+#: ``maximum(S_k, c)`` (or ``S_k + c``) over ``maximum(S, c)`` (a regularizer beside
+#: ``sum(ce * m) / maximum(sum(m), 1)`` was weighed 5/3 with tower counts 3, 0, 0: claimed
+#: exact, 1e-2 off in an independent review).
+UNNORMALIZED = frozenset({"shifted"})
+
+
 def weigh(terms: list[Term]) -> Weighting:
     """Primary weights and per-term corrections for ``terms`` (see the module docstring)."""
     batch = [t for t in terms if t.kind != "shared"]
@@ -337,7 +344,9 @@ def weigh(terms: list[Term]) -> Weighting:
     kinds = list(dict.fromkeys(t.kind for t in batch))
     primary = specs[0] if len(classes) <= 1 else ONES
     corrections = [(t.root, t.spec) for t in batch if t.spec != primary]
-    if primary == ONES:
+    if primary == ONES or primary[0] in UNNORMALIZED:
+        # the towers' primary weights do not add up to one: a term every tower computes
+        # alike (a regularizer) is weighed 1/N in each instead
         corrections += [(t.root, UNIFORM) for t in shared_terms]
     kind = kinds[0] if len(kinds) == 1 and len(specs) == 1 else "mixed"
     return Weighting(primary, corrections, kind, classes)

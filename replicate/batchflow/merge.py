@@ -13,7 +13,7 @@ import dataclasses
 from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.lattice import MIXED, PART, RED
-from replicate.batchflow.loss import shares_suffice
+from replicate.batchflow.loss import UNNORMALIZED, shares_suffice
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Merge", "merge_kind", "recompute_plan"]
@@ -62,6 +62,10 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
             if ir.output_dtype(ref) not in FLOAT_TYPES:
                 return Merge("other", note="a mean of a non-float value")
             numerator = f"{fact.src}:0" if fact.src in ir.nodes else None
+            if fact.merge == "ratio" and spec and spec[0] in UNNORMALIZED:
+                return Merge("other", note="a ratio over a shifted count (maximum(S, c)), whose "
+                             "towers' shares need not add up to one: a term added to it would "
+                             "not (recomputed from the batch's sums)")
             if fact.merge == "ratio" and not shares_suffice(flow.ctx, spec, numerator):
                 return Merge("other", note="a ratio whose numerator need not vanish where its "
                              "count does (recomputed from the batch's sums)")
