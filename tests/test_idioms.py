@@ -33,6 +33,15 @@ def _graph(kind: str, batch=None) -> tf.Graph:
             # a [3] class-weights table fed beside a batch of 3 was split as a second batch
             table = v1.placeholder(tf.float32, [3], name="class_weights")
             loss = tf.reduce_mean(tf.gather(table, tf.cast(y, tf.int32) % 3) * tf.square(pred - y))
+        elif kind == "ones_matmul":
+            # a mean written as a product with a row of ones over a static batch, reading
+            # pred[:, None]: the slice's gradient was made tower-sized by its shape and cut to
+            # the towers' rows again (InternalError: the rewrite did not import)
+            loss = tf.squeeze(tf.matmul(tf.ones([1, batch]) / batch, tf.square(pred - y)[:, None]))
+        elif kind == "last_example":
+            # a term on the batch's last example: inexact, and its gradient, put at each
+            # tower's last row, was cut as a global tensor ("the rewrite fails at step 1")
+            loss = tf.reduce_mean(tf.square(pred - y)) + 0.1 * tf.square(pred - y)[-1]
         elif kind == "grad_scope":
             # gradients under a scope of another name were not found ("no train op found")
             loss = tf.identity(tf.reduce_mean(tf.square(pred - y)), name="loss")
@@ -46,7 +55,8 @@ def _graph(kind: str, batch=None) -> tf.Graph:
 @pytest.mark.parametrize("kind,batch,static", [("huber", 7, False), ("cond_static", 8, True),
                                                ("class_weights", 3, False),
                                                ("class_weights", 7, False),
-                                               ("grad_scope", 7, False)])
+                                               ("grad_scope", 7, False),
+                                               ("ones_matmul", 8, True)])
 def test_idiom_trains_exactly(kind, batch, static):
     graph = _graph(kind, batch if static else None)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
@@ -62,6 +72,20 @@ def test_idiom_trains_exactly(kind, batch, static):
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
     for single, multi in cmp.fetched:
         np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch,static", [(7, False), (8, True)])
+def test_an_inexact_pick_by_position_still_runs(batch, static):
+    """``loss[-1]``: each tower picks its own last example (a reason), and the rewrite runs
+    with the original feeds at an uneven split."""
+    graph = _graph("last_example", batch if static else None)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("picks one example" in r.what for r in res.report.reasons), res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(batch, 4).astype(np.float32),
+              "y:0": rng.randint(0, 3, batch).astype(np.float32)} for _ in range(2)]
+    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
 
 
 def _fused_batch_norm_under_a_flag(version: int) -> tf.Graph:

@@ -115,6 +115,16 @@ class Flow:
                 for t in terms if t.denominator}
 
 
+def _drop_double_resizing(plan: Plan) -> None:
+    """A round may plan to cut a tensor to the towers' rows that a later round makes
+    tower-sized by the shape it is built from (a static ``StridedSliceGrad`` whose shape
+    operand becomes the tower's count): cutting it again failed (the rewrite did not import).
+    The shape wins; the cut goes."""
+    sized = {p.via for positions in plan.elements.values() for p in positions}
+    for tensor in [t for t in plan.slices if node_of(t) in sized]:
+        del plan.slices[tensor]
+
+
 def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str], scopes: list[str],
             losses: list[str], forced: dict[str, int] | None = None,
             sparse: list[tuple[str, str | None, str | None]] = ()) -> Flow:
@@ -192,6 +202,7 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
                 changed = True
         if not changed:
             break
+    _drop_double_resizing(plan)
     decomposed = {loss: decompose(ctx, loss) for loss in losses}
     flow = Flow(ctx, {t: (a, classes.find(c)) for t, (a, c) in inputs.items()}, {}, plan, decomposed,
                 visit, depths)

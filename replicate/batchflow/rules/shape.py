@@ -480,6 +480,13 @@ def strided_slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     """``StridedSliceGrad(shape, begin, end, strides, dy)``: dy scattered into ``shape``."""
     dy = ins[4]
     if dy.kind != PART:
+        shape = ctx.int_value(node.inputs[0])
+        if dy.kind != MIXED and shape and any(isinstance(v, Sym) for v in shape):
+            # the gradient of an example picked by position (``loss[-1]``): each tower puts
+            # it at that position of its own rows (it was taken for a shared value of the
+            # global batch's size, and cut into the towers' rows: the rewrite did not run)
+            return [mixed(node.name, "StridedSliceGrad puts the gradient of an example picked "
+                          "by position into each tower's own rows", taint_of(ins))]
         return _other(ctx, node, [dy] + ins[:4])
     shape = ctx.int_value(node.inputs[0])
     begin = ctx.int_value(node.inputs[1])
