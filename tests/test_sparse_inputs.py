@@ -229,3 +229,31 @@ def test_a_loss_divided_by_the_number_of_entries_is_not_claimed_exact():
         v1.train.GradientDescentOptimizer(0.05).minimize(loss, name="train")
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
+
+
+def test_ids_turned_sparse_by_their_lengths_are_a_batch_input():
+    """``SparseTensor(tf.where(sequence_mask(lengths)), boolean_mask(ids, mask), tf.shape(ids))``
+    into ``safe_embedding_lookup_sparse``: ``ids`` is gathered by row numbers of the lengths'
+    batch, which makes the two one batch. It was taken for a table looked up by the lengths'
+    values and shared, and the rewrite failed at step 1 (tower 0's embedding had the global
+    batch's rows). It runs now (inexact: the lookup's ``SparseReshape`` is not proved)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.placeholder(tf.int64, [None, 3], name="ids")
+        lengths = v1.placeholder(tf.int32, [None], name="len")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        emb = v1.get_variable("emb", [11, 4], initializer=v1.random_normal_initializer(seed=2))
+        mask = tf.sequence_mask(lengths, 3)
+        sp = tf.SparseTensor(tf.where(mask), tf.boolean_mask(ids, mask), tf.shape(ids, out_type=tf.int64))
+        h = tf.nn.safe_embedding_lookup_sparse(emb, sp, combiner="mean")
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(h, 1) - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert "ids:0" in {i["tensor"] for i in res.report.inputs}
+    assert "ids:0" not in res.report.shared_inputs
+    rng = np.random.RandomState(0)
+    feeds = [{"ids:0": rng.randint(0, 11, (b, 3)), "len:0": rng.randint(1, 4, b).astype(np.int32),
+              "y:0": rng.randn(b).astype(np.float32)} for b in (7, 5)]
+    cmp = compare(graph, res.graph, "train", feeds)
+    if res.report.exact:
+        assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

@@ -46,6 +46,15 @@ def _local(index: Fact, data: Fact, ctx: Context, col: int | None = None) -> boo
     return ctx.classes.same(cls, data.cls) and per == rows(data) and data.outer == 1
 
 
+def _rows_of_another(index: Fact, data: Fact, ctx: Context) -> bool:
+    """``index`` holds row numbers (``("rows", cls, per)``) of a batch class other than
+    ``data``'s, with ``data``'s rows per example."""
+    if index.kind != PART or index.index is None or index.index[0] != "rows" or data.kind != PART:
+        return False
+    return (not ctx.classes.same(index.index[1], data.cls) and index.index[2] == rows(data)
+            and data.outer == 1)
+
+
 def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     p, i = ins[0], ins[1]
     taint = couple(ctx, node, ins)
@@ -68,6 +77,12 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         axis = found[0]
     if p.kind == PART:
         if p.axis == axis:
+            if _rows_of_another(i, p, ctx):
+                # row numbers of another hypothetical batch with as many rows per example
+                # (``tf.where(sequence_mask(lengths))`` gathering from ``ids``): evidence
+                # that both are one batch, as for an elementwise op, not that ``p`` is a
+                # table (shared, its lookups by each tower's own row numbers failed to run)
+                ctx.classes.union(i.index[1], p.cls, node.name)
             if _local(i, p, ctx):      # a tower's own rows: row numbers among them stay so
                 return [part(axis + i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint,
                              index=p.index if axis == 0 and i.axis == 0 else None)]
