@@ -460,6 +460,11 @@ def _certify(report: Report, graph: Any, towers: int, *, train_op: str, loss: st
                               "checked that the rewrite runs")
     report.check = cert.to_dict()
     report.check["summary"] = cert.describe()
+    if cert.empty_tower:
+        report.warnings.append(f"a step whose batch leaves a tower without examples (fewer than "
+                               f"{towers} in a step) fails: {cert.empty_tower[:300]} (on CPU "
+                               "builds this is usually oneDNN's kernels on an empty batch: set "
+                               "TF_ENABLE_ONEDNN_OPTS=0; on GPUs they run)")
     if report.exact and cert.ran and not cert.ok:
         worst = cert.worst
         report.exact = False
