@@ -42,6 +42,15 @@ def _graph(kind: str, batch=None) -> tf.Graph:
             # a term on the batch's last example: inexact, and its gradient, put at each
             # tower's last row, was cut as a global tensor ("the rewrite fails at step 1")
             loss = tf.reduce_mean(tf.square(pred - y)) + 0.1 * tf.square(pred - y)[-1]
+        elif kind in ("gather_one", "slice_one", "gather_nd_one"):
+            # the same through a gather, a slice and a gather_nd: their gradients (a segment
+            # sum into the tower's count of rows, a Pad by it, a ScatterNd) were cut as
+            # global tensors, and the slice's paddings, a concat of a shared zero and the
+            # tower's count, were taken for a shared value
+            err = tf.square(pred - y)
+            pick = {"gather_one": lambda: tf.gather(err, [1]), "slice_one": lambda: tf.slice(err, [1], [1]),
+                    "gather_nd_one": lambda: tf.gather_nd(err, [[1]])}[kind]()
+            loss = tf.reduce_mean(err) + 0.1 * tf.reduce_sum(pick)
         elif kind == "grad_scope":
             # gradients under a scope of another name were not found ("no train op found")
             loss = tf.identity(tf.reduce_mean(tf.square(pred - y)), name="loss")
@@ -74,14 +83,17 @@ def test_idiom_trains_exactly(kind, batch, static):
         np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("batch,static", [(7, False), (8, True)])
-def test_an_inexact_pick_by_position_still_runs(batch, static):
-    """``loss[-1]``: each tower picks its own last example (a reason), and the rewrite runs
-    with the original feeds at an uneven split."""
-    graph = _graph("last_example", batch if static else None)
+@pytest.mark.parametrize("kind,batch,static", [("last_example", 7, False), ("last_example", 8, True),
+                                               ("gather_one", 7, False), ("slice_one", 7, False),
+                                               ("gather_nd_one", 7, False), ("slice_one", 8, True)])
+def test_an_inexact_pick_by_position_still_runs(kind, batch, static):
+    """``loss[-1]``, ``tf.gather(loss, [1])``...: each tower picks its own example (a
+    reason), and the rewrite runs with the original feeds at an uneven split."""
+    graph = _graph(kind, batch if static else None)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
-    assert any("picks one example" in r.what for r in res.report.reasons), res.report.reasons
+    assert any("pick" in r.what or "keeps only some" in r.what for r in res.report.reasons), \
+        res.report.reasons
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(batch, 4).astype(np.float32),
               "y:0": rng.randint(0, 3, batch).astype(np.float32)} for _ in range(2)]

@@ -1,10 +1,11 @@
 """Say clearly when a tower has too few examples for an op that picks examples by position.
 
-Requires: the clone pass's tower copies (``ir.facts["copies"]``, originals still present) and
+Requires: the clone pass's tower copies (``ir.facts["copies"]``) and
 ``ir.facts["analysis"]`` (its settled dataflow, ``analysis.flow``).
 
 Produces: ``ir.facts["min_batch"]`` (the smallest global batch every tower can run, and the
-ops that need it) and, before every tower copy of an op that picks a fixed example of the tower's batch
+ops that need it) and, before every tower copy of a forward op that picks a fixed example
+(a constant position) of the tower's batch
 (``x[0]``, ``tf.gather(x, [2])``, the first element ``tf.scan`` reads to start, ...), an
 ``Assert`` that the tower holds enough examples, as a control input of the copy. Nothing else
 changes: with enough examples the assertion passes and the values are the same.
@@ -34,6 +35,7 @@ MARKER = "replicate: a tower has too few examples"
 #: "array" (a TensorArray's size; the flow is input 2).
 PICK_OPS = {
     "StridedSlice": (0, 1, "shape"),
+    "Slice": (0, 1, "shape"),
     "GatherV2": (0, 1, "shape"),
     "Gather": (0, 1, "shape"),
     "ResourceGather": (0, 1, "shape"),
@@ -58,6 +60,9 @@ def assert_examples(ir: IR) -> int:
             if copy is None or copy.op not in PICK_OPS:
                 continue
             data, where, kind = PICK_OPS[copy.op]
+            if name in flow.ctx.gradient or _constant(ir, copy.inputs[where]) is None:
+                continue    # gradient code, or bounds known only at run time (a concat's
+                            # gradient slicing its pieces apart): no fixed example is picked
             source = copy.inputs[data]
             picked = flow.fact(source[len(prefix):] if source.startswith(prefix) else source)
             out = flow.fact(f"{name}:0")
@@ -72,18 +77,25 @@ def assert_examples(ir: IR) -> int:
     return done
 
 
+def _constant(ir: IR, ref: str):
+    """The value of ``ref`` when a ``Const`` produces it, else None."""
+    return ir.const_value(node_of(ref)) if ref.partition(":")[2] in ("", "0") else None
+
+
 def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
-    """How many examples a tower needs for ``node``'s constant position(s) (1 if unknown)."""
-    ref = node.inputs[where]
-    value = ir.const_value(node_of(ref)) if ref.partition(":")[2] in ("", "0") else None
-    if value is None:
-        return 1
-    value = np.asarray(value)
+    """How many examples a tower needs for ``node``'s constant position(s)."""
+    value = np.asarray(_constant(ir, node.inputs[where]))
     if node.op == "StridedSlice":
         masks = [int(node.attr(k, 0)) for k in ("begin_mask", "ellipsis_mask", "new_axis_mask")]
         if masks[1] or masks[2] or value.ndim != 1 or axis >= len(value) or (masks[0] >> axis) & 1:
             return 1
         picks = value[axis:axis + 1]
+    elif node.op == "Slice":
+        size = ir.const_value(node_of(node.inputs[2]))
+        if value.ndim != 1 or axis >= len(value) or size is None or np.ndim(size) != 1:
+            return 1
+        begin, count = int(value[axis]), int(np.asarray(size)[axis])
+        return max(1, begin + count if count >= 0 else begin)
     elif node.op == "GatherNd":
         picks = value.reshape(-1, value.shape[-1])[:, 0] if value.ndim and value.shape[-1] else value[:0]
     else:

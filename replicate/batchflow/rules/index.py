@@ -193,6 +193,11 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if bad is not None:
         return [bad]
     if not data.dependent and not ids.dependent:
+        if len(ins) > 2 and ins[2].dependent:
+            # values put at fixed rows of a tower-sized result (the dense gradient of
+            # ``tf.gather(loss, [1])``): each tower puts them in its own rows
+            return [mixed(node.name, f"{node.op} puts values at positions of each tower's rows",
+                          taint)]
         return [shared(taint=taint)]
     merge = {"UnsortedSegmentSum": "sum", "SegmentSum": "sum", "UnsortedSegmentMax": "max",
              "UnsortedSegmentMin": "min", "SegmentMax": "max", "SegmentMin": "min"}.get(node.op, "other")

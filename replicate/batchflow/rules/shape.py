@@ -198,15 +198,19 @@ def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis
     taint = couple(ctx, node, ins)
     if not ps:
         if any(f.kind == RED for f in ins):
+            # the first reduced operand's fact: a shared first operand (the zero padding
+            # before a slice's bounds, ``concat([begin], shape - begin - size)``) made the
+            # whole shared, a global value the rewrite then cut into the towers' rows
+            first = next(f for f in ins if f.kind == RED)
             merges = {f.merge for f in ins if f.kind == RED}
             if merges == {"size"} or (all(f.kind == RED for f in ins) and len(merges) == 1):
                 values = [f.value for f in ins]
                 if all(v is not None for v in values) and merges == {"size"}:
                     return size_fact(tuple(x for v in values for x in v), taint)
-                return ins[0].with_(value=None, taint=taint) if merges != {"size"} else \
-                    ins[0].with_(value=None, merge="other", taint=taint)
-            return ins[0].with_(merge="other", value=None, src=node.name, taint=taint,
-                                why=f"{node.op} of reduced and shared values")
+                return first.with_(value=None, taint=taint) if merges != {"size"} else \
+                    first.with_(value=None, merge="other", taint=taint)
+            return first.with_(merge="other", value=None, src=node.name, taint=taint,
+                               why=f"{node.op} of reduced and shared values")
         values = [f.value for f in ins]
         value = tuple(x for v in values for x in v) if all(v is not None for v in values) else None
         return shared(value, taint)
@@ -568,6 +572,11 @@ def pad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return made
     f = ins[0]
     if f.kind != PART:
+        if f.kind != MIXED and ins[1].dependent:
+            # padded by the tower's count (the gradient of ``tf.slice(loss, [1], [1])``): the
+            # values land at positions of each tower's own rows
+            return [mixed(node.name, f"{node.op} puts values at positions of each tower's rows",
+                          taint_of(ins))]
         return _other(ctx, node, ins)
     pads = ctx.const(node.inputs[1])
     if pads is None or pads.shape[0] <= f.axis or pads[f.axis].tolist() != [0, 0]:
