@@ -38,6 +38,11 @@ def _graph(kind: str, batch=None) -> tf.Graph:
             # pred[:, None]: the slice's gradient was made tower-sized by its shape and cut to
             # the towers' rows again (InternalError: the rewrite did not import)
             loss = tf.squeeze(tf.matmul(tf.ones([1, batch]) / batch, tf.square(pred - y)[:, None]))
+        elif kind == "baked_reshape":
+            # a Python batch size of 8 in a reshape of a dynamic batch ([B, 4] -> [8, 2, 2]):
+            # "splits or scatters the examples", and the rewrite did not run
+            folded = tf.reshape(x * w, [8, 2, 2])
+            loss = tf.reduce_mean(tf.square(tf.reduce_sum(tf.reshape(folded, [8, 4]), 1) - y))
         elif kind == "last_example":
             # a term on the batch's last example: inexact, and its gradient, put at each
             # tower's last row, was cut as a global tensor ("the rewrite fails at step 1")
@@ -65,11 +70,14 @@ def _graph(kind: str, batch=None) -> tf.Graph:
                                                ("class_weights", 3, False),
                                                ("class_weights", 7, False),
                                                ("grad_scope", 7, False),
-                                               ("ones_matmul", 8, True)])
+                                               ("ones_matmul", 8, True),
+                                               ("baked_reshape", 8, False)])
 def test_idiom_trains_exactly(kind, batch, static):
     graph = _graph(kind, batch if static else None)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert res.report.exact, res.report.reasons
+    if kind == "baked_reshape":     # the assumption is stated
+        assert any("taken to be 8 from 'Reshape'" in w for w in res.report.warnings), res.report.warnings
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(batch, 4).astype(np.float32),
               "y:0": rng.randint(0, 3, batch).astype(np.float32)} for _ in range(3)]

@@ -217,6 +217,8 @@ class Classes:
         self._static: list[int | None] = []
         self.parts: dict[int, tuple[int, ...]] = {}
         self.conflicts: list[tuple[int, int, str, str]] = []
+        #: Class -> the op whose shape fixed its size (the report states the assumption).
+        self.pinned: dict[int, str] = {}
 
     def new(self, static: int | None) -> int:
         """A new class of ``static`` examples (None when dynamic)."""
@@ -262,6 +264,7 @@ class Classes:
         root = self.find(c)
         if self._static[root] is None:
             self._static[root] = size
+            self.pinned[root] = where
         elif self._static[root] != size:
             self.conflicts.append((root, root, where, f"batch sizes {self._static[root]} and {size}"))
 

@@ -205,6 +205,11 @@ class Analyze:
                 controls[consumer] = waits
         order = _order(ir)
         controls = dict(sorted(controls.items(), key=lambda kv: order(kv[0])))
+        fed = {classes.find(b.cls) for b in batch_inputs}
+        warnings += [f"the batch size is taken to be {classes.static(c)} from '{where}', whose "
+                     "shape bakes it in: feed exactly that many examples per step (one device "
+                     "needs that too)" for c, where in sorted(classes.pinned.items())
+                     if where and classes.static(c) is not None and classes.find(c) in fed]
         analysis = Analysis(
             train_op=train_ops[0],
             variables=_inputs.variables(ir, region, apply_ops),

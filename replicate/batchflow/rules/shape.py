@@ -92,6 +92,8 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         out_dims = [o if o is not None else (t if (isinstance(t, int) and t >= 0) or isinstance(t, str)
                                              else None) for o, t in zip(out_dims, target)]
     found = map_reshape(in_dims, f.axis, f.outer, f.block, ctx.static_batch(f.cls), out_dims)
+    if found is None and _pin_by_target(ctx, node, f, in_dims, target):
+        found = map_reshape(in_dims, f.axis, f.outer, f.block, ctx.static_batch(f.cls), out_dims)
     if found is None:
         undone = _undo_reshape(ctx, node, f)
         if undone is not None:
@@ -105,6 +107,30 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     # (it was marked unordered, so reshaping back to [T, B] could not be merged any more)
     return [part(j, f.cls, inner, ordered=f.ordered, filtered=f.filtered,
                  taint=f.taint | ins[1].taint, outer=outer)]
+
+
+def _pin_by_target(ctx: Context, node: Node, f: Fact, in_dims: list, target: tuple) -> bool:
+    """A dynamic batch reshaped to a target of constants only (``[8, 2, 3]`` from ``[B, 6]``,
+    a Python batch size baked into the code): the target's element count decides the batch
+    size, which one device needs too (its reshape fails with any other). The class is pinned
+    to it, and the report states the assumption; the rewrite then resizes the target per
+    tower (it was "splits or scatters the examples", and the rewrite did not run)."""
+    if ctx.static_batch(f.cls) is not None or not target or ctx.in_gradient(node) \
+            or not all(isinstance(t, int) and t >= 0 for t in target) \
+            or not isinstance(f.block, int) or not isinstance(f.outer, int) \
+            or not all(isinstance(d, int) for i, d in enumerate(in_dims) if i != f.axis):
+        return False
+    per = f.block * f.outer
+    for i, d in enumerate(in_dims):
+        if i != f.axis:
+            per *= d
+    total = 1
+    for t in target:
+        total *= t
+    if per <= 0 or total % per or total // per == 0:
+        return False
+    ctx.classes.pin(f.cls, total // per, node.name)
+    return True
 
 
 def _undo_reshape(ctx: Context, node: Node, f: Fact) -> Fact | None:
