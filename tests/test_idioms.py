@@ -211,3 +211,26 @@ def test_batch_inputs_that_cannot_be_made_consistent_are_refused():
         v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
     with pytest.raises(replicate.ReplicateError, match="no batch axis"):
         replicate.transform(graph, ["/cpu:1", "/cpu:2"], batch_inputs=["labels:0", "mask:0"])
+
+
+@pytest.mark.parametrize("batch_norm", ["sync", "tower0"])
+def test_a_batch_mean_in_a_cond_branch_named_like_a_top_level_node_is_a_reason(batch_norm):
+    """``tf.cond(flag, lambda: h - reduce_mean(h, 0), lambda: h)`` (TF2 control flow) beside a
+    loss whose own mean is the top-level node ``Mean``: the branch's ``Mean`` was taken for
+    that node, synchronized there under ``batch_norm='sync'``, and the graph claimed exact
+    (1.6 off one device in an independent review). A coupling inside a body is named with its
+    caller, and cannot be synchronized there: a reason in every mode."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        h = v1.layers.dense(x, 5, use_bias=False, kernel_initializer=v1.glorot_uniform_initializer(seed=3))
+        h = tf.cond(flag, lambda: h - tf.reduce_mean(h, 0), lambda: h)
+        logits = v1.layers.dense(tf.nn.relu(h), 3, kernel_initializer=v1.glorot_uniform_initializer(seed=4))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        assert loss.op.name == "Mean"
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.identity(loss, name="loss"), name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_norm=batch_norm)
+    assert not res.report.exact
+    assert any("inside a function body" in r.what for r in res.report.reasons), res.report.reasons

@@ -127,7 +127,8 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
         ctx.note(node.name, f"function '{name}' holds the static batch size in '{p.tensor}'")
     for where, what in inner.notes:
         ctx.note(node.name, what)
-    result = [_outer(ctx, node, inner.fact(o)) for o in outs]
+    passed = frozenset().union(*(f.taint for f in facts if f is not None))
+    result = [_outer(ctx, node, inner.fact(o), passed, body) for o in outs]
     ctx.functions[key] = result
     return result
 
@@ -136,18 +137,26 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
 INSIDE = ">"
 
 
-def _outer(ctx: Context, node: Node, fact: Fact | None) -> Fact | None:
+def _outer(ctx: Context, node: Node, fact: Fact | None, passed: frozenset = frozenset(),
+           body: IR | None = None) -> Fact | None:
     """``fact`` as seen from the caller: a coupling inside the body (a batch norm in a
     ``tf.cond`` branch) is named ``<call node>>inner name``, so it is never mistaken for a
-    node of the calling graph (it cannot be synchronized there)."""
+    node of the calling graph (it cannot be synchronized there) -- also when the calling
+    graph has a node of the same name (a branch's ``Mean`` was taken for the loss's ``Mean``,
+    synchronized there under ``batch_norm='sync'``, and claimed exact: 1.6 off). Taints the
+    caller passed in (``passed``) keep their names."""
     if fact is None:
         return fact
-    if len(fact.spec) > 1 and isinstance(fact.spec[1], str) and \
-            parse_tensor(fact.spec[1])[0] not in ctx.ir.nodes:
+    inner = body.nodes if body is not None else {}
+    if len(fact.spec) > 1 and isinstance(fact.spec[1], str) and (
+            parse_tensor(fact.spec[1])[0] not in ctx.ir.nodes or parse_tensor(fact.spec[1])[0] in inner):
         fact = fact.with_(merge="other", spec=())   # weighted by a tensor of the body
+    if fact.src and fact.src in inner and fact.src not in passed:
+        fact = fact.with_(src=f"{node.name}{INSIDE}{fact.src}")
     if not fact.taint:
         return fact
-    outer = frozenset(t if t in ctx.ir.nodes else f"{node.name}{INSIDE}{t}" for t in fact.taint)
+    outer = frozenset(t if t in passed or (t in ctx.ir.nodes and t not in inner)
+                      else f"{node.name}{INSIDE}{t}" for t in fact.taint)
     return fact.with_(taint=outer) if outer != fact.taint else fact
 
 
