@@ -172,11 +172,14 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
         return ir.add(name, "ConcatV2", refs + [axis_name], device=device,
                       attrs={"T": tf_dtype, "N": len(refs), "Tidx": dtypes.int32}).name
     op = "Maximum" if kind == "max" else "Minimum"
+    attrs = {"T": tf_dtype}
+    if tf_dtype == dtypes.bool:     # reduce_any / reduce_all over the batch: or / and
+        op, attrs = ("LogicalOr" if kind == "max" else "LogicalAnd"), {}
     acc = refs[0]
     for k, ref in enumerate(refs[1:], start=1):
         last = k == len(refs) - 1
         acc = ir.add(name if last else f"{name}_parts/{kind}_{k}", op, [acc, ref], device=device,
-                     attrs={"T": tf_dtype}).name
+                     attrs=attrs).name
     if len(refs) == 1:
         return ir.add(name, "Identity", [acc], device=device, attrs={"T": tf_dtype}).name
     return acc

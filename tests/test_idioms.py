@@ -38,6 +38,12 @@ def _graph(kind: str, batch=None) -> tf.Graph:
             # pred[:, None]: the slice's gradient was made tower-sized by its shape and cut to
             # the towers' rows again (InternalError: the rewrite did not import)
             loss = tf.squeeze(tf.matmul(tf.ones([1, batch]) / batch, tf.square(pred - y)[:, None]))
+        elif kind == "assert_dep":
+            # tf.debugging.assert_non_negative over the batch as a control dependency: its
+            # reduce_all was merged across towers with a Minimum on bool (InternalError)
+            err = tf.square(pred - y)
+            with tf.control_dependencies([tf.debugging.assert_non_negative(err)]):
+                loss = tf.reduce_mean(err)
         elif kind == "baked_reshape":
             # a Python batch size of 8 in a reshape of a dynamic batch ([B, 4] -> [8, 2, 2]):
             # "splits or scatters the examples", and the rewrite did not run
@@ -71,7 +77,8 @@ def _graph(kind: str, batch=None) -> tf.Graph:
                                                ("class_weights", 7, False),
                                                ("grad_scope", 7, False),
                                                ("ones_matmul", 8, True),
-                                               ("baked_reshape", 8, False)])
+                                               ("baked_reshape", 8, False),
+                                               ("assert_dep", 7, False), ("assert_dep", 2, False)])
 def test_idiom_trains_exactly(kind, batch, static):
     graph = _graph(kind, batch if static else None)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
