@@ -411,9 +411,16 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     try:
         _import_result(graph_def, meta_out)
     except InternalError as exc:
-        if not analysis.reasons:
+        if not analysis.reasons and analysis.static_batch is None:
             raise
         first = str(exc).split(": ", 1)[1].split("; this is a bug")[0]
+        if not analysis.reasons:
+            # a static batch baked in where the analysis did not see it (an unstack of
+            # num=B in a stack's gradient): refused, naming the node, not an internal error
+            raise AnalysisError(f"cannot replicate this graph: it bakes its static batch size "
+                                f"({analysis.static_batch}) into a shape the rewrite does not "
+                                f"resize per tower ({first}); give the batch inputs a dynamic "
+                                "batch dimension ([None, ...])") from None
         raise AnalysisError(f"cannot replicate this graph: the analysis could not establish its "
                             f"batch semantics ({analysis.reasons[0]}), so the batch sizes baked "
                             f"into it cannot all be rewritten per tower ({first}); give the batch "

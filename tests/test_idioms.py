@@ -241,3 +241,35 @@ def test_a_batch_mean_in_a_cond_branch_named_like_a_top_level_node_is_a_reason(b
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_norm=batch_norm)
     assert not res.report.exact
     assert any("inside a function body" in r.what for r in res.report.reasons), res.report.reasons
+
+
+@pytest.mark.parametrize("expand", ["tile", "repeat", "stack"])
+def test_a_parameter_expanded_to_a_static_batch(expand):
+    """A learned row added to every example of a static batch of 6 (``tf.tile(p, [6, 1])``,
+    ``tf.repeat``): the tile's gradient reshapes by a target computed from the multiples
+    (transposed, so their values were not followed) and kept the global 6 in each tower
+    (InternalError at import). The target is resized per tower now: exact. A stack of six
+    copies (``Unpack`` of num=6 in its gradient) is refused naming the node, not an internal
+    error."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [6, 4], name="x")
+        y = v1.placeholder(tf.float32, [6], name="y")
+        p = v1.get_variable("p", [1, 4], initializer=v1.random_normal_initializer(seed=1))
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=2))
+        rows = {"tile": lambda: tf.tile(p, [6, 1]), "repeat": lambda: tf.repeat(p, 6, axis=0),
+                "stack": lambda: tf.stack([p[0]] * 6)}[expand]()
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum((x + rows) * w, 1) - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.2).minimize(loss, name="train")
+    devices = ["/cpu:1", "/cpu:2", "/cpu:3"]
+    if expand == "stack":
+        with pytest.raises(replicate.errors.AnalysisError, match="bakes its static batch size"):
+            replicate.transform(graph, devices)
+        return
+    res = replicate.transform(graph, devices)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(6, 4).astype(np.float32), "y:0": rng.randn(6).astype(np.float32)}
+             for _ in range(3)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

@@ -340,6 +340,15 @@ class _Resolver:
             self.position(down(node.inputs[0]))
         elif node.op in ("ExpandDims", "Reshape") and ctx.rank(node.inputs[0]) == 0 and elem == 0:
             self.position(down(node.inputs[0], element=None))
+        elif node.op == "Reshape" and ctx.shape(node.inputs[0]) is not None:
+            self.position(down(node.inputs[0]))         # the flat order stays
+        elif node.op == "Transpose" and self._transposed(node, elem) is not None:
+            self.position(down(node.inputs[0], element=self._transposed(node, elem)))
+        elif node.op == "Pack" and int(node.attr("axis", 0)) == 0 and ctx.rank(node.inputs[0]) == 1 \
+                and isinstance((ctx.shape(node.inputs[0]) or [None])[0], int):
+            # rows of vectors (a tile's gradient stacks its multiples over the input's shape)
+            row, col = divmod(elem, ctx.shape(node.inputs[0])[0])
+            self.position(down(node.inputs[row], element=col))
         elif node.op == "Pack":
             self.position(down(node.inputs[elem], element=None))
         elif node.op in ("ConcatV2",):
@@ -378,6 +387,19 @@ class _Resolver:
         else:
             self.reason(name, f"'{name}' ({node.op}) holds the batch size where each tower needs its "
                         "own count", "give the batch input a dynamic batch dimension")
+
+    def _transposed(self, node, elem: int) -> int | None:
+        """The flat index in ``Transpose`` ``node``'s input of its output's flat ``elem``."""
+        shape, perm = self.ctx.shape(node.inputs[0]), self.ctx.int_value(node.inputs[1])
+        if shape is None or perm is None or None in shape or not all(isinstance(p, int) for p in perm) \
+                or len(perm) != len(shape):
+            return None
+        out = [shape[p] for p in perm]
+        index = np.unravel_index(elem, out)
+        source = [0] * len(shape)
+        for k, p in enumerate(perm):
+            source[p] = int(index[k])
+        return int(np.ravel_multi_index(source, shape))
 
     # ---------------------------------------------------------------- mean gradients
     def mean_factors(self) -> None:

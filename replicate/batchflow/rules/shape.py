@@ -102,6 +102,10 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     j, outer, inner = found
     if j < len(target) and isinstance(target[j], int) and target[j] != -1 and outer and inner:
         ctx.position(node.inputs[1], j, f.cls, outer * inner, node)
+    elif not target and outer and inner and j < len(out_dims) and isinstance(out_dims[j], int):
+        # a target computed from constants the values do not follow (a tile's gradient
+        # transposes its multiples): the static batch there is still a position
+        ctx.position(node.inputs[1], j, f.cls, outer * inner, node)
     # a time-major flattening ([T, B] -> [T*B]) is T copies of the batch one after the other,
     # each in batch order: the layout of copies joined along the axis, which stays ordered
     # (it was marked unordered, so reshaping back to [T, B] could not be merged any more)
