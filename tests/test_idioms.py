@@ -273,3 +273,35 @@ def test_a_parameter_expanded_to_a_static_batch(expand):
              for _ in range(3)]
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def test_a_hand_written_batch_norm_in_a_tf2_cond_runs():
+    """The 2016 blog idiom, ``mean, var = tf.cond(is_training, moments + ema.apply, fixed)``
+    with TF2 control flow: the cond updates state, so it was moved out of the towers to run
+    once on the whole batch, while each tower's gradient ``If`` read its intermediates (the
+    whole batch's rows against the tower's: the rewrite failed at step 1). A call whose
+    outputs gradient code reads stays in the towers; the moments in the branch are a reason."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        training = v1.placeholder_with_default(True, [], name="training")
+        h = v1.layers.dense(x, 5, use_bias=False, kernel_initializer=v1.glorot_uniform_initializer(seed=3))
+        ema = v1.train.ExponentialMovingAverage(0.5)
+
+        def batch_stats():
+            m, v = tf.nn.moments(h, [0])
+            with tf.control_dependencies([ema.apply([m, v])]):
+                return tf.identity(m), tf.identity(v)
+
+        mean, var = tf.cond(training, batch_stats, lambda: (tf.zeros([5]), tf.ones([5])))
+        hn = tf.nn.batch_normalization(h, mean, var, None, None, 1e-3)
+        logits = v1.layers.dense(tf.nn.relu(hn), 3, kernel_initializer=v1.glorot_uniform_initializer(seed=4))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5)]
+    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))

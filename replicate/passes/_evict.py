@@ -45,7 +45,8 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
         if flow.depths.get(name, 0):
             continue            # inside a TF1 loop: it runs with the loop, per tower
         if writes(ir, node):
-            if _reads_global(ir, flow, node, harmless, inside):
+            if _reads_global(ir, flow, node, harmless, inside) and not (
+                    _batch_call(ir, flow, node) and _feeds_gradient(ir, flow, name)):
                 out.add(name)
         elif draws(ir, node) and not _batch_call(ir, flow, node):
             facts = [flow.fact(f"{name}:{i}") for i in range(len(ir.output_types(node)))]
@@ -54,6 +55,13 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
                     all(_mergeable(ir, flow, r) for r in node.inputs):
                 out.add(name)
     return out
+
+
+def _feeds_gradient(ir: IR, flow, name: str) -> bool:
+    """Whether gradient code reads an output of ``name`` (a TF2 cond's intermediates, which
+    its gradient ``If`` takes: run once on the whole batch, they met a tower's rows there and
+    the rewrite failed at step 1 -- a hand-written batch norm whose branch updates an EMA)."""
+    return any(c.name in flow.ctx.gradient for c in ir.consumers(name))
 
 
 def _batch_call(ir: IR, flow, node) -> bool:
