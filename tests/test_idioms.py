@@ -305,3 +305,21 @@ def test_a_hand_written_batch_norm_in_a_tf2_cond_runs():
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5)]
     compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+
+
+def test_labels_fed_flattened_with_their_time_steps_are_refused_with_the_fix():
+    """Char-RNN labels fed as ``[B*T]`` against logits reshaped to ``[-1, C]``: the labels'
+    rows pair with the logits' rows, T per example, and were taken for a batch of B examples:
+    split by the examples' counts, the rewrite failed at step 1 while the report said exact.
+    Fed tensors are split by examples, so this is refused, saying how to feed them."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3, 4], name="x")
+        labels = v1.placeholder(tf.int64, [None], name="labels")
+        w = v1.get_variable("w", [4, 5], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.reshape(tf.tensordot(x, w, axes=1), [-1, 5])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    with pytest.raises(replicate.errors.AnalysisError, match=r"several rows per example.*tf.reshape"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])

@@ -140,7 +140,17 @@ class _Resolver:
             return
         node = ir.nodes[name]
         if name not in ctx.region_names:
-            if node.op in ops.BATCH_SOURCE_OPS:
+            if node.op in ops.BATCH_SOURCE_OPS and (d.block, d.outer) != (1, 1):
+                # a fed tensor with several rows per example (labels flattened with their
+                # time steps): the split cuts fed tensors by examples, so it would get the
+                # example counts as rows (the rewrite failed at step 1)
+                self.unsplittable(name, f"'{d.tensor}' is fed with several rows per example "
+                                  f"(it pairs row for row with '{d.by}', whose examples span "
+                                  f"{d.block if d.outer == 1 else 'several'} rows each); "
+                                  "replicate splits fed tensors by examples",
+                                  "feed it with one row per example ([batch, steps]) and "
+                                  "flatten it in the graph (tf.reshape(y, [-1]))")
+            elif node.op in ops.BATCH_SOURCE_OPS:
                 self.plan.promote.setdefault(d.tensor, d)
             elif node.op in ops.VARIABLE_OPS:
                 self.unsplittable(name, f"variable '{name}' has the batch size in its shape (dimension "

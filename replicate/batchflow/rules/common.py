@@ -136,12 +136,27 @@ def combine_parts(ctx: Context, node: Node, facts: list[Fact], axis: int) -> Fac
     if misaligned(facts):
         return mixed(node.name, MISALIGNED, taint_of(facts))
     for other in facts[1:]:
-        ctx.classes.union(first.cls, other.cls, node.name)
+        unite(ctx, first, other, node)
     blocks = {f.block for f in facts}
     outers = {f.outer for f in facts}
     return part(axis, first.cls, blocks.pop() if len(blocks) == 1 else None,
                 ordered=all(f.ordered for f in facts), filtered=any(f.filtered for f in facts),
                 outer=outers.pop() if len(outers) == 1 else None)
+
+
+def unite(ctx: Context, a: Fact, b: Fact, node: Node) -> bool:
+    """Make the classes of partitioned ``a`` and ``b``, whose rows ``node`` pairs one to one,
+    one batch -- unless they hold their examples in different numbers of rows (labels fed
+    flattened with their time steps, ``[B*T]``, against logits reshaped to ``[-1, C]``): then
+    they are no one batch, a conflict (united, the labels were split by the other's example
+    counts, and the rewrite failed at step 1). False on a conflict."""
+    if not ctx.classes.same(a.cls, b.cls) and rows(a) is not None and rows(b) is not None \
+            and rows(a) != rows(b):
+        ctx.classes.conflicts.append((a.cls, b.cls, node.name,
+                                      f"{rows(a)} and {rows(b)} rows per example"))
+        return False
+    ctx.classes.union(a.cls, b.cls, node.name)
+    return True
 
 
 def passthrough(facts: list[Fact], n: int) -> list[Fact]:
@@ -211,4 +226,4 @@ def numbered(node: Node, taint: frozenset) -> Fact:
 
 
 __all__ += ["prologue", "is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
-            "row_numbers", "numbered"]
+            "row_numbers", "numbered", "unite"]

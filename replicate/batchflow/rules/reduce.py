@@ -17,7 +17,7 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import (MISALIGNED, couple, first_mixed, misaligned, mixed,
                                               prologue, red, rows as _rows, shared, size_fact,
-                                              taint_of)
+                                              taint_of, unite)
 from replicate.batchflow.rules.index import ENTRIES
 from replicate.ir import Node, parse_tensor, tensor_name
 
@@ -167,7 +167,7 @@ def rowwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if misaligned(parts_):                      # see common.combine_parts
         return [mixed(node.name, MISALIGNED, taint)] * n
     for other in parts_[1:]:
-        ctx.classes.union(first.cls, other.cls, node.name)
+        unite(ctx, first, other, node)
     for i in spec.data:
         if i < len(ins) and ins[i].kind == SHARED and (ctx.rank(node.inputs[i]) or 0) > 0:
             ctx.demand(node.inputs[i], 0, first, node)
