@@ -323,3 +323,41 @@ def test_labels_fed_flattened_with_their_time_steps_are_refused_with_the_fix():
         v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
     with pytest.raises(replicate.errors.AnalysisError, match=r"several rows per example.*tf.reshape"):
         replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+
+
+@pytest.mark.parametrize("batch_norm", ["sync", "tower0"])
+def test_batch_statistics_in_a_tf1_rnn_cell_are_a_reason(batch_norm):
+    """Recurrent batch norm (moments over the batch inside a ``dynamic_rnn`` cell, TF1 control
+    flow): the sync pass cannot reach into the loop's frame; under ``batch_norm='sync'`` it
+    read the statistics from outside the frame, claimed exact, and the rewrite failed at step 1
+    ("inputs from different frames"). A reason in every mode, and the rewrite runs."""
+    from breadth_models import control_flow_v1
+
+    class NormalizedCell(v1.nn.rnn_cell.RNNCell):
+        state_size = output_size = 5
+
+        def build(self, _):
+            self.w = self.add_weight("w", [9, 5], initializer=v1.glorot_uniform_initializer(seed=2))
+            self.built = True
+
+        def call(self, inputs, state):
+            a = tf.matmul(tf.concat([inputs, state], 1), self.w)
+            mean, var = tf.nn.moments(a, [0])
+            h = tf.tanh((a - mean) * tf.math.rsqrt(var + 1e-3))
+            return h, h
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        with control_flow_v1():
+            _, state = v1.nn.dynamic_rnn(NormalizedCell(), x, dtype=tf.float32)
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(state, 1) - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_norm=batch_norm)
+    assert not res.report.exact
+    assert any("TF1 while loop" in r.what for r in res.report.reasons), res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 3, 4).astype(np.float32), "y:0": rng.randn(b).astype(np.float32)}
+             for b in (7, 5)]
+    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))

@@ -133,6 +133,13 @@ class Analyze:
                            "without the cond around the batch statistics")
                     for c in couplings if INSIDE in c]
         couplings = [c for c in couplings if INSIDE not in c]
+        looped = [c for c in couplings if flow.depths.get(c, 0)]
+        reasons += [Reason(c, "a batch reduction inside a TF1 while loop feeds per-example values "
+                           "(batch statistics in an RNN cell); each tower sees its own slice's "
+                           "value, and it cannot be synchronized inside the loop's frame",
+                           "compute the statistics outside the loop, or train this graph on one "
+                           "device") for c in looped]
+        couplings = [c for c in couplings if c not in looped]
         loss_syncs = flow.loss_syncs()
         auto = [c for c in couplings if _exactness.size_like(ir, c) or c in loss_syncs
                 or _exactness.data_statistic(ir, graph, c, flow)]
