@@ -144,18 +144,54 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
     visit = order(ir, region)
     depths = frame_depths(ir, visit)
     pool = dict(forced) if forced else {t: 0 for t in candidates}
-    demoted: dict[str, str] = {}
-    for _ in range(len(pool) + 1):
-        flow, victim = _settle(ir, region, pool, gradient, scopes, losses, visit, depths, forced is not None,
-                               sparse)
-        if victim is None:
-            flow.demoted = demoted
-            return flow
-        for tensor, why in victim.items():
-            demoted[tensor] = why
-            pool.pop(tensor, None)
-    flow.demoted = demoted
+
+    def settle(pool: dict[str, int]) -> Flow:
+        pool, demoted = dict(pool), {}
+        for _ in range(len(pool) + 1):
+            flow, victim = _settle(ir, region, pool, gradient, scopes, losses, visit, depths,
+                                   forced is not None, sparse)
+            if victim is None:
+                break
+            for tensor, why in victim.items():
+                demoted[tensor] = why
+                pool.pop(tensor, None)
+        flow.demoted = demoted
+        return flow
+
+    flow = settle(pool)
+    if not forced and _unproven(flow):
+        for tensor in _time_major(ir, [t for t in pool if t in flow.inputs]):
+            trial = settle({**pool, tensor: 1})
+            if _unproven(trial) < _unproven(flow):
+                flow = trial
     return flow
+
+
+#: Ops that unstack their input's leading axis into the elements a loop reads one by one.
+_UNSTACKS = {"TensorArrayScatterV3": 2, "TensorListFromTensor": 0}
+
+
+def _time_major(ir: IR, inputs: list[str]) -> list[str]:
+    """Inputs of rank 2 or more whose leading axis a loop reads element by element (a
+    time-major ``[T, B, ...]`` placeholder fed to ``dynamic_rnn(time_major=True)``): the
+    batch may be their axis 1. Taken for axis 0, the loop carried the state from one
+    "example" to the next and the rewrite split along time (it failed at step 1)."""
+    out = []
+    for t in inputs:
+        shape = ir.static_shape(t)
+        if shape is None or len(shape) < 2 or shape[1] is not None:
+            continue
+        readers = [(c, i) for c, i in ir.data_consumers(t)]
+        readers += [(c2, i2) for c, _ in readers if c.op == "Identity"
+                    for c2, i2 in ir.data_consumers(f"{c.name}:0")]
+        if any(_UNSTACKS.get(c.op) == i for c, i in readers):
+            out.append(t)
+    return out
+
+
+def _unproven(flow: Flow) -> int:
+    """How many losses the dataflow could not decompose, and plan reasons."""
+    return sum(1 for _, reason in flow.losses.values() if reason is not None) + len(flow.plan.reasons)
 
 
 def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str], scopes: list[str],

@@ -117,7 +117,8 @@ class Split:
                            attrs={"T": dtypes.as_dtype(ir.output_dtype(first.tensor)),
                                   "out_type": dtypes.int32}).name
             axis = ir.const(f"{scope}/axis", first.axis, dtypes.int32, dev)
-            batch = ir.add(f"{scope}/batch_size", "GatherV2", [shape, axis, axis],
+            zero = ir.const(f"{scope}/zero", 0, dtypes.int32, dev)   # gather along the shape vector
+            batch = ir.add(f"{scope}/batch_size", "GatherV2", [shape, axis, zero],
                            device=dev, attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32,
                                               "Taxis": dtypes.int32}).name
         else:
