@@ -24,7 +24,7 @@ import dataclasses
 import logging
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import PART, SHARED, Classes, Fact
+from replicate.batchflow.lattice import SHARED, Classes, Fact
 from replicate.batchflow.loss import Term, decompose
 from replicate.batchflow.plan import Plan, frame_depths, resolve
 from replicate.batchflow.solver import order, solve
