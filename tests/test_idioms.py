@@ -392,3 +392,29 @@ def test_a_time_major_placeholder_is_split_along_its_batch_axis(lengths):
         feeds.append(f)
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def test_a_defun_recomputed_for_the_fetched_loss_keeps_all_its_outputs():
+    """``h - h[0:1]`` inside a ``tf.function`` (inexact): the fetched loss is recomputed once
+    from merged values, which runs the function's call on the batch; one of the call's other
+    outputs was also merged from the towers, which replaced the call by tower 0's copy, and
+    the recomputed loss met the batch's labels with tower 0's rows (failed at step 1)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+
+        @tf.function
+        def centered(h):
+            return h - h[0:1]
+
+        h = v1.layers.dense(x, 5, kernel_initializer=v1.glorot_uniform_initializer(seed=3))
+        logits = v1.layers.dense(centered(h), 3, kernel_initializer=v1.glorot_uniform_initializer(seed=4))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5)]
+    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))

@@ -141,6 +141,10 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                             f"'{fact.src}', while another part of it has shared rows after the "
                             "batch rows (replicate follows such rows through gathers, slices, "
                             "reshapes, concatenations and elementwise ops only)")
+    # a node a recompute plan runs once on merged inputs gives every output the batch's value:
+    # merging an output of it from the towers too replaced it by the towers' copies (a
+    # defun's outputs: tower 0's rows met the batch's labels in the recomputed loss)
+    merged = {t: f for t, f in merged.items() if f.role == "recompute" or node_of(t) not in recomputed}
     return (frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable,
             [t for t, _ in doubtful], forward_only)
 
