@@ -210,3 +210,30 @@ def test_apply_gradients_inside_a_tf1_cond_is_aggregated(guard):
     feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5, 2, 6)]
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def test_gradients_post_processed_in_a_tf1_while_loop_are_aggregated_first():
+    """A TF1 ``tf.while_loop`` scaling a gradient between ``compute_gradients`` and
+    ``apply_gradients``: half of the loop (its switches) was pulled into the towers with the
+    gradients, and the rewrite mixed frames (failed at step 1). A loop that only reads the
+    towers' values stays shared and reads the aggregated gradients: exact."""
+    from breadth_models import control_flow_v1
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        logits = v1.layers.dense(x, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        sgd = v1.train.GradientDescentOptimizer(0.5)
+        (g0, v0), rest = sgd.compute_gradients(loss)[0], sgd.compute_gradients(loss)[1:]
+        with control_flow_v1():
+            _, g0 = tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, a * 0.9), [0, g0])
+        sgd.apply_gradients([(g0, v0)] + rest, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5, 2)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

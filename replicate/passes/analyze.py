@@ -280,10 +280,11 @@ class Analyze:
         # cond's switches of the gradients: an apply_gradients inside tf.cond, which then
         # read each tower's gradient through its switch, unaggregated -- claimed exact, 1.2 off)
         work = [n for n in seen if n not in stop]
+        frames = {ir.nodes[n].attr("frame_name") for n in seen if ir.nodes[n].op in ("Enter", "RefEnter")}
         while work:
             for consumer in ir.consumers(work.pop()):
                 if consumer.name not in seen and consumer.op in ops.CONTROL_FLOW_OPS \
-                        and _of_a_loop(ir, consumer):
+                        and _of_a_loop(ir, consumer, seen, frames):
                     seen.add(consumer.name)
                     work.append(consumer.name)
         region = [n for n in ir.nodes if n in seen and n not in stop]
@@ -426,15 +427,22 @@ def _unaggregated_updates(ir: IR, apply_ops, inside: set[str], frontier) -> list
     return out
 
 
-def _of_a_loop(ir: IR, node) -> bool:
-    """Whether control-flow op ``node`` belongs to a TF1 while loop: a ``Switch`` on a
-    ``LoopCond``, a ``Merge`` of an ``Enter`` or ``NextIteration``, or any other frame op
-    (a cond's ``Switch`` and ``Merge`` are not)."""
+def _of_a_loop(ir: IR, node, seen: set[str], frames: set) -> bool:
+    """Whether control-flow op ``node`` belongs to a TF1 while loop already in ``seen``: a
+    ``Switch`` on its ``LoopCond``, a ``Merge`` of its ``Enter`` or ``NextIteration``, an
+    ``Enter`` of one of its ``frames``, an ``Exit`` or ``NextIteration``. Not a cond's ``Switch`` and
+    ``Merge`` (an apply_gradients in a tf.cond), nor a loop that only reads the region's
+    values (gradients post-processed in a tf.while_loop: half of it was pulled into the
+    towers, and the rewrite mixed frames)."""
     if node.op in ("Switch", "RefSwitch"):
-        return len(node.inputs) > 1 and ir.nodes[node_of(node.inputs[1])].op == "LoopCond"
+        pred = node_of(node.inputs[1]) if len(node.inputs) > 1 else ""
+        return ir.nodes[pred].op == "LoopCond" and pred in seen
     if node.op in ("Merge", "RefMerge"):
         return any(ir.nodes[node_of(r)].op in ("Enter", "RefEnter", "NextIteration",
-                                                 "RefNextIteration") for r in node.inputs)
+                                                 "RefNextIteration") and node_of(r) in seen
+                   for r in node.inputs)
+    if node.op in ("Enter", "RefEnter"):
+        return node.attr("frame_name") in frames     # the frames of the Enters in ``seen``
     return True
 
 
