@@ -418,3 +418,4 @@ def test_a_defun_recomputed_for_the_fetched_loss_keeps_all_its_outputs():
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5)]
     compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+

@@ -163,7 +163,7 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         for tensor in _time_major(ir, [t for t in pool if t in flow.inputs]):
             trial = settle({**pool, tensor: 1})
             if _unproven(trial) < _unproven(flow):
-                flow = trial
+                flow, pool = trial, {**pool, tensor: 1}
     return flow
 
 
