@@ -257,3 +257,21 @@ def test_ids_turned_sparse_by_their_lengths_are_a_batch_input():
     cmp = compare(graph, res.graph, "train", feeds)
     if res.report.exact:
         assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def test_tokens_fed_flat_with_their_example_ids_are_refused_with_the_fix():
+    """Ragged tokens fed flat (``tok`` ``[N, D]``) with their examples' numbers (``seg``),
+    pooled by ``unsorted_segment_sum(..., seg, batch)``: the ids name the batch's rows, so a
+    tower's count is too small for them (inexact, and it failed at step 1 with
+    "segment_ids out of range"). Refused, saying how to feed them."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tok = v1.placeholder(tf.float32, [None, 4], name="tok")
+        seg = v1.placeholder(tf.int32, [None], name="seg")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4, 1], initializer=v1.glorot_uniform_initializer(seed=1))
+        pooled = tf.math.unsorted_segment_sum(tf.matmul(tok, w), seg, tf.shape(y)[0])
+        loss = tf.reduce_mean(tf.square(tf.reshape(pooled, [-1]) - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    with pytest.raises(replicate.errors.AnalysisError, match="segment ids given whole.*padded"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])

@@ -196,8 +196,17 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         if len(ins) > 2 and ins[2].dependent:
             # values put at fixed rows of a tower-sized result (the dense gradient of
             # ``tf.gather(loss, [1])``): each tower puts them in its own rows
-            return [mixed(node.name, f"{node.op} puts values at positions of each tower's rows",
-                          taint)]
+            what = f"{node.op} puts values at positions of each tower's rows"
+            if ctx.const(node.inputs[1]) is None and not ctx.in_gradient(node):
+                # segment ids fed or computed whole (tokens fed flat with their examples'
+                # numbers): they name the batch's rows, beyond a tower's count (the rewrite
+                # failed at step 1 with "segment_ids out of range")
+                ctx.refuse(node.name, f"{node.op} numbers the batch's examples with segment ids "
+                           "given whole to every tower (tokens fed flat with their examples' "
+                           "ids), beyond each tower's count of rows",
+                           "feed the tokens padded per example ([batch, length] with a mask), "
+                           "or train this graph on one device")
+            return [mixed(node.name, what, taint)]
         return [shared(taint=taint)]
     merge = {"UnsortedSegmentSum": "sum", "SegmentSum": "sum", "UnsortedSegmentMax": "max",
              "UnsortedSegmentMin": "min", "SegmentMax": "max", "SegmentMin": "min"}.get(node.op, "other")
