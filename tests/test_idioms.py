@@ -275,6 +275,24 @@ def test_a_parameter_expanded_to_a_static_batch(expand):
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
 
 
+def _classifier(features, y) -> None:
+    """A 3-class softmax head on ``features``, its mean loss ``loss`` and SGD ``train``."""
+    logits = v1.layers.dense(features, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=4))
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                          name="loss")
+    v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+
+
+def _runs_inexact(graph: tf.Graph) -> None:
+    """The rewrite of ``graph`` (x [B, 4], y [B] labels) at 3 towers is inexact and runs at
+    uneven splits."""
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5)]
+    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+
+
 def test_a_hand_written_batch_norm_in_a_tf2_cond_runs():
     """The 2016 blog idiom, ``mean, var = tf.cond(is_training, moments + ema.apply, fixed)``
     with TF2 control flow: the cond updates state, so it was moved out of the towers to run
@@ -296,15 +314,8 @@ def test_a_hand_written_batch_norm_in_a_tf2_cond_runs():
 
         mean, var = tf.cond(training, batch_stats, lambda: (tf.zeros([5]), tf.ones([5])))
         hn = tf.nn.batch_normalization(h, mean, var, None, None, 1e-3)
-        logits = v1.layers.dense(tf.nn.relu(hn), 3, kernel_initializer=v1.glorot_uniform_initializer(seed=4))
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
-                              name="loss")
-        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
-    assert not res.report.exact
-    rng = np.random.RandomState(0)
-    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5)]
-    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+        _classifier(tf.nn.relu(hn), y)
+    _runs_inexact(graph)
 
 
 def test_labels_fed_flattened_with_their_time_steps_are_refused_with_the_fix():
@@ -409,13 +420,6 @@ def test_a_defun_recomputed_for_the_fetched_loss_keeps_all_its_outputs():
             return h - h[0:1]
 
         h = v1.layers.dense(x, 5, kernel_initializer=v1.glorot_uniform_initializer(seed=3))
-        logits = v1.layers.dense(centered(h), 3, kernel_initializer=v1.glorot_uniform_initializer(seed=4))
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
-                              name="loss")
-        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
-    assert not res.report.exact
-    rng = np.random.RandomState(0)
-    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5)]
-    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+        _classifier(centered(h), y)
+    _runs_inexact(graph)
 
