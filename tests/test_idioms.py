@@ -423,3 +423,23 @@ def test_a_defun_recomputed_for_the_fetched_loss_keeps_all_its_outputs():
         _classifier(centered(h), y)
     _runs_inexact(graph)
 
+
+
+@pytest.mark.parametrize("towers,batches,accumulate", [(3, (7, 5), 1), (3, (2,), 1), (2, (7,), 2)])
+def test_keras_layer_normalization_is_exact(towers, batches, accumulate):
+    """Keras ``LayerNormalization`` lowers to a batch norm whose channels are the examples
+    (``[B, H]`` reshaped to ``[1, B, H, 1]``, NCHW, a scale of ones per example): its
+    statistics are per example. It was reported inexact ("input 1 of FusedBatchNormV3
+    depends on the examples"), though it trains exactly."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = v1.layers.dense(x, 5, kernel_initializer=v1.glorot_uniform_initializer(seed=3))
+        _classifier(tf.keras.layers.LayerNormalization()(h), y)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in batches]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

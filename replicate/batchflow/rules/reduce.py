@@ -16,7 +16,7 @@ from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import (MISALIGNED, couple, first_mixed, misaligned, mixed,
-                                              prologue, red, rows as _rows, shared, size_fact,
+                                              part, prologue, red, rows as _rows, shared, size_fact,
                                               taint_of, unite)
 from replicate.batchflow.rules.index import ENTRIES
 from replicate.ir import Node, parse_tensor, tensor_name
@@ -151,6 +151,9 @@ def rowwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     bad = first_mixed(ins)
     if bad is not None:
         return [bad] * n
+    per_example = _examples_as_channels(ctx, node, ins, n)
+    if per_example is not None:
+        return per_example
     data = [ins[i] for i in spec.data if i < len(ins)]
     parts_ = [f for f in data if f.kind == PART]
     taint = couple(ctx, node, ins)
@@ -193,6 +196,50 @@ def rowwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         else:
             outs.append(out_part)
     return outs
+
+
+#: Batch norm ops -> (inputs that hold the examples on the channel axis, per-channel inputs,
+#: per-channel outputs) when the examples are the channels.
+_CHANNEL_NORMS = {
+    **{op: ((0,), (1, 2), (1, 2, 3, 4)) for op in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")},
+    **{op: ((0, 1), (2, 3, 4), (1, 2)) for op in ("FusedBatchNormGrad", "FusedBatchNormGradV2",
+                                                 "FusedBatchNormGradV3")},
+}
+
+
+def _examples_as_channels(ctx: Context, node: Node, ins: list[Fact], n: int) -> list[Fact] | None:
+    """A training-mode batch norm whose *channels* are the examples (Keras
+    ``LayerNormalization`` reshapes ``[B, H]`` to ``[1, B, H, 1]``, NCHW, with a scale of ones
+    per example): its per-channel statistics are per-example ones, so its outputs keep the
+    examples (on the channel axis, and on axis 0 of the per-channel outputs). It was "input 1
+    depends on the examples": inexact, though it trains exactly. None when not that case."""
+    if node.op not in _CHANNEL_NORMS or not bool(node.attr("is_training", True)):
+        return None
+    data, channels, outputs = _CHANNEL_NORMS[node.op]
+    fmt = node.attr("data_format", "NHWC")
+    fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+    rank = ctx.rank(node.inputs[data[0]])
+    if rank is None:
+        return None
+    axis = 1 if fmt.startswith("NC") else rank - 1
+    xs = [ins[i] for i in data]
+    per = [ins[i] for i in channels if i < len(ins)]
+    if not all(f.kind == PART and f.axis == axis for f in xs) or \
+            not all(f.kind == PART and f.axis == 0 and _rows(f) == _rows(xs[0]) for f in per):
+        return None
+    for f in xs[1:] + per:
+        if not unite(ctx, xs[0], f, node):
+            return None
+    taint = couple(ctx, node, ins)
+    out = []
+    for i in range(n):
+        if i == 0:
+            out.append(xs[0].with_(value=None, index=None, taint=taint))
+        elif i in outputs:
+            out.append(part(0, xs[0].cls, xs[0].block, taint=taint, outer=xs[0].outer))
+        else:
+            out.append(shared(taint=taint))     # reserve spaces the kernel leaves empty
+    return out
 
 
 def einsum(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
