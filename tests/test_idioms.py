@@ -443,3 +443,38 @@ def test_keras_layer_normalization_is_exact(towers, batches, accumulate):
     feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in batches]
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def test_labels_tiled_whole_against_rows_of_each_example_are_a_reason():
+    """``tf.tile(y, [T])`` (T copies of the batch's labels one after the other) against logits
+    ``[B, T, C]`` reshaped to ``[-1, C]`` (each example's T rows together): the same number of
+    rows per example, laid out differently, so row i meets another example's label in each
+    tower than on one device (claimed exact, 1.08 off in an independent review)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.reshape(tf.tensordot(x, w, axes=1), [-1, 3])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.tile(y, [3]), logits=logits), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+
+
+def test_a_softmax_over_a_tiled_parameter_s_rows_is_a_reason():
+    """A parameter tiled over a static batch of 6 and normalized across those rows
+    (``softmax(tile(p, [6, 1]), axis=0)``): computed once and cut into the towers' rows, the
+    softmax's gradient ran per tower on its rows (claimed exact, p 0.32 off)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [6, 4], name="x")
+        y = v1.placeholder(tf.float32, [6], name="y")
+        p = v1.get_variable("p", [1, 1], initializer=v1.random_normal_initializer(seed=1))
+        weights = tf.nn.softmax(tf.tile(p, [6, 1]), axis=0) * 6.0
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(x * weights, 1) - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("from each other" in r.what for r in res.report.reasons), res.report.reasons
