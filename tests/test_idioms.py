@@ -478,3 +478,26 @@ def test_a_softmax_over_a_tiled_parameter_s_rows_is_a_reason():
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
     assert any("from each other" in r.what for r in res.report.reasons), res.report.reasons
+
+
+def test_time_major_inputs_with_per_step_labels_move_together():
+    """A time-major ``xt`` ``[T, B, D]`` with per-step labels ``yt`` ``[T, B]`` that no loop
+    unstacks: moving only ``xt`` to axis 1 left ``yt`` on axis 0, which the analysis demoted,
+    and the rewrite was claimed exact and split ``xt`` by the time steps (failed at step 1).
+    Inputs laid out alike move together, and a retry that demotes an input is not kept."""
+    graph = tf.Graph()
+    with graph.as_default():
+        xt = v1.placeholder(tf.float32, [None, None, 4], name="xt")
+        yt = v1.placeholder(tf.int64, [None, None], name="yt")
+        outputs, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.GRUCell(5), xt, time_major=True, dtype=tf.float32)
+        logits = v1.layers.dense(outputs, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=2))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yt, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    rng = np.random.RandomState(5)
+    feeds = [{"xt:0": rng.randn(3, b, 4).astype(np.float32), "yt:0": rng.randint(0, 3, (3, b))}
+             for b in (7, 5)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert res.report.exact, res.report.reasons
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

@@ -159,12 +159,23 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         return flow
 
     flow = settle(pool)
-    if not forced and _unproven(flow):
-        for tensor in _time_major(ir, [t for t in pool if t in flow.inputs]):
-            trial = settle({**pool, tensor: 1})
-            if _unproven(trial) < _unproven(flow):
-                flow, pool = trial, {**pool, tensor: 1}
+    looped = _time_major(ir, [t for t in pool if t in flow.inputs]) if not forced and _unproven(flow) else []
+    if looped:
+        # the loop's inputs and every other input laid out like them ([T, B, ...], both
+        # leading dimensions dynamic: per-step labels) move together
+        alike = [t for t in pool if t in flow.inputs and _leading_dynamic(ir, t)]
+        trial_pool = {**pool, **{t: 1 for t in set(looped) | set(alike)}}
+        trial = settle(trial_pool)
+        # kept only when it proves more and demotes nothing more (a per-step label left on
+        # axis 0 beside inputs moved to axis 1 was claimed exact and split by the time steps)
+        if _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted):
+            flow = trial
     return flow
+
+
+def _leading_dynamic(ir: IR, tensor: str) -> bool:
+    shape = ir.static_shape(tensor)
+    return shape is not None and len(shape) >= 2 and shape[0] is None and shape[1] is None
 
 
 #: Ops that unstack their input's leading axis into the elements a loop reads one by one.
