@@ -501,3 +501,22 @@ def test_time_major_inputs_with_per_step_labels_move_together():
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert res.report.exact, res.report.reasons
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def test_a_mask_fed_flattened_with_its_time_steps_is_refused_with_the_fix():
+    """A mask fed ``[B*T]`` times the per-token loss of logits reshaped to ``[-1, C]``: the
+    classes were united elsewhere, so the rows conflict was dropped, and the mask was split
+    by the examples' counts (claimed exact, failed at step 1). A rows conflict inside one
+    class refuses, saying how to feed the tensor."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3, 4], name="x")
+        yt = v1.placeholder(tf.int64, [None, 3], name="yt")
+        mask = v1.placeholder(tf.float32, [None], name="mask")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.reshape(yt, [-1]), logits=tf.reshape(tf.tensordot(x, w, axes=1), [-1, 3]))
+        loss = tf.identity(tf.reduce_sum(ce * mask) / tf.reduce_sum(mask), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    with pytest.raises(replicate.errors.AnalysisError, match="rows per example.*one row per example"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])

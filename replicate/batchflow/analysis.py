@@ -250,6 +250,18 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
         if not changed:
             break
     _drop_double_resizing(plan)
+    for a, b, where, why in classes.conflicts:
+        if "rows per example" in why and a is not None and b is not None \
+                and classes.find(a) == classes.find(b):
+            # one batch after all (united elsewhere), yet paired row for row with two layouts
+            # (a mask fed flat [B*T] times a per-token loss): a split cannot serve both
+            plan.unsplittable.append(Reason(where, f"'{where}' pairs rows of one batch held as "
+                                            f"{why.replace(' rows per example', '')} rows per "
+                                            "example (a tensor fed flattened with its time steps?); "
+                                            "replicate splits fed tensors by examples",
+                                            "feed it with one row per example ([batch, steps]) and "
+                                            "flatten it in the graph"))
+            break
     decomposed = {loss: decompose(ctx, loss) for loss in losses}
     flow = Flow(ctx, {t: (a, classes.find(c)) for t, (a, c) in inputs.items()}, {}, plan, decomposed,
                 visit, depths)
