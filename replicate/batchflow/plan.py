@@ -24,6 +24,7 @@ import dataclasses
 import logging
 
 import numpy as np
+from tensorflow.core.framework import types_pb2
 
 from replicate import ops
 from replicate.batchflow import table
@@ -105,8 +106,10 @@ def frame_depths(ir: IR, order: list[str]) -> dict[str, int]:
 
 
 #: Ops whose gradient, taken on some rows of their output, is those rows' share of the whole.
+#: (Not a concatenation or a stack along the rows: their gradients cut the rows at the
+#: global offsets, which a tower's rows do not have.)
 _ROW_BY_ROW = frozenset({"ReadVariableOp", "Tile", "BroadcastTo", "Cast", "Reshape", "ExpandDims",
-                         "Squeeze", "ConcatV2", "Pack", "Fill", "ZerosLike", "OnesLike", "Shape",
+                         "Squeeze", "Fill", "ZerosLike", "OnesLike", "Shape",
                          "StridedSlice", "Slice", "GatherV2", "Transpose"})
 
 
@@ -203,7 +206,13 @@ class _Resolver:
         would run that op's gradient on its rows only (a softmax over a tiled parameter's
         rows: claimed exact, the parameter 0.32 off in an independent review)."""
         mixer = self._row_mixer(name)
-        if mixer is not None:
+        if mixer is not None and self.ir.nodes[mixer].op in ("ConcatV2", "Pack"):
+            # its gradient cuts the rows at the global offsets: a tower's step cannot run
+            self.unsplittable(mixer, f"'{mixer}' joins copies of a trained value into the rows of "
+                              f"'{tensor}', which the towers each take some of: its gradient "
+                              "cuts them at the whole batch's offsets",
+                              "tile the value instead (tf.tile(p, [batch, 1]))")
+        elif mixer is not None:
             self.reason(mixer, f"'{mixer}' ({self.ir.nodes[mixer].op}) computes the rows of "
                         f"'{tensor}' from each other, from a trained variable, and the towers "
                         "each take some of those rows: its gradient would be computed per "
@@ -226,8 +235,9 @@ class _Resolver:
             if node.op in ops.VARIABLE_OPS:
                 trained = trained or self._trained(cur)
                 continue
-            if node.op == "Const" or not node.inputs:
-                continue
+            if node.op == "Const" or not node.inputs or \
+                    ir.output_dtype(f"{cur}:0") in (types_pb2.DT_INT32, types_pb2.DT_INT64):
+                continue            # shape arithmetic (a repeat's sizes) carries no rows
             if mixer is None and node.op not in _ROW_BY_ROW and node.op not in table.UNARY \
                     and node.op not in table.BROADCAST and node.op not in table.PASS_THROUGH:
                 mixer = cur
