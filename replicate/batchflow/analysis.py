@@ -25,6 +25,7 @@ import logging
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import SHARED, Classes, Fact
+from replicate.batchflow.rules.common import ROWS_CONFLICT
 from replicate.batchflow.loss import Term, decompose
 from replicate.batchflow.plan import Plan, frame_depths, resolve
 from replicate.batchflow.solver import order, solve
@@ -251,12 +252,12 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
             break
     _drop_double_resizing(plan)
     for a, b, where, why in classes.conflicts:
-        if "rows per example" in why and a is not None and b is not None \
+        if why.endswith(ROWS_CONFLICT) and a is not None and b is not None \
                 and classes.find(a) == classes.find(b):
             # one batch after all (united elsewhere), yet paired row for row with two layouts
             # (a mask fed flat [B*T] times a per-token loss): a split cannot serve both
             plan.unsplittable.append(Reason(where, f"'{where}' pairs rows of one batch held as "
-                                            f"{why.replace(' rows per example', '')} rows per "
+                                            f"{why[:-len(ROWS_CONFLICT)]}rows per "
                                             "example (a tensor fed flattened with its time steps?); "
                                             "replicate splits fed tensors by examples",
                                             "feed it with one row per example ([batch, steps]) and "

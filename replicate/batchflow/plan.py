@@ -223,7 +223,7 @@ class _Resolver:
         """An op on the way from a trained variable to the shared tensor ``name`` (computed
         once, each tower taking its rows) that is not row by row -- its gradient needs every
         row -- or None. Row by row: elementwise ops, identities, tiles and broadcasts, casts,
-        reshapes and concatenations (whose gradients add up per row)."""
+        reshapes and slices (:data:`_ROW_BY_ROW`); integer shape arithmetic is skipped."""
         ir, work, seen, mixer = self.ir, [name], set(), None
         trained = False
         while work and len(seen) < limit:

@@ -152,6 +152,11 @@ def combine_parts(ctx: Context, node: Node, facts: list[Fact], axis: int) -> Fac
                 outer=outers.pop() if len(outers) == 1 else None)
 
 
+#: The end of a conflict's description when two batches hold their examples in different
+#: numbers of rows (:func:`unite`; the analysis refuses it within one class).
+ROWS_CONFLICT = "rows per example"
+
+
 def unite(ctx: Context, a: Fact, b: Fact, node: Node) -> bool:
     """Make the classes of partitioned ``a`` and ``b``, whose rows ``node`` pairs one to one,
     one batch -- unless they hold their examples in different numbers of rows (labels fed
@@ -161,7 +166,7 @@ def unite(ctx: Context, a: Fact, b: Fact, node: Node) -> bool:
     if not ctx.classes.same(a.cls, b.cls) and rows(a) is not None and rows(b) is not None \
             and rows(a) != rows(b):
         ctx.classes.conflicts.append((a.cls, b.cls, node.name,
-                                      f"{rows(a)} and {rows(b)} rows per example"))
+                                      f"{rows(a)} and {rows(b)} {ROWS_CONFLICT}"))
         return False
     ctx.classes.union(a.cls, b.cls, node.name)
     return True
@@ -234,4 +239,4 @@ def numbered(node: Node, taint: frozenset) -> Fact:
 
 
 __all__ += ["prologue", "is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
-            "row_numbers", "numbered", "unite"]
+            "row_numbers", "numbered", "unite", "ROWS_CONFLICT"]

@@ -148,8 +148,8 @@ def _outer(ctx: Context, node: Node, fact: Fact | None, passed: frozenset = froz
     if fact is None:
         return fact
     inner = body.nodes if body is not None else {}
-    if len(fact.spec) > 1 and isinstance(fact.spec[1], str) and (
-            parse_tensor(fact.spec[1])[0] not in ctx.ir.nodes or parse_tensor(fact.spec[1])[0] in inner):
+    weights = parse_tensor(fact.spec[1])[0] if len(fact.spec) > 1 and isinstance(fact.spec[1], str) else None
+    if weights is not None and (weights not in ctx.ir.nodes or weights in inner):
         fact = fact.with_(merge="other", spec=())   # weighted by a tensor of the body
     if fact.src and fact.src in inner and fact.src not in passed:
         fact = fact.with_(src=f"{node.name}{INSIDE}{fact.src}")

@@ -9,6 +9,8 @@ batch size is recorded as a *position* the rewrite must change per tower.
 
 from __future__ import annotations
 
+import math
+
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, forward_of, mixed, part, rows,
@@ -124,13 +126,8 @@ def _pin_by_target(ctx: Context, node: Node, f: Fact, in_dims: list, target: tup
             or not isinstance(f.block, int) or not isinstance(f.outer, int) \
             or not all(isinstance(d, int) for i, d in enumerate(in_dims) if i != f.axis):
         return False
-    per = f.block * f.outer
-    for i, d in enumerate(in_dims):
-        if i != f.axis:
-            per *= d
-    total = 1
-    for t in target:
-        total *= t
+    per = f.block * f.outer * math.prod(d for i, d in enumerate(in_dims) if i != f.axis)
+    total = math.prod(target)
     if per <= 0 or total % per or total // per == 0:
         return False
     ctx.classes.pin(f.cls, total // per, node.name)
