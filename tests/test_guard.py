@@ -156,3 +156,42 @@ def test_the_check_states_an_empty_tower_failure_instead_of_refusing():
         assert any("without examples" in w and failed[:40] in w for w in res.report.warnings)
     else:           # TF_ENABLE_ONEDNN_OPTS=0: the empty tower ran
         assert len(res.report.check["runs"]) == 2
+
+
+def test_an_empty_tower_reshapes_a_flat_batch_as_the_others_do():
+    """``tf.reshape(flat, [tf.shape(logits)[0], -1])`` of per-token losses, summed over the
+    batch only (a sequence loss averaged per time step): in a tower with no examples
+    TensorFlow infers the ``-1`` as 1, not T, and the summed statistics had shapes [T] and
+    [1] ("AddN must have the same size and shape" at a batch of 2 on 3 towers)."""
+    import numpy as np
+    import tensorflow as tf
+
+    import replicate
+    from replicate.equivalence import compare
+    v1 = tf.compat.v1
+    T, C = 3, 4
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, T, 2], name="x")
+            y = v1.placeholder(tf.int64, [None, T], name="y")
+            m = v1.placeholder(tf.float32, [None, T], name="m")
+            w = v1.get_variable("w", [2, C], initializer=v1.glorot_uniform_initializer(seed=2))
+            logits = tf.einsum("btd,dc->btc", x, w)
+            flat = tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=tf.reshape(y, [-1]), logits=tf.reshape(logits, [-1, C])) * tf.reshape(m, [-1])
+            per_step = tf.reshape(flat, [tf.shape(logits)[0], -1])
+            loss = tf.reduce_sum(tf.reduce_sum(per_step, 0) / (tf.reduce_sum(m, 0) + 1e-12), name="loss")
+            v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        return g
+
+    rng = np.random.default_rng(3)
+    feeds = [{"x:0": rng.normal(size=(b, T, 2)).astype(np.float32),
+              "y:0": rng.integers(0, C, (b, T)).astype(np.int64),
+              "m:0": (rng.random((b, T)) < 0.7).astype(np.float32)} for b in (7, 2, 5)]
+    res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact
+    pinned = [n for n in res.graph_def.node if n.name.endswith("replicate/reshape/target")]
+    assert len(pinned) == 3
+    assert compare(build(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5

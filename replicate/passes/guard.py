@@ -10,7 +10,9 @@ padding is zero and the slice is the whole tensor, so the values are the same bi
 the kernel sees one example instead of zero.
 
 Also: every tower copy of an op that picks examples by position checks first that its tower
-holds enough examples, with a message that says so (:mod:`replicate.passes._picks`).
+holds enough examples, with a message that says so (:mod:`replicate.passes._picks`); and a
+tower's run-time reshape target gets the ``-1`` the analysis proved, which an empty tower
+cannot infer (:mod:`replicate.passes._reshapes`).
 
 When the gradient's ``orig_output`` is the forward pooling op's output (``MaxPool``,
 ``MaxPoolV2``, ``MaxPool3D`` in the same tower, reading the same ``orig_input``) -- the usual
@@ -39,6 +41,7 @@ from tensorflow.python.framework import dtypes
 
 from replicate.ir import IR
 from replicate.passes._picks import assert_examples
+from replicate.passes._reshapes import infer_reshapes
 from replicate.pipeline import PassResult
 
 __all__ = ["Guard", "GUARDED_OPS"]
@@ -68,6 +71,10 @@ class Guard:
             log.info("guard: %d tower ops that pick examples by position check their tower's count",
                      picks)
             done += picks
+        pinned = infer_reshapes(ir)
+        if pinned:
+            log.info("guard: %d tower reshapes get their inferred dimension from the analysis", pinned)
+            done += pinned
         log.info("guard: %d max-pooling gradients guarded against empty batches", done)
         return PassResult(ir, done > 0)
 
