@@ -38,6 +38,7 @@ gradient with respect to such rows, a share of the single-device gradient). Only
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 __all__ = ["Fact", "Sym", "SHARED", "PART", "RED", "MIXED", "shared", "part", "red", "mixed",
@@ -219,6 +220,10 @@ class Classes:
         self.conflicts: list[tuple[int, int, str, str]] = []
         #: Class -> the op whose shape fixed its size (the report states the assumption).
         self.pinned: dict[int, str] = {}
+        #: Class -> (g, op): ``op`` regroups the examples in groups of ``g`` consecutive rows
+        #: (``tf.reshape(x, [-1, 2, d])``, ``tf.split(x, 2)``), so each tower's share must be a
+        #: multiple of ``g`` for it to run at all.
+        self.granules: dict[int, tuple[int, str]] = {}
 
     def new(self, static: int | None) -> int:
         """A new class of ``static`` examples (None when dynamic)."""
@@ -267,6 +272,21 @@ class Classes:
             self.pinned[root] = where
         elif self._static[root] != size:
             self.conflicts.append((root, root, where, f"batch sizes {self._static[root]} and {size}"))
+
+    def granule(self, c: int, g: int, where: str) -> None:
+        """Op ``where`` runs only on a multiple of ``g`` examples of class ``c``."""
+        if g > 1:
+            root = self.find(c)
+            old = self.granules.get(root, (1, where))
+            self.granules[root] = (math.lcm(old[0], g), old[1] if old[0] > 1 else where)
+
+    def granularity(self, c: int) -> tuple[int, str]:
+        """The multiple of examples class ``c``'s ops need, and the first op that needs one."""
+        root, g, where = self.find(c), 1, ""
+        for member, (h, op) in self.granules.items():
+            if self.find(member) == root:
+                g, where = math.lcm(g, h), where or op
+        return g, where
 
     def static(self, c: int) -> int | None:
         """The static number of examples of class ``c``, if known."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import networkx as nx
 
@@ -218,6 +219,13 @@ class Analyze:
                      "shape bakes it in: feed exactly that many examples per step (one device "
                      "needs that too)" for c, where in sorted(classes.pinned.items())
                      if where and classes.static(c) is not None and classes.find(c) in fed]
+        # every class is split alike: a class the op regroups may hold the same examples as
+        # one it is not tied to any more (labels beside inputs regrouped in ghost batches)
+        granules = [classes.granularity(c) for c in sorted(fed)]
+        granule = math.lcm(*(g for g, _ in granules)) if granules else 1
+        warnings += [f"each tower gets a multiple of {granule} examples: '{where}' groups them "
+                     f"by {g} (feed a multiple of {granule} examples per step)"
+                     for g, where in granules if g > 1][:1]
         analysis = Analysis(
             train_op=train_ops[0],
             variables=_inputs.variables(ir, region, apply_ops),
@@ -246,6 +254,7 @@ class Analyze:
             tower0_values=tower0_values,
             train_ops=train_ops,
             classes={classes.find(b.cls): classes.static(b.cls) for b in batch_inputs},
+            granules={c: granule for c in fed} if granule > 1 else {},
             demoted=dict(flow.demoted),
             auto_sync=auto,
             denominators=flow.denominators(),

@@ -75,7 +75,8 @@ class Split:
         for i, cls in enumerate(order):
             members = [b for b in analysis.batch_inputs if b.cls == cls]
             scope = SCOPE if i == 0 else f"{SCOPE}/class_{i}"
-            sizes = self._counts(ir, towers, cls, members, scope, analysis.classes.get(cls))
+            sizes = self._counts(ir, towers, cls, members, scope, analysis.classes.get(cls),
+                                 analysis.granules.get(cls, 1))
             for batch_input in members:
                 if batch_input.sparse is None:
                     self._split(ir, towers, batch_input, sizes)
@@ -91,9 +92,14 @@ class Split:
                  len(order), n, f" (static counts {towers.static_counts})" if towers.static_counts else "")
         return PassResult(ir, True)
 
-    def _counts(self, ir: IR, towers: Towers, cls: int, members, scope: str, static: int | None) -> str:
+    def _counts(self, ir: IR, towers: Towers, cls: int, members, scope: str, static: int | None,
+                granule: int = 1) -> str:
         """Per-tower example counts of one batch class (balanced: the first ``B mod N`` towers get
-        one more); returns the sizes vector for ``SplitV``."""
+        one more); returns the sizes vector for ``SplitV``. With a dynamic batch and a
+        ``granule`` g (an op groups the examples by g) the towers share the ``B // g`` groups
+        that way, each count a multiple of g, and tower 0 takes any rest (where one device's op
+        fails too). A static batch is split evenly: the sizes such an op bakes in (the number of
+        groups) are not rewritten per tower, and the analysis refuses it."""
         n, dev = len(self.devices), self.controller
         if static is not None:
             if static < n and self.micro > 1:
@@ -124,13 +130,23 @@ class Split:
         else:
             batch = _sparse.batch_size(ir, members[0].sparse, scope, dev)
         towers_const = ir.const(f"{scope}/towers", n, dtypes.int32, dev)
+        i32 = {"T": dtypes.int32}
+        units = batch
+        if granule > 1:
+            size = ir.const(f"{scope}/granule", granule, dtypes.int32, dev)
+            units = ir.add(f"{scope}/groups", "FloorDiv", [batch, size], device=dev, attrs=i32).name
         counts = []
         for k in range(n):
             extra = ir.const(f"{scope}/round_{k}", n - 1 - k, dtypes.int32, dev)
-            total = ir.add(f"{scope}/padded_{k}", "AddV2", [batch, extra], device=dev,
-                           attrs={"T": dtypes.int32}).name
-            counts.append(ir.add(f"{scope}/count_{k}", "FloorDiv", [total, towers_const],
-                                 device=dev, attrs={"T": dtypes.int32}).name)
+            total = ir.add(f"{scope}/padded_{k}", "AddV2", [units, extra], device=dev, attrs=i32).name
+            name = f"{scope}/count_{k}" if granule == 1 else f"{scope}/groups_{k}"
+            counts.append(ir.add(name, "FloorDiv", [total, towers_const], device=dev, attrs=i32).name)
+        if granule > 1:
+            counts = [ir.add(f"{scope}/count_{k}" if k else f"{scope}/share_0", "Mul", [c, size],
+                             device=dev, attrs=i32).name for k, c in enumerate(counts)]
+            rest = ir.add(f"{scope}/rest", "FloorMod", [batch, size], device=dev, attrs=i32).name
+            counts[0] = ir.add(f"{scope}/count_0", "AddV2", [counts[0], rest], device=dev,
+                               attrs=i32).name
         towers.class_static[cls] = None
         towers.class_batch[cls] = batch
         towers.class_counts[cls] = counts

@@ -100,6 +100,7 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         undone = _undo_reshape(ctx, node, f)
         if undone is not None:
             return [undone]
+        _regroups(ctx, node, f, in_dims, target)
         return [mixed(node.name, "Reshape that splits or scatters the examples", f.taint)]
     j, outer, inner = found
     if j < len(target) and isinstance(target[j], int) and target[j] != -1 and outer and inner:
@@ -113,6 +114,21 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     # (it was marked unordered, so reshaping back to [T, B] could not be merged any more)
     return [part(j, f.cls, inner, ordered=f.ordered, filtered=f.filtered,
                  taint=f.taint | ins[1].taint, outer=outer)]
+
+
+def _regroups(ctx: Context, node: Node, f: Fact, in_dims: list, target: tuple) -> None:
+    """A reshape that regroups the examples (``[B, d]`` to ``[-1, 2, d]``: pairs) runs only
+    on a multiple of some count of them; the split gives each tower such a multiple, so the
+    rewrite runs (it stays inexact: the groups are not examples the analysis can follow)."""
+    if ctx.in_gradient(node) or not target or not isinstance(f.block, int) \
+            or not isinstance(f.outer, int) \
+            or not all(isinstance(t, int) and (t > 0 or t == -1) for t in target) \
+            or not all(isinstance(d, int) for i, d in enumerate(in_dims) if i != f.axis):
+        return
+    per = f.block * f.outer * math.prod(d for i, d in enumerate(in_dims) if i != f.axis)
+    total = math.prod(t for t in target if t > 0)
+    if per > 0:
+        ctx.classes.granule(f.cls, total // math.gcd(total, per), node.name)
 
 
 def _pin_by_target(ctx: Context, node: Node, f: Fact, in_dims: list, target: tuple) -> bool:
@@ -347,6 +363,9 @@ def split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         # outer/n whole copies, in every tower as on one device
         return [f.with_(outer=f.outer // n, value=None, index=None)] * n
     if axis is None or axis[0] == f.axis:
+        if axis is not None and node.op == "Split" and isinstance(f.block, int) \
+                and isinstance(f.outer, int) and not ctx.in_gradient(node):
+            ctx.classes.granule(f.cls, n // math.gcd(n, f.block * f.outer), node.name)
         return [mixed(node.name, f"{node.op} along the batch", f.taint)] * n
     return [f.with_(value=None, index=None)] * n
 
