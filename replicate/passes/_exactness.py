@@ -21,7 +21,20 @@ from replicate.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
 from replicate.reductions import FUSED_BATCH_NORM
 from replicate.roles import FLOAT_TYPES
 
-__all__ = ["collect", "unmergeable", "size_like"]
+__all__ = ["collect", "unmergeable", "size_like", "size_coupling"]
+
+#: A batch size a batch statistic is combined with into per-example values: what, then the fix.
+SIZE_COUPLING = ("the batch size (tf.shape / tf.size) is combined with a batch statistic into "
+                 "per-example values; each tower counts only its own examples, and replicate "
+                 "synchronizes batch sums, not sizes",
+                 "count the examples as a batch sum instead, e.g. "
+                 "tf.reduce_sum(tf.ones_like(labels, tf.float32))")
+
+
+def size_coupling(analysis: Analysis, name: str) -> bool:
+    """True when coupling ``name`` is a batch size, not a batch reduction."""
+    fact = analysis.flow.fact(f"{name}:0") if analysis.flow is not None else None
+    return fact is not None and fact.merge == "size"
 
 _INTS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64, types_pb2.DT_INT16, types_pb2.DT_INT8,
                    types_pb2.DT_UINT8, types_pb2.DT_BOOL})
@@ -112,6 +125,9 @@ def collect(ir: IR, analysis: Analysis) -> None:
         reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower 0's "
                               "slice of the batch only", "statistics come from 1/N of the batch"))
     for name in analysis.couplings:
+        if size_coupling(analysis, name):
+            reasons.append(Reason(name, *SIZE_COUPLING))
+            continue
         what = ("batch norm normalizes each tower by its own slice's statistics"
                 if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name
                 else f"batch reduction ({ir.nodes[name].op}) feeds per-example values; each tower "

@@ -102,7 +102,7 @@ class Sync:
                                                "the example that attains it, which one tower holds; "
                                                "it cannot be synchronized across towers",
                                                "stop its gradient (tf.stop_gradient) or use a mean or sum"))
-            else:
+            elif not size_coupling(analysis, name):     # a size's reason is given already
                 analysis.reasons.append(Reason(name, f"{op} cannot be synchronized across towers",
                                                "use FusedBatchNormV3 or a mean/sum"))
         _drop_covered_update_reasons(ir, analysis, handled)
@@ -240,3 +240,4 @@ def _drop_covered_update_reasons(ir: IR, analysis, synced: set[str]) -> None:
 
 from replicate.passes._denominator import GlobalDenominator as _GlobalDenominator  # noqa: E402
 from replicate.passes._fused_sync import FusedSync as _FusedSync  # noqa: E402
+from replicate.passes._exactness import size_coupling  # noqa: E402

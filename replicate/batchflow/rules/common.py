@@ -65,7 +65,10 @@ def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
     """Every forward batch reduction a batch-reduced value is computed from. A fact names one
     source; a segment mean (a sum over a count), a ratio or a normalized value has several,
     and synchronizing only the named one left the others per tower (claimed exact with
-    ``batch_norm='sync'``, 0.1 off)."""
+    ``batch_norm='sync'``, 0.1 off). A batch *size* it is computed from (``tf.shape(x)[0]``
+    over a count: class weights ``n / count_c``) is named too: each tower counts its own
+    examples, and a synchronized count beside a tower's own size was claimed exact (0.6 off).
+    No batch reduction is the source of a size, so the sync pass gives the reason."""
     cache = ctx.__dict__.setdefault("_reductions_of", {})
     if ref in cache:
         return cache[ref]
@@ -82,6 +85,9 @@ def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
         name = cur.split(":")[0].lstrip("^")
         if fact.src == name and fact.merge != "size":
             found.add(name)
+        elif fact.merge == "size" and cur != ref:
+            found.add(name)
+            continue
         node = ctx.ir.nodes.get(name)
         if node is not None:
             work.extend(node.inputs)

@@ -1,0 +1,125 @@
+"""Helper of the guard pass: ops that a tower without examples computes wrongly or cannot run.
+
+A tower gets an empty slice when a step's batch is smaller than the number of towers (the last
+short batch of an epoch). One device never runs these ops on no examples.
+
+Requires: the clone pass's tower copies (``ir.facts["copies"]``) and ``ir.facts["analysis"]``
+(its settled dataflow, ``analysis.flow``).
+
+Produces, for reshapes (:func:`infer_reshapes`): in every tower copy of a forward ``Reshape`` whose target is computed at run time
+(``tf.reshape(flat, [tf.shape(x)[0], -1])``), the ``-1`` is replaced by the value the analysis
+proved it has -- the number of elements per example of the input (the rows each example holds
+times the static size of one row) over the target's other per-example dimensions. With
+examples, TensorFlow infers that same value, so nothing changes.
+
+With no examples the input has no elements, and TensorFlow cannot infer the ``-1`` from it: a
+flat ``[0]`` reshaped to ``[0, -1]`` becomes ``[0, 1]``, which then meets the other towers'
+``[n, T]`` where their batch statistics are summed (a loss averaged over the batch only, per
+time step), or breaks its own gradient code.
+
+Produces, for ranges (:func:`nonzero_steps`): every tower copy of a gradient ``Range`` whose
+step is computed at run time steps by 1 where that step is 0. TensorFlow rejects a zero step
+("Requires delta != 0"); ``top_k``'s gradient steps by the length of the last axis, which is
+the tower's count when ``top_k`` ranks the examples (hard-example mining, an inexact rewrite
+that must still run). A range of step 0 has no elements in that gradient (it counts rows of
+an empty tensor), and so does the same range stepping by 1; no other step changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tensorflow.python.framework import dtypes
+
+from replicate.batchflow.lattice import PART, Sym
+from replicate.ir import IR, node_of
+
+__all__ = ["infer_reshapes", "nonzero_steps"]
+
+SCOPE = "replicate/reshape"
+
+
+def infer_reshapes(ir: IR) -> int:
+    """Pin the ``-1`` of the towers' run-time reshape targets (see the module docstring);
+    returns how many tower ops changed."""
+    flow, copies = ir.facts["analysis"].flow, ir.facts["copies"]
+    if flow is None:
+        return 0
+    done = 0
+    for k, names in enumerate(copies):
+        prefix = f"{ir.facts['towers'].prefixes[k]}/"
+        for name, copied in names.items():
+            copy = ir.nodes.get(copied)
+            if copy is None or copy.op != "Reshape" or name in flow.ctx.gradient \
+                    or ir.const_value(node_of(copy.inputs[1])) is not None:
+                continue
+            source, target = (r[len(prefix):] if r.startswith(prefix) else r for r in copy.inputs[:2])
+            value = _inferred(ir, flow, source, target)
+            if value is not None:
+                _pin(ir, copy, value)
+                done += 1
+    return done
+
+
+def _inferred(ir: IR, flow, data: str, shape_of: str) -> int | None:
+    """The value of the ``-1`` of the target ``shape_of`` of a reshape of ``data`` (names of
+    the input graph), when the analysis proves it."""
+    source, target = flow.fact(data), flow.fact(shape_of)
+    if source is None or source.kind != PART or source.axis != 0 or not isinstance(source.block, int) \
+            or target is None or target.value is None:
+        return None
+    shape = ir.static_shape(data)
+    if shape is None or any(d is None for d in shape[1:]):
+        return None
+    per_example = source.block * math.prod(shape[1:])
+    rest, syms = 1, 0
+    for element in target.value:
+        if isinstance(element, Sym):
+            if element.coef is None or element.cls != source.cls:
+                return None
+            rest, syms = rest * element.coef, syms + 1
+        elif element is None:
+            return None
+        elif element != -1:
+            rest *= element
+    if syms != 1 or list(target.value).count(-1) != 1 or rest <= 0 or per_example % rest:
+        return None
+    return per_example // rest
+
+
+def _pin(ir: IR, copy, value: int) -> None:
+    scope = f"{copy.name}/{SCOPE}"
+    dtype = dtypes.as_dtype(copy.attr("Tshape", dtypes.int32))
+    dev, target = copy.device, copy.inputs[1]
+    unknown = ir.add(f"{scope}/unknown", "Equal",
+                     [target, ir.const(f"{scope}/minus_one", -1, dtype, dev)], device=dev,
+                     attrs={"T": dtype, "incompatible_shape_error": True}).name
+    pinned = ir.add(f"{scope}/target", "SelectV2",
+                    [unknown, ir.const(f"{scope}/value", value, dtype, dev), target], device=dev,
+                    attrs={"T": dtype}).name
+    ir.set_input(copy.name, 1, pinned)
+
+
+def nonzero_steps(ir: IR) -> int:
+    """Make the towers' run-time gradient range steps nonzero (see the module docstring);
+    returns how many tower ops changed."""
+    flow, copies = ir.facts["analysis"].flow, ir.facts["copies"]
+    if flow is None:
+        return 0
+    done = 0
+    for names in copies:
+        for name, copied in names.items():
+            copy = ir.nodes.get(copied)
+            if copy is None or copy.op != "Range" or name not in flow.ctx.gradient \
+                    or ir.const_value(node_of(copy.inputs[2])) is not None:
+                continue
+            scope, dev = f"{copy.name}/replicate/step", copy.device
+            dtype = dtypes.as_dtype(copy.attr("Tidx", dtypes.int32))
+            step = copy.inputs[2]
+            zero = ir.add(f"{scope}/zero", "Equal", [step, ir.const(f"{scope}/nil", 0, dtype, dev)],
+                          device=dev, attrs={"T": dtype, "incompatible_shape_error": True}).name
+            ir.set_input(copy.name, 2, ir.add(f"{scope}/step", "SelectV2",
+                                              [zero, ir.const(f"{scope}/one", 1, dtype, dev), step],
+                                              device=dev, attrs={"T": dtype}).name)
+            done += 1
+    return done
