@@ -112,6 +112,36 @@ def test_global_step_once_per_step():
         trainer.close()
 
 
+def test_fetching_the_loss_alone_runs_no_state_update_the_gradients_wait_for():
+    """A step counter in the train op's control dependencies: chaining made micro-batch 2's
+    forward pass wait for micro-batch 1's backward pass, so fetching the loss alone ran it and
+    the counter it waits for (twice per step at k = 2, claimed exact)."""
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1))
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(x * w, 1) - y), name="loss")
+        counter = v1.get_variable("counter", [], tf.int64, initializer=v1.zeros_initializer(),
+                                  trainable=False)
+        with tf.control_dependencies([v1.assign_add(counter, 1)]):
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, CPUS[:2], accumulate=2)
+    rng = np.random.default_rng(0)
+    trainer = Trainer(res.meta_graph_def, "train")
+    try:
+        for b in (7, 5, 2):
+            feed = {"x:0": rng.normal(size=(b, 4)).astype(np.float32),
+                    "y:0": rng.normal(size=(b,)).astype(np.float32)}
+            trainer.step(feed, ("loss:0",))         # a run fetching the loss, then the step
+        assert trainer.values()["counter"] == 3
+    finally:
+        trainer.close()
+    assert res.report.exact and res.report.accumulate["chained"] is False
+    assert "waits for the state update 'AssignAdd" in res.report.accumulate["why"]
+
+
 @pytest.mark.parametrize("options", [
     {"param_devices": ["/cpu:2", "/cpu:3"]},
     {"aggregation": "packed"},

@@ -77,7 +77,7 @@ class Accumulate:
                     if readers:
                         reads.append((tensor, readers))
                 plan.append((t, prev, reads))
-        why = self._cycle(ir, plan, done_of)
+        why = self._cycle(ir, plan, done_of) or self._side_effects(ir, plan, done_of, analysis, copies)
         facts = {"micro": towers.micro, "chained": why is None, "why": why}
         ir.facts["accumulate"] = facts
         if why is not None:
@@ -178,6 +178,30 @@ class Accumulate:
                         "micro-batches of a device run side by side: exact as reported, but peak "
                         "activation memory is that of the device's whole slice, as without "
                         "accumulation")
+        return None
+
+
+    @staticmethod
+    def _side_effects(ir: IR, plan, done_of, analysis, copies) -> str | None:
+        """Why the gates would make a fetch of forward values alone write state, or None.
+
+        A gate makes micro-batch j's forward pass wait for micro-batch j-1's backward pass, so
+        fetching the loss alone (a logging or evaluation run) runs that backward pass too, and
+        with it every state update it waits for: a step counter incremented in the train op's
+        control dependencies (``with tf.control_dependencies([counter.assign_add(1)]):
+        minimize(...)``) counted twice per step at k = 2 (claimed exact). On one device such
+        a fetch runs no gradient and no update."""
+        graph = ir.to_networkx(control=True)
+        outputs = {node_of(f.tensor) for f in analysis.outputs}
+        for _, prev, _ in plan:
+            fetched = ir.ancestors([copies[prev][n] for n in outputs if n in copies[prev]], graph)
+            for name in sorted(ir.ancestors(done_of[prev], graph) - fetched):
+                if state_writes(ir, ir.nodes[name]):
+                    return (f"a micro-batch's backward pass waits for the state update '{name}', "
+                            "which chaining would run whenever forward values alone are fetched; "
+                            "the micro-batches of a device run side by side: exact as reported, "
+                            "but peak activation memory is that of the device's whole slice, as "
+                            "without accumulation")
         return None
 
 
