@@ -195,3 +195,48 @@ def test_an_empty_tower_reshapes_a_flat_batch_as_the_others_do():
     pinned = [n for n in res.graph_def.node if n.name.endswith("replicate/reshape/target")]
     assert len(pinned) == 3
     assert compare(build(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5
+
+
+def _mining(k: str):
+    """Hard-example mining: the mean of the k largest per-example losses (inexact)."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1))
+        per = tf.square(tf.reduce_sum(x * w, 1) - y)
+        n = tf.shape(per)[0]
+        count = {"static": 2, "half": tf.maximum(1, n // 2), "guarded": tf.minimum(n, 3)}[k]
+        top, _ = tf.nn.top_k(per, count)
+        loss = tf.reduce_mean(top, name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("k,runs,stops", [("static", 6, 5), ("half", 3, 2), ("guarded", 2, None)])
+def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, stops):
+    """``top_k`` over the towers' examples (inexact): a tower with fewer than k examples
+    stopped in TensorFlow's "input must have at least k columns", and a tower without any in
+    the gradient's "Requires delta != 0". The tower now asserts it has k examples, and the
+    gradient's range of an empty tower steps by 1: a ``min(n, 3)`` that one device never sees
+    exceed its batch runs even with an empty tower."""
+    import numpy as np
+
+    import replicate
+    from replicate.equivalence import compare
+    from replicate.errors import RewriteError
+
+    rng = np.random.default_rng(0)
+
+    def feeds(b):
+        return [{"x:0": rng.normal(size=(b, 4)).astype(np.float32),
+                 "y:0": rng.normal(size=(b,)).astype(np.float32)}]
+
+    res = replicate.transform(_mining(k), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    compare(_mining(k), res.graph, "train", feeds(runs), cpus=4)
+    if stops is not None:
+        with pytest.raises(RewriteError, match="a tower has too few examples: .{1,3}TopKV2.{1,3} takes the k largest"):
+            compare(_mining(k), res.graph, "train", feeds(stops), cpus=4)

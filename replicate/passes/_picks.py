@@ -42,7 +42,12 @@ PICK_OPS = {
     "GatherNd": (0, 1, "shape"),
     "TensorListGetItem": (0, 1, "list"),
     "TensorArrayReadV3": (0, 1, "array"),
+    "TopKV2": (0, 1, "shape"),
 }
+
+#: Ops whose position input may be computed at run time: the assertion compares the tower's
+#: count with it (``tf.nn.top_k(losses, tf.maximum(1, n // 2))``: k of the tower's own count).
+_RUN_TIME = frozenset({"TopKV2"})
 
 SCOPE = "replicate/examples"
 
@@ -60,7 +65,8 @@ def assert_examples(ir: IR) -> int:
             if copy is None or copy.op not in PICK_OPS:
                 continue
             data, where, kind = PICK_OPS[copy.op]
-            if name in flow.ctx.gradient or _constant(ir, copy.inputs[where]) is None:
+            if name in flow.ctx.gradient or (_constant(ir, copy.inputs[where]) is None
+                                             and copy.op not in _RUN_TIME):
                 continue    # gradient code, or bounds known only at run time (a concat's
                             # gradient slicing its pieces apart): no fixed example is picked
             source = copy.inputs[data]
@@ -69,8 +75,11 @@ def assert_examples(ir: IR) -> int:
             if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
                     or out.src != name:
                 continue
-            needs[name] = _needed(ir, copy, picked.axis, where)
-            _assert(ir, copy, k, picked.axis, needs[name], kind, len(copies))
+            if _constant(ir, copy.inputs[where]) is None:
+                _assert(ir, copy, k, picked.axis, copy.inputs[where], kind, len(copies))
+            else:
+                needs[name] = _needed(ir, copy, picked.axis, where)
+                _assert(ir, copy, k, picked.axis, needs[name], kind, len(copies))
             done += 1
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
@@ -96,6 +105,8 @@ def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
             return 1
         begin, count = int(value[axis]), int(np.asarray(size)[axis])
         return max(1, begin + count if count >= 0 else begin)
+    elif node.op == "TopKV2":
+        return max(1, int(value))
     elif node.op == "GatherNd":
         picks = value.reshape(-1, value.shape[-1])[:, 0] if value.ndim and value.shape[-1] else value[:0]
     else:
@@ -105,7 +116,10 @@ def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
     return max(1, max(int(k) + 1 if k >= 0 else -int(k) for k in picks))
 
 
-def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int, kind: str, towers: int) -> None:
+def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: str,
+            towers: int) -> None:
+    """The assertion before ``copy``: its tower holds at least ``need`` examples (a number, or
+    a tensor of the tower computed at run time)."""
     scope = f"{copy.name}/{SCOPE}"
     i32, dev = dtypes.int32, copy.device
 
@@ -123,11 +137,22 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int, kind: str, tow
         zero = ir.const(f"{scope}/zero", 0, i32, dev)
         count = add("count", "GatherV2", [shape, ir.const(f"{scope}/axis", axis, i32, dev), zero],
                     Tparams=i32, Tindices=i32, Taxis=i32)
-    enough = add("enough", "GreaterEqual", [count, ir.const(f"{scope}/need", need, i32, dev)], T=i32)
-    message = (f"{MARKER}: '{copy.name.split('/', 1)[1]}' picks example(s) of each tower's batch "
-               f"by position (a reason the rewrite is inexact), so tower {tower} needs at least "
-               f"{need} example(s) in every step; feed at least {need * towers} examples per "
-               f"step, or train on fewer towers. Examples in tower {tower}:")
+    what = (f"{MARKER}: '{copy.name.split('/', 1)[1]}' "
+            + ("takes the k largest of each tower's examples" if copy.op == "TopKV2"
+               else "picks example(s) of each tower's batch by position")
+            + f" (a reason the rewrite is inexact), so tower {tower} needs at least ")
+    if isinstance(need, int):
+        bound = ir.const(f"{scope}/need", need, i32, dev)
+        message = (f"{what}{need} example(s) in every step; feed at least {need * towers} "
+                   f"examples per step, or train on fewer towers. Examples in tower {tower}:")
+    else:
+        bound = need
+        if ir.output_dtype(need) != i32.as_datatype_enum:
+            bound = add("need", "Cast", [need], SrcT=dtypes.as_dtype(ir.output_dtype(need)), DstT=i32)
+        message = (f"{what}k examples in every step (k as that tower computes it); feed more "
+                   f"examples per step, or train on fewer towers. Examples in tower {tower}, k:")
+    enough = add("enough", "GreaterEqual", [count, bound], T=i32)
     text = ir.const(f"{scope}/message", message, dtypes.string, dev)
-    check = add("assert", "Assert", [enough, text, count], T=[dtypes.string, i32], summarize=3)
+    check = add("assert", "Assert", [enough, text, count, bound], T=[dtypes.string, i32, i32],
+                summarize=3)
     ir.set_control(copy.name, copy.control + [check])
