@@ -208,14 +208,19 @@ def _mining(k: str):
         w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1))
         per = tf.square(tf.reduce_sum(x * w, 1) - y)
         n = tf.shape(per)[0]
-        count = {"static": 2, "half": tf.maximum(1, n // 2), "guarded": tf.minimum(n, 3)}[k]
-        top, _ = tf.nn.top_k(per, count)
-        loss = tf.reduce_mean(top, name="loss")
+        if k == "nth":          # the losses above the third smallest
+            third = tf.stop_gradient(tf.raw_ops.NthElement(input=per, n=2))
+            loss = tf.reduce_mean(per * tf.cast(per >= third, tf.float32), name="loss")
+        else:
+            count = {"static": 2, "half": tf.maximum(1, n // 2), "guarded": tf.minimum(n, 3)}[k]
+            top, _ = tf.nn.top_k(per, count)
+            loss = tf.reduce_mean(top, name="loss")
         v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
     return g
 
 
-@pytest.mark.parametrize("k,runs,stops", [("static", 6, 5), ("half", 3, 2), ("guarded", 2, None)])
+@pytest.mark.parametrize("k,runs,stops", [("static", 6, 5), ("half", 3, 2), ("guarded", 2, None),
+                                          ("nth", 9, 8)])
 def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, stops):
     """``top_k`` over the towers' examples (inexact): a tower with fewer than k examples
     stopped in TensorFlow's "input must have at least k columns", and a tower without any in
@@ -238,5 +243,6 @@ def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, s
     assert not res.report.exact
     compare(_mining(k), res.graph, "train", feeds(runs), cpus=4)
     if stops is not None:
-        with pytest.raises(RewriteError, match="a tower has too few examples: .{1,3}TopKV2.{1,3} takes the k largest"):
+        what = "NthElement.{1,3} takes the n-th" if k == "nth" else "TopKV2.{1,3} takes the k largest"
+        with pytest.raises(RewriteError, match="a tower has too few examples: .{1,3}" + what):
             compare(_mining(k), res.graph, "train", feeds(stops), cpus=4)

@@ -43,11 +43,12 @@ PICK_OPS = {
     "TensorListGetItem": (0, 1, "list"),
     "TensorArrayReadV3": (0, 1, "array"),
     "TopKV2": (0, 1, "shape"),
+    "NthElement": (0, 1, "shape"),
 }
 
 #: Ops whose position input may be computed at run time: the assertion compares the tower's
 #: count with it (``tf.nn.top_k(losses, tf.maximum(1, n // 2))``: k of the tower's own count).
-_RUN_TIME = frozenset({"TopKV2"})
+_RUN_TIME = frozenset({"TopKV2", "NthElement"})
 
 SCOPE = "replicate/examples"
 
@@ -107,6 +108,8 @@ def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
         return max(1, begin + count if count >= 0 else begin)
     elif node.op == "TopKV2":
         return max(1, int(value))
+    elif node.op == "NthElement":           # the n-th smallest (0-based) needs n + 1
+        return int(value) + 1
     elif node.op == "GatherNd":
         picks = value.reshape(-1, value.shape[-1])[:, 0] if value.ndim and value.shape[-1] else value[:0]
     else:
@@ -138,8 +141,9 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
         count = add("count", "GatherV2", [shape, ir.const(f"{scope}/axis", axis, i32, dev), zero],
                     Tparams=i32, Tindices=i32, Taxis=i32)
     what = (f"{MARKER}: '{copy.name.split('/', 1)[1]}' "
-            + ("takes the k largest of each tower's examples" if copy.op == "TopKV2"
-               else "picks example(s) of each tower's batch by position")
+            + {"TopKV2": "takes the k largest of each tower's examples",
+               "NthElement": "takes the n-th smallest of each tower's examples"}.get(
+                   copy.op, "picks example(s) of each tower's batch by position")
             + f" (a reason the rewrite is inexact), so tower {tower} needs at least ")
     if isinstance(need, int):
         bound = ir.const(f"{scope}/need", need, i32, dev)
@@ -149,9 +153,13 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
         bound = need
         if ir.output_dtype(need) != i32.as_datatype_enum:
             bound = add("need", "Cast", [need], SrcT=dtypes.as_dtype(ir.output_dtype(need)), DstT=i32)
-        message = (f"{what}k examples in every step (k as that tower computes it); feed more "
-                   f"examples per step, or train on fewer towers. Examples in tower {tower}, k:")
-    enough = add("enough", "GreaterEqual", [count, bound], T=i32)
+        k = "n + 1" if copy.op == "NthElement" else "k"
+        message = (f"{what}{k} examples in every step ({k[0]} as that tower computes it); feed "
+                   f"more examples per step, or train on fewer towers. Examples in tower "
+                   f"{tower}, {k[0]}:")
+    # a run-time n-th element needs n + 1 examples
+    above = "Greater" if copy.op == "NthElement" and not isinstance(need, int) else "GreaterEqual"
+    enough = add("enough", above, [count, bound], T=i32)
     text = ir.const(f"{scope}/message", message, dtypes.string, dev)
     check = add("assert", "Assert", [enough, text, count, bound], T=[dtypes.string, i32, i32],
                 summarize=3)
