@@ -16,8 +16,10 @@ v1 = tf.compat.v1
 D, C = 4, 3
 
 
-def _weights(kind: str, y):
+def _weights(kind: str, x, y):
     n = tf.cast(tf.shape(y)[0] if kind.startswith("shape") else tf.size(y), tf.float32)
+    if kind.startswith("features"):     # an integer Size op, which the sync pass handles
+        n = tf.cast(tf.size(x) // D, tf.float32)
     if kind.endswith("fixed"):
         n = tf.reduce_sum(tf.ones_like(y, tf.float32))
     if "positives" in kind:
@@ -39,7 +41,7 @@ def _graph(kind: str) -> tf.Graph:
         logits = v1.layers.dense(tf.tanh(h), C, kernel_initializer=init(seed=2), name="l2")
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         if kind != "centered":
-            xent = xent * _weights(kind, y)
+            xent = xent * _weights(kind, x, y)
         loss = tf.reduce_mean(xent, name="loss")
         v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
     return g
@@ -51,7 +53,8 @@ def _feeds(batches=(7, 5, 2)):
              "y:0": rng.integers(0, C, b).astype(np.int64)} for b in batches]
 
 
-@pytest.mark.parametrize("kind", ["shape_classes", "size_classes", "shape_positives", "centered"])
+@pytest.mark.parametrize("kind", ["shape_classes", "size_classes", "shape_positives", "centered",
+                                  "features_classes"])
 @pytest.mark.parametrize("batch_norm", ["tower0", "sync"])
 def test_a_tower_own_batch_size_beside_a_synchronized_statistic_is_a_reason(kind, batch_norm):
     res = replicate.transform(_graph(kind), ["/cpu:1", "/cpu:2", "/cpu:3"], batch_norm=batch_norm)

@@ -102,7 +102,10 @@ class Sync:
                                                "the example that attains it, which one tower holds; "
                                                "it cannot be synchronized across towers",
                                                "stop its gradient (tf.stop_gradient) or use a mean or sum"))
-            elif not size_coupling(analysis, name):     # a size's reason is given already
+            elif size_coupling(analysis, name):
+                if not any(r.node == name and r.what == SIZE_COUPLING[0] for r in analysis.reasons):
+                    analysis.reasons.append(Reason(name, *SIZE_COUPLING))
+            else:
                 analysis.reasons.append(Reason(name, f"{op} cannot be synchronized across towers",
                                                "use FusedBatchNormV3 or a mean/sum"))
         _drop_covered_update_reasons(ir, analysis, handled)
@@ -240,4 +243,4 @@ def _drop_covered_update_reasons(ir: IR, analysis, synced: set[str]) -> None:
 
 from replicate.passes._denominator import GlobalDenominator as _GlobalDenominator  # noqa: E402
 from replicate.passes._fused_sync import FusedSync as _FusedSync  # noqa: E402
-from replicate.passes._exactness import size_coupling  # noqa: E402
+from replicate.passes._exactness import SIZE_COUPLING, size_coupling  # noqa: E402
