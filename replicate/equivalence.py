@@ -48,11 +48,9 @@ class Trainer:
                  soft_placement: bool = False):
         import tensorflow as tf
 
-        meta = source
-        if isinstance(source, tf.Graph):
-            from replicate.io import export_graph
+        from replicate.io import export_graph, importable
 
-            meta = export_graph(source)
+        meta = export_graph(source) if isinstance(source, tf.Graph) else importable(source)
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)

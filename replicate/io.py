@@ -27,7 +27,7 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from replicate import outputs
 from replicate.errors import InputError, OutputError
 
-__all__ = ["Loaded", "load", "export_graph", "write_atomic", "FORMATS", "output_format", "encode", "save",
+__all__ = ["Loaded", "load", "export_graph", "importable", "write_atomic", "FORMATS", "output_format", "encode", "save",
            "check_writable", "TEXT_SUFFIXES"]
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,35 @@ def export_graph(graph: Any, clear_devices: bool = False) -> meta_graph_pb2.Meta
     import tensorflow as tf
 
     with graph.as_default():
-        return tf.compat.v1.train.export_meta_graph(graph=graph, graph_def=graph.as_graph_def(),
+        meta = tf.compat.v1.train.export_meta_graph(graph=graph, graph_def=graph.as_graph_def(),
                                                     clear_devices=clear_devices)
+    return importable(meta)
+
+
+def importable(meta: meta_graph_pb2.MetaGraphDef) -> meta_graph_pb2.MetaGraphDef:
+    """``meta``, or a copy without the names its collections give of ops not in its graph."""
+    names = {node.name for node in meta.graph_def.node}
+    if all(v.split(":")[0].lstrip("^") in names for c in meta.collection_def.values()
+           if c.HasField("node_list") for v in c.node_list.value):
+        return meta
+    meta = meta_graph_pb2.MetaGraphDef.FromString(meta.SerializeToString())
+    _drop_body_names(meta)
+    return meta
+
+
+def _drop_body_names(meta: meta_graph_pb2.MetaGraphDef) -> None:
+    """Drop names of ops that are not in the graph from its collections of names: a layer
+    built inside a v2 ``tf.cond`` adds its moving-average updates, ops of the branch's function
+    body, to the graph's ``UPDATE_OPS``. Exported as they are, the MetaGraphDef cannot be
+    imported ("refers to an Operation not in the graph"), by TensorFlow or here."""
+    names = {node.name for node in meta.graph_def.node}
+    for collection in meta.collection_def.values():
+        if collection.HasField("node_list"):
+            values = list(collection.node_list.value)
+            kept = [v for v in values if v.split(":")[0].lstrip("^") in names]
+            if len(kept) != len(values):
+                del collection.node_list.value[:]
+                collection.node_list.value.extend(kept)
 
 
 def _checked(loaded: Loaded) -> Loaded:

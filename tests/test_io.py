@@ -284,3 +284,48 @@ def test_transform_of_a_tf_graph_with_eager_execution_on(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     words = done.stdout.split()
     assert words[:2] == ["exact", "True"] and float(words[3]) < 1e-6
+
+
+def test_a_graph_whose_collections_name_ops_of_function_bodies_exports_importably():
+    """``tf.compat.v1.layers.batch_normalization`` inside a v2 ``tf.cond`` puts its branch's
+    moving-average updates in the graph's UPDATE_OPS; exported as is, the MetaGraphDef did not
+    import ("refers to an Operation not in the graph"), and ``equivalence.compare`` let the
+    KeyError through. The body's names are dropped; the top-level ones are kept."""
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        h = tf.cond(flag, lambda: v1.layers.batch_normalization(x, training=True, name="bn"),
+                    lambda: x)
+        top = v1.assign_add(v1.get_variable("count", [], initializer=v1.zeros_initializer()), 1.0)
+        v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, top.op)
+        tf.identity(h, name="out")
+        names = [op.name for op in v1.get_collection(v1.GraphKeys.UPDATE_OPS)]
+    assert len(names) == 3 and sum(n in {o.name for o in graph.get_operations()} for n in names) == 1
+    exported = io.export_graph(graph)
+    assert list(exported.collection_def[v1.GraphKeys.UPDATE_OPS].node_list.value) == [top.op.name]
+    with tf.Graph().as_default():
+        v1.train.import_meta_graph(exported)
+
+
+def test_a_saved_metagraph_naming_ops_of_function_bodies_converts_and_checks():
+    """TensorFlow's own export keeps such names; the certificate imported the file as it was
+    and ``replicate convert`` stopped in a KeyError traceback."""
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        h = tf.cond(flag, lambda: v1.layers.batch_normalization(x, training=True, name="bn"),
+                    lambda: x)
+        logits = v1.layers.dense(h, 2, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        raw = v1.train.export_meta_graph()
+    assert "bn/AssignMovingAvg/AssignSubVariableOp" in \
+        raw.collection_def[v1.GraphKeys.UPDATE_OPS].node_list.value
+    res = replicate.transform(raw, ["/cpu:0", "/cpu:1"], check=True)
+    assert res.report.check["ran"] and not res.report.exact
