@@ -93,6 +93,13 @@ def test_towers_with_their_own_streams_differ():
             node.attr["seed2"].i += 1
             changed += 1
     assert changed == 1                         # one global draw per step, sliced by the towers
+    splits = [n.name for n in broken.graph_def.node if n.op == "SplitV"
+              and n.name.startswith("replicate/draw/")]
+    readers = {i for n in broken.graph_def.node for i in n.input if i.startswith(splits[0])}
+    assert len(splits) == 1 and readers == {splits[0], f"{splits[0]}:1"}
+    draws = [n.name for n in broken.graph_def.node if n.name.startswith("tower_")
+             and n.name.endswith("RandomUniform")]
+    assert not draws        # the towers read their rows from the split, not from an identity each
     cmp = compare(graph, broken, "train", _feeds(6))
     assert cmp.max_rel > 1e-3
 

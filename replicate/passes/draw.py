@@ -62,11 +62,14 @@ class Draw:
         rows = [d for d in analysis.draws.values() if d.kind in ("rows", "body")]
         done = self._copied(ir, analysis, copies)
         offsets: dict[int, list[str]] = {}
+        # draws a driver may fetch by name
+        keep = frozenset(node_of(f.tensor) for f in analysis.outputs)
         for draw in rows:
             if draw.cls not in offsets:
                 offsets[draw.cls] = self._offsets(ir, towers, draw.cls)
-            if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls]):
-                done += [c[draw.name] for c in copies if draw.name in c]
+            mine = [c[draw.name] for c in copies if draw.name in c]
+            if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls], keep):
+                done += mine
                 continue
             for k in range(len(towers.prefixes)):
                 copy = copies[k].get(draw.name)
@@ -117,13 +120,15 @@ class Draw:
         return out
 
     @staticmethod
-    def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str]) -> bool:
+    def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str],
+              keep_names: frozenset = frozenset()) -> bool:
         """A top-level draw of a shape known but for the batch: drawn once per step outside
         the towers (``replicate/draw/<op>``, on the first tower's device), each tower's copy
         becomes a ``Slice`` of its rows. The global shape and each tower's slice bounds are
         made once per shape and batch class, so a model with many draws (an unrolled LSTM's
         dropout at every step) adds one op per tower and draw. False when it does not apply."""
         mine = [(k, c[draw.name]) for k, c in enumerate(copies) if draw.name in c]
+        keep = keep_names
         if not mine or draw.block != 1 or draw.outer != 1 or frames(ir, mine[0][1]):
             return False
         first = ir.nodes[mine[0][1]]
@@ -171,11 +176,22 @@ class Draw:
         split = ir.add(f"{source}/rows", "SplitV", [source, sizes, cached(
             f"{scope}/split_axis_{axis}", lambda n: ir.const(n, axis, dtypes.int32, device))],
             device=first.device, attrs={"T": out_type, "Tlen": dtypes.int32, "num_split": len(counts)}).name
+        if draw.name in keep and draw.name not in ir.nodes:
+            # fetched by its name, the draw is the global one (rewire merges nothing)
+            ir.add(draw.name, "Identity", [source], device=first.device, attrs={"T": out_type})
         for k, copy in mine:
             node = ir.nodes[copy]
+            readers = ir.consumers(copy)
+            if node.control or any(copy in r.control for r in readers):
+                ir.remove_many([copy])      # the copy's name is read: an identity keeps it
+                ir.add(copy, "Identity", [f"{split}:{k}"], list(node.control), node.device,
+                       attrs={"T": out_type})
+                continue
+            # the readers take the tower's rows straight from the split (an identity per tower
+            # and draw was 80 x N ops per step in an unrolled LSTM with dropout)
+            ir.replace_uses(copy, f"{split}:{k}")
             ir.remove_many([copy])
-            ir.add(copy, "Identity", [f"{split}:{k}"], list(node.control), node.device,
-                   attrs={"T": out_type})
+            del copies[k][draw.name]
         return True
 
     @staticmethod
