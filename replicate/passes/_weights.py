@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from replicate.batchflow.lattice import Sym
 from replicate.batchflow.loss import (ONES, UNIFORM, Term, behind, positive_shift, shares_suffice,
                                       sync_sources, weigh)
 from replicate.errors import AnalysisError
@@ -115,7 +116,7 @@ def _zero_shares(flow, terms: list, weighting) -> list[Reason]:
     if not weighting.corrections:
         return []
     data = [t for t in terms if t.kind != "shared" and t.spec and t.spec[0] in DATA_SHARES
-            and not _positive_shift(flow, t.spec)]
+            and not _positive_shift(flow, t.spec) and not _batch_size(flow, t.spec)]
     if not data:
         return []
     t = data[0]
@@ -185,6 +186,15 @@ def _over_global_denominator(flow, t: Term, synced: frozenset = frozenset()) -> 
 
 def _positive_shift(flow, spec: tuple) -> bool:
     return positive_shift(flow.ctx, spec)
+
+
+def _batch_size(flow, spec: tuple) -> bool:
+    """True when a term's tower weight is its share of a multiple of the batch size
+    (``sum(kl) / tf.cast(tf.shape(x)[0], tf.float32)``, KL divergence's "batchmean"): zero only
+    in a tower without examples, whose every term is zero too."""
+    fact = flow.fact(spec[1]) if spec[0] in ("value", "size") and len(spec) > 1 else None
+    return fact is not None and fact.merge == "size" and bool(fact.value) \
+        and all(isinstance(v, Sym) and v.coef for v in fact.value)
 
 
 def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> bool:
