@@ -71,6 +71,7 @@ RULES.update({
     "GatherNd": index.gather_nd, "ResourceGatherNd": index.gather_nd, "Where": index.where,
     "Unique": index.unique, "UniqueV2": index.unique, "UniqueWithCounts": index.unique,
     "DynamicPartition": index.dynamic_partition,
+    "DenseBincount": index.bincount, "Bincount": index.bincount,
     "UnsortedSegmentSum": index.segment, "UnsortedSegmentMax": index.segment,
     "UnsortedSegmentMin": index.segment, "UnsortedSegmentProd": index.segment,
     "SegmentSum": index.segment, "SegmentMax": index.segment, "SegmentMin": index.segment,

@@ -61,6 +61,11 @@ def prologue(ctx: Context, node: Node, ins: list[Fact], n: int = 1
     return taint, None
 
 
+#: Operands that only size a batch reduction's output, where its rule proved the size fixed
+#: (``bincount``'s size clamped by ``minlength == maxlength``): not sources of its value.
+_OUTPUT_SIZES = {"DenseBincount": (1,), "Bincount": (1,)}
+
+
 def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
     """Every forward batch reduction a batch-reduced value is computed from. A fact names one
     source; a segment mean (a sum over a count), a ratio or a normalized value has several,
@@ -90,7 +95,7 @@ def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
             continue
         node = ctx.ir.nodes.get(name)
         if node is not None:
-            work.extend(node.inputs)
+            work.extend(r for i, r in enumerate(node.inputs) if i not in _OUTPUT_SIZES.get(node.op, ()))
     cache[ref] = frozenset(found)
     return cache[ref]
 

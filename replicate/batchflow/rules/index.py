@@ -186,6 +186,61 @@ def dynamic_partition(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                   taint_of(ins))] * n
 
 
+def bincount(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``tf.math.bincount`` of per-example values (class counts of the labels): a sum over the
+    batch of one-hot rows (of the weights, if given), or their maximum with
+    ``binary_output``. A rank-2 input counts each row alone."""
+    values, size, weights = ins[0], ins[1], ins[2]
+    taint = couple(ctx, node, ins)
+    if _clamped(ctx, node.inputs[1]) is not None:
+        # minlength == maxlength: the batch's largest value does not size the counts
+        size = shared()
+        ins = [values, size, weights]
+        taint = taint_of([values, weights])
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)]
+    rank = ctx.rank(node.inputs[0])
+    aligned = not weights.dependent or (weights.kind == PART and weights.axis == values.axis)
+    if values.kind == PART and values.axis == 0 and not size.dependent and aligned:
+        if weights.kind == PART:
+            ctx.classes.union(values.cls, weights.cls, node.name)
+        if rank == 2:
+            return [part(0, values.cls, values.block, taint=taint)]
+        if rank == 1:
+            merge = "max" if node.attr("binary_output", False) else "sum"
+            return [red(values.cls, merge, node.name, taint=taint)]
+    return [mixed(node.name, f"{node.op} of batch values it cannot follow", taint)]
+
+
+def _clamped(ctx: Context, ref: str) -> int | None:
+    """The constant ``a`` when ``ref`` is ``minimum(a, maximum(b, anything))`` with constants
+    ``b >= a`` (``tf.math.bincount(..., minlength=C, maxlength=C)`` sizes its output so from
+    the largest value of the batch), else None."""
+    def const(r):
+        value = ctx.const(r)
+        return int(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+
+    def through_cast(r):
+        node = ctx.ir.nodes.get(r.split(":")[0])
+        while node is not None and node.op in ("Cast", "Identity") and node.inputs:
+            node = ctx.ir.nodes.get(node.inputs[0].split(":")[0])
+        return node
+
+    low = through_cast(ref)
+    if low is None or low.op != "Minimum":
+        return None
+    for i in (0, 1):
+        a, high = const(low.inputs[i]), through_cast(low.inputs[1 - i])
+        if a is None or high is None or high.op != "Maximum":
+            continue
+        if any(const(high.inputs[j]) is not None and const(high.inputs[j]) >= a for j in (0, 1)):
+            return a
+    return None
+
+
 def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     data, ids = ins[0], ins[1]
     taint = couple(ctx, node, ins)

@@ -1,0 +1,55 @@
+"""Class counts of the labels as loss weights ("balanced" weights ``total / (C * count_c)``):
+by one-hot sums, by ``unsorted_segment_sum``, by ``tf.math.bincount``. Each tower counts its
+own labels; the counts are synchronized, so the weights are the batch's. ``bincount`` sizes its
+output from the batch's largest label unless ``minlength == maxlength`` fixes it (no rule
+before: "DenseBincount of batch values it cannot follow")."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.equivalence import compare
+
+v1 = tf.compat.v1
+D, C = 4, 3
+
+
+def _counts(kind: str, y):
+    if kind == "one_hot":
+        return tf.reduce_sum(tf.one_hot(y, C), 0)
+    if kind == "segment_sum":
+        return tf.math.unsorted_segment_sum(tf.ones_like(y, tf.float32), y, C)
+    lengths = {"minlength": C, "maxlength": C} if kind == "bincount" else {}
+    return tf.cast(tf.math.bincount(tf.cast(y, tf.int32), **lengths), tf.float32)
+
+
+def _graph(kind: str) -> tf.Graph:
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        counts = _counts(kind, y)
+        weights = tf.reduce_sum(counts) / (C * tf.maximum(counts, 1.0))
+        logits = v1.layers.dense(x, C, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        loss = tf.reduce_mean(xent * tf.gather(weights, y), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("kind", ["one_hot", "segment_sum", "bincount"])
+@pytest.mark.parametrize("batch_norm", ["tower0", "sync"])
+def test_class_counts_of_the_labels_weigh_exactly(kind, batch_norm):
+    res = replicate.transform(_graph(kind), ["/cpu:1", "/cpu:2", "/cpu:3"], batch_norm=batch_norm)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.default_rng(2)
+    feeds = [{"x:0": rng.normal(size=(b, D)).astype(np.float32),
+              "y:0": rng.integers(0, C, b).astype(np.int64)} for b in (7, 5, 2)]
+    assert compare(_graph(kind), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5
+
+
+def test_bincount_sized_by_the_batch_largest_label_is_a_reason():
+    res = replicate.transform(_graph("bincount_unbounded"), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("DenseBincount" in r.node for r in res.report.reasons)
