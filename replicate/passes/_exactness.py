@@ -160,11 +160,42 @@ def _gradients_in_the_forward(ir: IR, analysis: Analysis) -> list[Reason]:
         seen.add(name)
         for ref in ir.nodes[name].inputs:
             if node_of(ref).startswith(averaged) and ir.output_dtype(ref) in FLOAT_TYPES:
+                if _sign_of_a_mean(ir, analysis, ref, name):
+                    continue
                 return [Reason(name, f"forward code reads gradient '{ref}' of a loss averaged over "
                                "the batch: each tower's is of its own slice's average",
                                "differentiate a sum over the examples there")]
             work.append(node_of(ref))
     return []
+
+
+#: Ops that pass a value through unchanged on the way to its sign.
+_PASS = frozenset({"Identity", "StopGradient", "Snapshot"})
+
+
+def _sign_of_a_mean(ir: IR, analysis: Analysis, ref: str, reader: str) -> bool:
+    """True when ``reader`` only takes the sign of gradient ``ref`` (FGSM's
+    ``x + eps * tf.sign(dL/dx)``) and that gradient is of a plain mean over the examples: a
+    tower's rows are then one device's times ``B / n_k > 0``, which the sign does not see."""
+    scope = next((s for s in analysis.scopes if node_of(ref).startswith(s.prefix + "/")), None)
+    if scope is None or scope.corrections or not scope.weights or scope.weights[0] != "count":
+        return False
+    work, seen = [reader], set()
+    while work:
+        name = work.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        node = ir.nodes[name]
+        if node.op == "Sign":
+            continue
+        if node.op not in _PASS:
+            return False
+        readers = [c.name for c, _ in ir.data_consumers(name)]
+        if not readers:
+            return False
+        work.extend(readers)
+    return True
 
 
 def _unproven_gradients(ir: IR, analysis: Analysis) -> list[Reason]:

@@ -1,0 +1,65 @@
+"""Forward code that reads a gradient: adversarial training. A tower's gradient of its own
+mean loss with respect to its inputs is one device's times ``B / n_k``; the fast gradient
+sign method takes only its sign, which that positive factor does not change, so it is exact.
+(Beside a masked mean the towers divide by the batch's counts, and any gradient they read is
+one device's.) The raw gradient of a mean (``x + eps * dL/dx``) is not, and says why."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.equivalence import compare
+
+v1 = tf.compat.v1
+D, C = 4, 3
+
+
+def _net(x, reuse=None):
+    with v1.variable_scope("net", reuse=reuse):
+        init = v1.glorot_uniform_initializer
+        h = tf.tanh(v1.layers.dense(x, 5, kernel_initializer=init(seed=1), name="l1"))
+        return v1.layers.dense(h, C, kernel_initializer=init(seed=2), name="l2")
+
+
+def _graph(kind: str) -> tf.Graph:
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=_net(x))
+        if kind == "two_terms_sign":     # a masked mean too: the towers divide by global counts
+            m = tf.cast(y > 0, tf.float32)
+            clean = tf.reduce_mean(xent) + 3.0 * tf.reduce_sum(xent * m) / tf.maximum(tf.reduce_sum(m), 1.0)
+        else:
+            clean = tf.reduce_mean(xent)
+        step, = tf.gradients(clean, x)
+        step = step if kind == "raw" else tf.sign(step)
+        adversarial = tf.stop_gradient(x + 0.1 * step)
+        loss = tf.add(0.5 * clean, 0.5 * tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=_net(adversarial, True))), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+def _feeds():
+    rng = np.random.default_rng(4)
+    return [{"x:0": rng.normal(size=(b, D)).astype(np.float32),
+             "y:0": rng.integers(0, C, b).astype(np.int64)} for b in (7, 5, 2)]
+
+
+@pytest.mark.parametrize("kind", ["sign", "two_terms_sign"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_sign_of_an_input_gradient_is_exact(kind, accumulate):
+    res = replicate.transform(_graph(kind), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    assert compare(_graph(kind), res.graph, "train", _feeds(), fetch=("loss:0",), cpus=4).max_rel < 1e-5
+
+
+def test_a_raw_input_gradient_of_a_mean_is_a_reason():
+    kind = "raw"
+    res = replicate.transform(_graph(kind), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("forward code reads gradient" in r.what for r in res.report.reasons)
+    r = compare(_graph(kind), res.graph, "train", _feeds(), fetch=("loss:0",), cpus=4)
+    assert r.max_rel > 1e-4         # the reason is real: the check can see it
