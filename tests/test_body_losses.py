@@ -1,0 +1,65 @@
+"""A loss computed inside a function body: a v2 ``tf.cond`` on a fed flag choosing between two
+plain means (distillation on or off), a ``tf.function`` returning a mean plus a regularizer.
+The gradient goes through the body's reduction, weighed like a top-level mean: exact (both
+were reported "If of a value reduced over the batch"). Branches weighed differently (a mean
+and a masked mean) stay a reason."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.equivalence import compare
+
+v1 = tf.compat.v1
+D, C = 4, 3
+
+
+def _graph(kind: str) -> tf.Graph:
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder(tf.bool, [], name="flag")
+        init = v1.glorot_uniform_initializer
+        logits = v1.layers.dense(x, C, kernel_initializer=init(seed=1), name="student")
+        teacher = v1.layers.dense(x, C, kernel_initializer=init(seed=2), trainable=False, name="teacher")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        soft = tf.nn.softmax_cross_entropy_with_logits(labels=tf.nn.softmax(teacher), logits=logits)
+        if kind == "cond":
+            loss = tf.cond(flag, lambda: tf.reduce_mean(soft), lambda: tf.reduce_mean(xent))
+        elif kind == "cond_masked":
+            m = tf.cast(y > 0, tf.float32)
+            loss = tf.cond(flag, lambda: tf.reduce_sum(soft * m) / tf.maximum(tf.reduce_sum(m), 1.0),
+                           lambda: tf.reduce_mean(xent))
+        else:
+            kernel = [v for v in v1.trainable_variables() if "kernel" in v.name][0]
+
+            @tf.function
+            def regularized(values, w):
+                return tf.reduce_mean(values) + 0.01 * tf.reduce_sum(tf.square(w))
+
+            loss = regularized(xent, kernel)
+        loss = tf.identity(loss, name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+def _feeds(flag: bool):
+    rng = np.random.default_rng(5)
+    return [{"x:0": rng.normal(size=(b, D)).astype(np.float32), "flag:0": flag,
+             "y:0": rng.integers(0, C, b).astype(np.int64)} for b in (7, 5, 2)]
+
+
+@pytest.mark.parametrize("kind,flag", [("cond", True), ("cond", False), ("function", True)])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_mean_returned_by_a_body_is_exact(kind, flag, accumulate):
+    res = replicate.transform(_graph(kind), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    r = compare(_graph(kind), res.graph, "train", _feeds(flag), fetch=("loss:0",), cpus=4)
+    assert r.max_rel < 1e-5
+
+
+def test_branches_weighed_differently_are_a_reason():
+    res = replicate.transform(_graph("cond_masked"), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
