@@ -63,3 +63,43 @@ def test_a_raw_input_gradient_of_a_mean_is_a_reason():
     assert any("forward code reads gradient" in r.what for r in res.report.reasons)
     r = compare(_graph(kind), res.graph, "train", _feeds(), fetch=("loss:0",), cpus=4)
     assert r.max_rel > 1e-4         # the reason is real: the check can see it
+
+
+def _fetched(kind: str) -> tf.Graph:
+    """A driver's own ``tf.gradients``, fetched by name and applied by nothing: a saliency map
+    of a summed loss, the gradient of the logits, a gradient norm to log."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        logits = _net(x)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        weights = [v for v in v1.trainable_variables() if v.op.name == "net/l2/kernel"]
+        seen = {"sum": lambda: tf.gradients(tf.reduce_sum(xent), x)[0],
+                "logits": lambda: tf.gradients(logits, x)[0],
+                "mean": lambda: tf.gradients(tf.reduce_mean(xent), x)[0],
+                "norm": lambda: tf.linalg.global_norm(tf.gradients(tf.reduce_sum(xent), weights)),
+                "max": lambda: tf.gradients(tf.reduce_max(xent), weights)[0]}[kind]()
+        tf.identity(seen, name="seen")
+        loss = tf.reduce_mean(xent, name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("kind", ["sum", "logits", "mean", "norm"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradients_a_driver_fetches_are_one_device_s(kind, accumulate):
+    """They were weighed as shares of a mean's whatever their loss (a third of the gradient of
+    a sum on 3 towers, claimed exact); each is now weighed by its own loss."""
+    res = replicate.transform(_fetched(kind), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    r = compare(_fetched(kind), res.graph, "train", _feeds(), fetch=("seen:0",), cpus=4)
+    assert r.max_rel < 1e-5
+    for single, multi in r.fetched:
+        np.testing.assert_allclose(single[0], multi[0], rtol=1e-5, atol=1e-7)
+
+
+def test_a_fetched_gradient_of_a_batch_maximum_is_a_reason():
+    res = replicate.transform(_fetched("max"), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("batch maximum" in r.what for r in res.report.reasons)

@@ -37,9 +37,14 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
             raise AnalysisError(f"loss '{loss}' is not a node of the graph")
         loss = tensor_name(*parse_tensor(loss))
     ancestors = ir.ancestors(train_ops, graph)
-    out = []
+    out, fetched = [], []
     for prefix in prefixes:
         if not any(n.startswith(prefix + "/") for n in ancestors):
+            # gradients a driver fetches (saliency maps, a gradient norm to log): weighed like
+            # the others, else each tower's was taken for a share of a mean's (1/3 of the
+            # gradient of a sum on 3 towers, claimed exact)
+            if scope_seeds(ir, prefix):
+                fetched.append(prefix)
             continue
         seeds = scope_seeds(ir, prefix)
         found = [l for _, l in seeds]
@@ -50,6 +55,11 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
         out.append(scope)
     if not out:
         raise AnalysisError(f"train op '{train_ops[0]}' does not depend on any gradient")
+    for prefix in fetched:
+        seeds = scope_seeds(ir, prefix)
+        found = [l for _, l in seeds]
+        out.append(GradScope(prefix, next((l for l in found if l), None), "mean",
+                             seeds=[s for s, _ in seeds], losses=found))
     if loss is not None and not any(loss in s.losses for s in out):
         differentiated = next((l for s in out for l in s.losses if l), None)
         raise AnalysisError(f"loss '{loss}' is not what the gradients differentiate"
