@@ -252,7 +252,9 @@ def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis
                     return size_fact(tuple(x for v in values for x in v), taint)
                 return first.with_(value=None, taint=taint) if merges != {"size"} else \
                     first.with_(value=None, merge="other", taint=taint)
-            return first.with_(merge="other", value=None, src=node.name, taint=taint,
+            # named by the reduction it holds, which can be synchronized (a Pack of [1, max]
+            # named itself, and the sync pass could not synchronize a Pack)
+            return first.with_(merge="other", value=None, taint=taint,
                                why=f"{node.op} of reduced and shared values")
         values = [f.value for f in ins]
         value = tuple(x for v in values for x in v) if all(v is not None for v in values) else None
@@ -556,6 +558,10 @@ def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if f.kind != PART:
         return [_sized_by(ctx, node, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
     multiples = ctx.int_value(node.inputs[1])
+    if multiples is None and _element(ctx, node.inputs[1], None, f.axis) == 1:
+        # once along the batch, other axes a number known at run time (labels tiled to the
+        # batch's longest sequence, ``tf.tile(y[:, None], [1, tf.reduce_max(lengths)])``)
+        return [f.with_(value=None, index=None, taint=couple(ctx, node, ins))]
     if multiples is None or f.axis >= len(multiples) or not isinstance(multiples[f.axis], int):
         return [mixed(node.name, "Tile repeats the examples of the batch", f.taint)]
     times = multiples[f.axis]
