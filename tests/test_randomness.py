@@ -104,6 +104,19 @@ def test_towers_with_their_own_streams_differ():
     assert cmp.max_rel > 1e-3
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_draw_fetched_by_its_name_is_the_single_device_draw(accumulate):
+    """The towers read their rows of the draw from its split: fetched by the random op's own
+    name, it is the step's global draw (the name was gone: KeyError in the driver)."""
+    graph = _mlp("dropout")
+    name = next(op.name for op in graph.get_operations() if op.type == "RandomUniform")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    cmp = compare(graph, res.graph, "train", _feeds(7), fetch=(f"{name}:0",))
+    assert res.report.exact and cmp.max_rel <= RTOL
+    for single, multi in cmp.fetched:
+        np.testing.assert_array_equal(single[0], multi[0])
+
+
 def test_static_batch_dropout_is_exact():
     graph = _mlp("dropout", batch=6)
     res, cmp = _check(graph, 3, 6)

@@ -62,13 +62,11 @@ class Draw:
         rows = [d for d in analysis.draws.values() if d.kind in ("rows", "body")]
         done = self._copied(ir, analysis, copies)
         offsets: dict[int, list[str]] = {}
-        # draws a driver may fetch by name
-        keep = frozenset(node_of(f.tensor) for f in analysis.outputs)
         for draw in rows:
             if draw.cls not in offsets:
                 offsets[draw.cls] = self._offsets(ir, towers, draw.cls)
             mine = [c[draw.name] for c in copies if draw.name in c]
-            if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls], keep):
+            if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls]):
                 done += mine
                 continue
             for k in range(len(towers.prefixes)):
@@ -120,15 +118,13 @@ class Draw:
         return out
 
     @staticmethod
-    def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str],
-              keep_names: frozenset = frozenset()) -> bool:
+    def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str]) -> bool:
         """A top-level draw of a shape known but for the batch: drawn once per step outside
         the towers (``replicate/draw/<op>``, on the first tower's device), each tower's copy
         becomes a ``Slice`` of its rows. The global shape and each tower's slice bounds are
         made once per shape and batch class, so a model with many draws (an unrolled LSTM's
         dropout at every step) adds one op per tower and draw. False when it does not apply."""
         mine = [(k, c[draw.name]) for k, c in enumerate(copies) if draw.name in c]
-        keep = keep_names
         if not mine or draw.block != 1 or draw.outer != 1 or frames(ir, mine[0][1]):
             return False
         first = ir.nodes[mine[0][1]]
@@ -176,9 +172,8 @@ class Draw:
         split = ir.add(f"{source}/rows", "SplitV", [source, sizes, cached(
             f"{scope}/split_axis_{axis}", lambda n: ir.const(n, axis, dtypes.int32, device))],
             device=first.device, attrs={"T": out_type, "Tlen": dtypes.int32, "num_split": len(counts)}).name
-        if draw.name in keep and draw.name not in ir.nodes:
-            # fetched by its name, the draw is the global one (rewire merges nothing)
-            ir.add(draw.name, "Identity", [source], device=first.device, attrs={"T": out_type})
+        # a driver may fetch it by name: the rewire pass names the global draw so
+        ir.facts.setdefault("global_draws", {})[draw.name] = source
         for k, copy in mine:
             node = ir.nodes[copy]
             readers = ir.consumers(copy)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
+from tensorflow.python.framework import dtypes
+
 from replicate.combine import combine
 from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
 from replicate.pipeline import PassResult
@@ -57,6 +59,11 @@ class Rewire:
         ir.remove_many(doomed + sorted(analysis.dead))
         merged = self._merge_outputs(ir, analysis, towers, copies, arity, out_types)
         merged += self._recompute(ir, analysis, copies, recomputed)
+        for name, draw in ir.facts.get("global_draws", {}).items():
+            if name not in ir.nodes:        # a once-per-step draw is the batch's: fetched as is
+                ir.add(name, "Identity", [draw], device=ir.nodes[node_of(draw)].device,
+                       attrs={"T": dtypes.as_dtype(ir.output_dtype(draw))})
+                merged += 1
         self._tower0_only(ir, copies[0], [n for n in doomed if n not in analysis.needed])
         aliases = 0
         for tensor, aggregate in aggregates.items():
