@@ -104,12 +104,30 @@ def test_towers_with_their_own_streams_differ():
     assert cmp.max_rel > 1e-3
 
 
+def _raw_draw() -> tf.Graph:
+    """A mask from a raw ``random_uniform`` whose op nothing else reads by name."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        init = v1.glorot_uniform_initializer
+        h = tf.nn.relu(v1.layers.dense(x, 5, kernel_initializer=init(seed=1)))
+        keep = tf.cast(v1.random_uniform(tf.shape(h), seed=7, name="rnd") > 0.3, tf.float32)
+        logits = v1.layers.dense(h * keep, 3, kernel_initializer=init(seed=2))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("build", [lambda: _mlp("dropout"), _raw_draw], ids=["dropout", "raw"])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_draw_fetched_by_its_name_is_the_single_device_draw(accumulate):
+def test_a_draw_fetched_by_its_name_is_the_single_device_draw(build, accumulate):
     """The towers read their rows of the draw from its split: fetched by the random op's own
     name, it is the step's global draw (the name was gone: KeyError in the driver)."""
-    graph = _mlp("dropout")
-    name = next(op.name for op in graph.get_operations() if op.type == "RandomUniform")
+    graph = build()
+    name = next(op.name for op in graph.get_operations() if op.type == "RandomUniform"
+                and "Initializer" not in op.name)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
     cmp = compare(graph, res.graph, "train", _feeds(7), fetch=(f"{name}:0",))
     assert res.report.exact and cmp.max_rel <= RTOL
