@@ -246,3 +246,34 @@ def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, s
         what = "NthElement.{1,3} takes the n-th" if k == "nth" else "TopKV2.{1,3} takes the k largest"
         with pytest.raises(RewriteError, match="a tower has too few examples: .{1,3}" + what):
             compare(_mining(k), res.graph, "train", feeds(stops), cpus=4)
+
+
+def test_a_flattened_concatenation_of_two_copies_of_the_batch_keeps_its_width():
+    """``tf.reshape(tf.concat([h, 2 * h], 0), [tf.shape(z)[0], -1])``: each example holds two
+    rows of the concatenation; the pinned -1 had ignored the copies (2 instead of 4), and
+    every tower failed at step 1, claimed exact."""
+    import numpy as np
+    import tensorflow as tf
+
+    import replicate
+    from replicate.equivalence import compare
+    v1 = tf.compat.v1
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 3], name="x")
+            w = v1.get_variable("w", [3, 4], initializer=v1.glorot_uniform_initializer(seed=2))
+            h = tf.matmul(x, w)
+            z = tf.concat([h, 2 * h], 0)
+            flat = tf.reshape(z, [tf.shape(z)[0], -1])
+            flat.set_shape([None, 4])
+            loss = tf.reduce_mean(tf.reduce_sum(tf.square(flat), 1), name="loss")
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        return g
+
+    rng = np.random.default_rng(3)
+    feeds = [{"x:0": rng.normal(size=(b, 3)).astype(np.float32)} for b in (7, 5, 2)]
+    res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact
+    assert compare(build(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5

@@ -7,10 +7,11 @@ Requires: the clone pass's tower copies (``ir.facts["copies"]``) and ``ir.facts[
 (its settled dataflow, ``analysis.flow``).
 
 Produces, for reshapes (:func:`infer_reshapes`): in every tower copy of a forward ``Reshape`` whose target is computed at run time
-(``tf.reshape(flat, [tf.shape(x)[0], -1])``), the ``-1`` is replaced by the value the analysis
-proved it has -- the number of elements per example of the input (the rows each example holds
-times the static size of one row) over the target's other per-example dimensions. With
-examples, TensorFlow infers that same value, so nothing changes.
+(``tf.reshape(flat, [tf.shape(x)[0], -1])``), the ``-1`` is replaced, when the input has no
+elements, by the value the analysis proved it has: the number of elements per example of the
+input (the rows each example holds, in each copy of the batch the axis holds, times the static
+size of one row) over the target's other per-example dimensions. With elements TensorFlow
+infers it itself.
 
 With no examples the input has no elements, and TensorFlow cannot infer the ``-1`` from it: a
 flat ``[0]`` reshaped to ``[0, -1]`` becomes ``[0, 1]``, which then meets the other towers'
@@ -66,12 +67,13 @@ def _inferred(ir: IR, flow, data: str, shape_of: str) -> int | None:
     the input graph), when the analysis proves it."""
     source, target = flow.fact(data), flow.fact(shape_of)
     if source is None or source.kind != PART or source.axis != 0 or not isinstance(source.block, int) \
-            or target is None or target.value is None:
+            or not isinstance(source.outer, int) or target is None or target.value is None:
         return None
     shape = ir.static_shape(data)
     if shape is None or any(d is None for d in shape[1:]):
         return None
-    per_example = source.block * math.prod(shape[1:])
+    # rows per example along the axis: ``block`` of each, in ``outer`` copies of the batch
+    per_example = source.block * source.outer * math.prod(shape[1:])
     rest, syms = 1, 0
     for element in target.value:
         if isinstance(element, Sym):
@@ -88,12 +90,20 @@ def _inferred(ir: IR, flow, data: str, shape_of: str) -> int | None:
 
 
 def _pin(ir: IR, copy, value: int) -> None:
+    """Replace the ``-1`` of ``copy``'s target by ``value`` when its input has no elements
+    (with some, TensorFlow infers the same value itself)."""
     scope = f"{copy.name}/{SCOPE}"
     dtype = dtypes.as_dtype(copy.attr("Tshape", dtypes.int32))
     dev, target = copy.device, copy.inputs[1]
-    unknown = ir.add(f"{scope}/unknown", "Equal",
-                     [target, ir.const(f"{scope}/minus_one", -1, dtype, dev)], device=dev,
-                     attrs={"T": dtype, "incompatible_shape_error": True}).name
+    data_type = dtypes.as_dtype(ir.output_dtype(copy.inputs[0]))
+    size = ir.add(f"{scope}/size", "Size", [copy.inputs[0]], device=dev,
+                  attrs={"T": data_type, "out_type": dtype}).name
+    empty = ir.add(f"{scope}/empty", "Equal", [size, ir.const(f"{scope}/zero", 0, dtype, dev)],
+                   device=dev, attrs={"T": dtype, "incompatible_shape_error": True}).name
+    minus = ir.add(f"{scope}/minus", "Equal",
+                   [target, ir.const(f"{scope}/minus_one", -1, dtype, dev)], device=dev,
+                   attrs={"T": dtype, "incompatible_shape_error": True}).name
+    unknown = ir.add(f"{scope}/unknown", "LogicalAnd", [minus, empty], device=dev).name
     pinned = ir.add(f"{scope}/target", "SelectV2",
                     [unknown, ir.const(f"{scope}/value", value, dtype, dev), target], device=dev,
                     attrs={"T": dtype}).name
