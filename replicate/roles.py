@@ -125,13 +125,42 @@ def scope_seeds(ir: IR, prefix: str) -> list[tuple[str, str | None]]:
         if shape is not None and shape.op == "Shape" and shape.inputs:
             loss = tensor_name(*parse_tensor(shape.inputs[0]))
         else:
-            for consumer in ir.consumers(name):
-                op = forward_op_of(ir, prefix, consumer.name)
-                if op is not None:
-                    loss = tensor_name(op, 0)
-                    break
+            found = list(dict.fromkeys(op for c in ir.consumers(name)
+                                       if (op := forward_op_of(ir, prefix, c.name)) is not None))
+            if len(found) == 1:
+                loss = tensor_name(found[0], 0)
+            elif found:
+                # the seed passed through ops whose gradient makes no op (``mean + 0.01 *
+                # sum(x ** 2)`` of scalars): the loss joins them. Taking the first was a loss
+                # with terms missing (a false exact)
+                joined = _joined(ir, found, prefix)
+                loss = tensor_name(joined, 0) if joined is not None else None
         out.append((tensor_name(name, 0), loss))
     return out
+
+
+#: Ops whose gradient passes the incoming gradient on unchanged, creating no op when the
+#: shapes agree (so a seed can reach several forward ops' gradient code directly).
+_PASS_THROUGH = frozenset({"Identity", "Snapshot", "Add", "AddV2", "AddN"})
+
+
+def _joined(ir: IR, ops_: list[str], prefix: str) -> str | None:
+    """The nearest forward node that every op of ``ops_`` reaches through pass-through ops
+    only (the differentiated loss), or None."""
+    reach: list[dict[str, int]] = []
+    for start in ops_:
+        dist, work = {start: 0}, [start]
+        while work:
+            cur = work.pop(0)
+            for c in ir.consumers(cur):
+                if c.name not in dist and c.op in _PASS_THROUGH and not c.name.startswith(prefix + "/"):
+                    dist[c.name] = dist[cur] + 1
+                    work.append(c.name)
+        reach.append(dist)
+    common = set(reach[0]).intersection(*reach[1:])
+    if not common:
+        return None
+    return min(common, key=lambda n: (max(d[n] for d in reach), n))
 
 
 def variable_of(ir: IR, ref: str) -> str | None:

@@ -178,8 +178,15 @@ def _sign_of_a_mean(ir: IR, analysis: Analysis, ref: str, reader: str) -> bool:
     ``x + eps * tf.sign(dL/dx)``) and that gradient is of a plain mean over the examples: a
     tower's rows are then one device's times ``B / n_k > 0``, which the sign does not see."""
     scope = next((s for s in analysis.scopes if node_of(ref).startswith(s.prefix + "/")), None)
-    if scope is None or scope.corrections or not scope.weights or scope.weights[0] != "count":
+    if scope is None or scope.corrections or not scope.weights or scope.weights[0] != "count" \
+            or not scope.losses or analysis.flow is None:
         return False
+    for loss in scope.losses:     # every term a plain mean (a sum beside it scales unalike)
+        terms, reason = analysis.flow.losses.get(loss, ([], True))
+        if reason is not None or not terms or not all(
+                (t.kind == "mean" and t.spec[:1] == ("count",) and not t.denominator)
+                or (t.kind == "shared" and not t.sync) for t in terms):
+            return False
     work, seen = [reader], set()
     while work:
         name = work.pop()
