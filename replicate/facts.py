@@ -44,6 +44,8 @@ class GradScope:
     seeds: list = dataclasses.field(default_factory=list)
     losses: list = dataclasses.field(default_factory=list)
     corrections: list = dataclasses.field(default_factory=list)
+    #: Gradients a driver fetches, applied by no train op.
+    fetched: bool = False
 
 
 @dataclasses.dataclass

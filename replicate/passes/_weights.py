@@ -59,7 +59,7 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
         seeds = scope_seeds(ir, prefix)
         found = [l for _, l in seeds]
         out.append(GradScope(prefix, next((l for l in found if l), None), "mean",
-                             seeds=[s for s, _ in seeds], losses=found))
+                             seeds=[s for s, _ in seeds], losses=found, fetched=True))
     if loss is not None and not any(loss in s.losses for s in out):
         differentiated = next((l for s in out for l in s.losses if l), None)
         raise AnalysisError(f"loss '{loss}' is not what the gradients differentiate"
@@ -76,6 +76,31 @@ def _same(ir: IR, a: str, b: str) -> bool:
 def losses(grad_scopes: list[GradScope]) -> list[str]:
     """Every loss the scopes differentiate, once, in order."""
     return list(dict.fromkeys(l for s in grad_scopes for l in s.losses if l))
+
+
+def drop_unweighable_fetches(grad_scopes: list[GradScope], flow) -> list[Reason]:
+    """Fetched-only gradient scopes whose loss is no sum, mean or ratio of the batch, or is a
+    nonlinear function of batch reductions, leave the analysis (their gradients stay each
+    tower's, and the report says so): synchronizing the reductions of such a loss changed the
+    training loss's own forward values (a fetched gradient of ``mean * mean(square(logits))``
+    put the trained variables 1.5 off, claimed exact)."""
+    reasons = []
+    for scope in [s for s in grad_scopes if s.fetched]:
+        entries = [flow.losses.get(l) for l in scope.losses]
+        if all(l is not None for l in scope.losses) and all(
+                e is not None and e[1] is None and not any(t.sync for t in e[0]) for e in entries):
+            continue
+        grad_scopes.remove(scope)
+        kept = {l for s in grad_scopes for l in s.losses}
+        for loss in scope.losses:
+            if loss not in kept:
+                flow.losses.pop(loss, None)
+        reasons.append(Reason(scope.prefix, f"the gradients of '{scope.loss or scope.prefix}' "
+                              "(fetched, applied by no train op) are not of a sum, mean or ratio "
+                              "over the batch: fetched, each tower's is of its own slice",
+                              "fetch gradients of a batch mean or sum, or compute them on one "
+                              "device"))
+    return reasons
 
 
 def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reason]:

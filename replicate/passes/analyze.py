@@ -123,7 +123,8 @@ class Analyze:
         shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates + sorted(followers))
                          if t not in flow.inputs]
         primary = batch_inputs[0].cls
-        reasons = _weights.assign(grad_scopes, flow, primary)
+        reasons = _weights.drop_unweighable_fetches(grad_scopes, flow)
+        reasons += _weights.assign(grad_scopes, flow, primary)
         reasons += _custom.settle(ir, flow, region, grad_scopes)
         couplings = flow.couplings()
         reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
