@@ -155,6 +155,13 @@ class Sync:
         n = len(towers.devices)
         tag = f"{name}_grad" if scope.prefix == "gradients" else f"{name}_grad/{scope.prefix}"
         grads = [f"{towers.prefixes[k]}/{upstream}" for k in range(n)]
+        if not any(node_of(g) in ir.nodes for g in grads):
+            return      # no tower computes this gradient (a count of ones: nothing flows back)
+        if not all(node_of(g) in ir.nodes for g in grads):
+            ir.facts["analysis"].reasons.append(Reason(
+                name, "the gradient flowing into this synchronized batch statistic is computed "
+                "in some towers only", "report this graph"))
+            return
         global_grad = combine(ir, towers, f"{SCOPE}/{tag}", grads, "dense",
                               ir.output_dtype(upstream), self.controller, self.controller, scope.weights)
         for k in range(n):
