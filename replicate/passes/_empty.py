@@ -40,25 +40,31 @@ __all__ = ["infer_reshapes", "nonzero_steps"]
 SCOPE = "replicate/reshape"
 
 
-def infer_reshapes(ir: IR) -> int:
-    """Pin the ``-1`` of the towers' run-time reshape targets (see the module docstring);
-    returns how many tower ops changed."""
+def _tower_ops(ir: IR, op: str, operand: int, gradient: bool):
+    """(tower prefix, tower copy) of every ``op`` of the forward code (or of gradient code)
+    whose ``operand`` is computed at run time."""
     flow, copies = ir.facts["analysis"].flow, ir.facts["copies"]
     if flow is None:
-        return 0
-    done = 0
+        return
     for k, names in enumerate(copies):
         prefix = f"{ir.facts['towers'].prefixes[k]}/"
         for name, copied in names.items():
             copy = ir.nodes.get(copied)
-            if copy is None or copy.op != "Reshape" or name in flow.ctx.gradient \
-                    or ir.const_value(node_of(copy.inputs[1])) is not None:
-                continue
-            source, target = (r[len(prefix):] if r.startswith(prefix) else r for r in copy.inputs[:2])
-            value = _inferred(ir, flow, source, target)
-            if value is not None:
-                _pin(ir, copy, value)
-                done += 1
+            if copy is not None and copy.op == op and (name in flow.ctx.gradient) == gradient \
+                    and ir.const_value(node_of(copy.inputs[operand])) is None:
+                yield prefix, copy
+
+
+def infer_reshapes(ir: IR) -> int:
+    """Pin the ``-1`` of the towers' run-time reshape targets (see the module docstring);
+    returns how many tower ops changed."""
+    done = 0
+    for prefix, copy in list(_tower_ops(ir, "Reshape", 1, gradient=False)):
+        source, target = (r[len(prefix):] if r.startswith(prefix) else r for r in copy.inputs[:2])
+        value = _inferred(ir, ir.facts["analysis"].flow, source, target)
+        if value is not None:
+            _pin(ir, copy, value)
+            done += 1
     return done
 
 
@@ -113,23 +119,15 @@ def _pin(ir: IR, copy, value: int) -> None:
 def nonzero_steps(ir: IR) -> int:
     """Make the towers' run-time gradient range steps nonzero (see the module docstring);
     returns how many tower ops changed."""
-    flow, copies = ir.facts["analysis"].flow, ir.facts["copies"]
-    if flow is None:
-        return 0
     done = 0
-    for names in copies:
-        for name, copied in names.items():
-            copy = ir.nodes.get(copied)
-            if copy is None or copy.op != "Range" or name not in flow.ctx.gradient \
-                    or ir.const_value(node_of(copy.inputs[2])) is not None:
-                continue
-            scope, dev = f"{copy.name}/replicate/step", copy.device
-            dtype = dtypes.as_dtype(copy.attr("Tidx", dtypes.int32))
-            step = copy.inputs[2]
-            zero = ir.add(f"{scope}/zero", "Equal", [step, ir.const(f"{scope}/nil", 0, dtype, dev)],
-                          device=dev, attrs={"T": dtype, "incompatible_shape_error": True}).name
-            ir.set_input(copy.name, 2, ir.add(f"{scope}/step", "SelectV2",
-                                              [zero, ir.const(f"{scope}/one", 1, dtype, dev), step],
-                                              device=dev, attrs={"T": dtype}).name)
-            done += 1
+    for _, copy in list(_tower_ops(ir, "Range", 2, gradient=True)):
+        scope, dev = f"{copy.name}/replicate/step", copy.device
+        dtype = dtypes.as_dtype(copy.attr("Tidx", dtypes.int32))
+        step = copy.inputs[2]
+        zero = ir.add(f"{scope}/zero", "Equal", [step, ir.const(f"{scope}/nil", 0, dtype, dev)],
+                      device=dev, attrs={"T": dtype, "incompatible_shape_error": True}).name
+        ir.set_input(copy.name, 2, ir.add(f"{scope}/step", "SelectV2",
+                                          [zero, ir.const(f"{scope}/one", 1, dtype, dev), step],
+                                          device=dev, attrs={"T": dtype}).name)
+        done += 1
     return done
