@@ -27,8 +27,8 @@ from tensorflow.core.protobuf import meta_graph_pb2, saved_model_pb2
 from replicate import outputs
 from replicate.errors import InputError, OutputError
 
-__all__ = ["Loaded", "load", "export_graph", "importable", "write_atomic", "FORMATS", "output_format", "encode", "save",
-           "check_writable", "TEXT_SUFFIXES"]
+__all__ = ["Loaded", "load", "export_graph", "importable", "write_atomic", "FORMATS", "output_format",
+           "encode", "save", "check_writable", "TEXT_SUFFIXES"]
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ short batch of an epoch). One device never runs these ops on no examples.
 Requires: the clone pass's tower copies (``ir.facts["copies"]``) and ``ir.facts["analysis"]``
 (its settled dataflow, ``analysis.flow``).
 
-Produces, for reshapes (:func:`infer_reshapes`): in every tower copy of a forward ``Reshape`` whose target is computed at run time
-(``tf.reshape(flat, [tf.shape(x)[0], -1])``), the ``-1`` is replaced, when the input has no
-elements, by the value the analysis proved it has: the number of elements per example of the
-input (the rows each example holds, in each copy of the batch the axis holds, times the static
-size of one row) over the target's other per-example dimensions. With elements TensorFlow
-infers it itself.
+Produces, for reshapes (:func:`infer_reshapes`): in every tower copy of a forward ``Reshape``
+whose target is computed at run time (``tf.reshape(flat, [tf.shape(x)[0], -1])``), the
+``-1`` is replaced, when the input has no elements, by the value the analysis proved it has:
+the number of elements per example of the input (the rows each example holds, in each copy of
+the batch the axis holds, times the static size of one row) over the target's other
+per-example dimensions. With elements TensorFlow infers it itself.
 
 With no examples the input has no elements, and TensorFlow cannot infer the ``-1`` from it: a
 flat ``[0]`` reshaped to ``[0, -1]`` becomes ``[0, 1]``, which then meets the other towers'
