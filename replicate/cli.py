@@ -98,6 +98,7 @@ def _filter_wanted() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit code (see the module docstring)."""
+    in_process = argv is not None
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if a in COMMANDS), "")
     verbose = bool({"--debug", "-vv"} & set(argv))
@@ -105,9 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         with quiet.filtered_stderr(not verbose and _filter_wanted()):
             return _main(argv)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a late second interrupt must not turn 130 into -2
+        # a late second interrupt must not turn 130 into -2 as the process exits; called in
+        # process with its arguments (tests, scripts), Ctrl-C works again afterwards (it stayed
+        # ignored, and a later command could not hold it while putting its outputs in place)
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"replicate {command}: interrupted; no output was written".replace("  ", " "),
               file=sys.stderr)
+        if in_process:
+            signal.signal(signal.SIGINT, previous)
         return 130
 
 

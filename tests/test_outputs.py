@@ -219,11 +219,18 @@ def test_ctrl_c_just_after_the_output_is_in_place_exits_0(good, tmp_path, monkey
         os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(os, "replace", replace_then_interrupt)
-    out = tmp_path / "out.meta"
-    assert convert(good, out, "-q") == 0
-    assert "interrupted after the outputs were in place; they are complete" in capfd.readouterr().err
-    v1.MetaGraphDef.FromString(out.read_bytes())             # whole
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # as in a fresh process: an earlier test in this worker may have left another handler
+    # (it failed once in a full run), and the hold only replaces Python's default one
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        out = tmp_path / "out.meta"
+        assert convert(good, out, "-q") == 0
+        err = capfd.readouterr().err
+        assert "interrupted after the outputs were in place; they are complete" in err
+        v1.MetaGraphDef.FromString(out.read_bytes())             # whole
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_ctrl_c_before_the_outputs_exits_130_and_writes_nothing(tmp_path):

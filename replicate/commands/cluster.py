@@ -105,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
         received.append(signum)
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     local = LocalCluster(args.ps, args.workers, port_base=args.port_base,
                          cpus_per_task=args.cpus_per_task, threads=args.threads,
                          bind_all=args.bind_all, timeout=args.timeout)
+    # after anything that may refuse the arguments: the handlers come back in the finally only
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     where = "every interface" if args.bind_all else "127.0.0.1 only"
     print(f"replicate cluster: starting {args.ps} ps + {args.workers} workers ({where}) ...",
           flush=True)
