@@ -180,7 +180,6 @@ class Accumulate:
                         "accumulation")
         return None
 
-
     @staticmethod
     def _side_effects(ir: IR, plan, done_of, analysis, copies) -> str | None:
         """Why the gates would make a fetch of forward values alone write state, or None.
