@@ -32,6 +32,14 @@ def _graph(kind: str) -> tf.Graph:
             m = tf.cast(y > 0, tf.float32)
             loss = tf.cond(flag, lambda: tf.reduce_sum(soft * m) / tf.maximum(tf.reduce_sum(m), 1.0),
                            lambda: tf.reduce_mean(xent))
+        elif kind == "function_parts":
+
+            @tf.function
+            def parts(values):
+                return tf.reduce_mean(values), tf.reduce_sum(values)
+
+            mean, total = parts(xent)
+            loss = mean + 0.01 * total
         else:
             kernel = [v for v in v1.trainable_variables() if "kernel" in v.name][0]
 
@@ -63,3 +71,12 @@ def test_a_mean_returned_by_a_body_is_exact(kind, flag, accumulate):
 def test_branches_weighed_differently_are_a_reason():
     res = replicate.transform(_graph("cond_masked"), ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
+
+
+def test_a_mean_and_a_sum_returned_by_one_call_are_a_reason_that_says_so():
+    """Their gradients enter the call's gradient function together: no weighing apart (the
+    reason said "report this graph")."""
+    res = replicate.transform(_graph("function_parts"), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("results of the call" in r.what and "return one loss" in r.fix
+               for r in res.report.reasons)

@@ -79,9 +79,7 @@ class Weigh:
             for root, spec in scope.corrections:
                 points = entries(ir, scope.prefix, root)
                 if points is None:
-                    analysis.reasons.append(Reason(node_of(root), "the gradient entering this loss "
-                                                   "term cannot be found, so it keeps the weights of "
-                                                   "the rest of the loss", "report this graph"))
+                    analysis.reasons.append(_unweighable(ir, root))
                     continue
                 for tensor, readers in points:
                     added += self._scale(ir, towers, copies, tensor, readers, spec, scope.weights)
@@ -114,3 +112,20 @@ class Weigh:
 def _ref(tensor: str) -> str:
     node, idx = parse_tensor(tensor)
     return node if idx == 0 else f"{node}:{idx}"
+
+
+#: Calls whose outputs come back through one gradient function.
+_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf"})
+
+
+def _unweighable(ir: IR, root: str) -> Reason:
+    """Why a loss term's gradient could not be weighed apart from the rest of the loss."""
+    node = ir.nodes.get(node_of(root))
+    if node is not None and node.op in _CALLS:
+        return Reason(node_of(root), f"this loss term is one of several results of the call "
+                      f"'{node.name}' that are weighed differently (a mean and a sum); their "
+                      "gradients enter the call's gradient function together and cannot be "
+                      "weighed apart", "add the terms inside the function and return one loss, "
+                      "or compute them outside it")
+    return Reason(node_of(root), "the gradient entering this loss term cannot be found, so it "
+                  "keeps the weights of the rest of the loss", "report this graph")
