@@ -21,6 +21,7 @@ __all__ = [
     "MUTATING_OPS",
     "RANDOM_OPS",
     "CONTROL_FLOW_OPS",
+    "CALL_OPS",
     "REDUCTION_KINDS",
     "AFFINE_OPS",
     "SHAPE_CONSUMERS",
@@ -149,6 +150,10 @@ CONTROL_FLOW_OPS = frozenset(
     {"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSwitch", "Merge", "RefMerge",
      "NextIteration", "RefNextIteration", "LoopCond"}
 )
+
+#: Calls whose results come from a function body and whose gradient is one gradient function
+#: of the call (a v2 cond's branches, a defun); v2 loops are ``While``/``StatelessWhile``.
+CALL_OPS = frozenset({"If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall"})
 
 #: Ops that draw random numbers: each tower must get its own stream.
 RANDOM_OPS = frozenset(

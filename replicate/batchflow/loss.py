@@ -41,11 +41,6 @@ ONES = ("ones",)
 #: Each tower weighs 1/N: a batch-independent term added to a sum-reduced loss.
 UNIFORM = ("uniform",)
 
-#: Calls whose results come from a function body (a v2 cond's branch, a defun).
-_CALLS = frozenset({"If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall"})
-#: How a body's node is named from its caller's (``rules.functional.INSIDE``).
-_INSIDE = ">"
-
 _PASS = frozenset({"Identity", "Snapshot", "Cast", "Reshape", "ExpandDims", "Squeeze",
                    "CheckNumerics", "EnsureShape", "Neg", "IdentityN"})
 _ADDS = frozenset({"Add", "AddV2", "AddN", "Sub", "BiasAdd", "AccumulateNV2"})
@@ -147,6 +142,8 @@ def _fix_for(why: str) -> str:
 def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
     """The terms of ``loss``, or the first reason it is not a linear combination of batch
     reductions."""
+    from replicate.batchflow.rules.functional import INSIDE
+
     terms: list[Term] = []
     failure: list[Reason] = []
     ir = ctx.ir
@@ -238,7 +235,7 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
         if node.op in _LINEAR_REDUCTIONS and fact.merge in ("sum", "mean", "ratio"):
             walk(node.inputs[0], depth + 1)     # a reduction over non-batch axes of a reduced value
             return
-        if node.op in _CALLS and fact.kind == RED and fact.src and _INSIDE in fact.src \
+        if node.op in ops.CALL_OPS and fact.kind == RED and fact.src and INSIDE in fact.src \
                 and not fact.taint and (fact.merge == "sum" or (
                     fact.merge == "mean" and fact.spec[:1] == ("count",))):
             # a body's batch sum or plain mean returned by a call or a branch chosen by a shared

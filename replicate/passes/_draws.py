@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from replicate import ops
 from replicate.batchflow.effects import draws
 from replicate.batchflow.lattice import PART, SHARED
 from replicate.batchflow.table import SHAPE_SOURCES
@@ -41,8 +42,7 @@ __all__ = ["Draw", "reproducible"]
 
 
 #: Call ops whose functions' draws the draw pass rewrites (conds, loops and defuns).
-BODY_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
-                        "StatefulPartitionedCall"})
+BODY_CALLS = ops.CALL_OPS | frozenset({"While", "StatelessWhile"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
+from replicate import ops
 from replicate.combine import weight
 from replicate.facts import Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
@@ -114,14 +115,10 @@ def _ref(tensor: str) -> str:
     return node if idx == 0 else f"{node}:{idx}"
 
 
-#: Calls whose outputs come back through one gradient function.
-_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf"})
-
-
 def _unweighable(ir: IR, root: str) -> Reason:
     """Why a loss term's gradient could not be weighed apart from the rest of the loss."""
     node = ir.nodes.get(node_of(root))
-    if node is not None and node.op in _CALLS:
+    if node is not None and node.op in ops.CALL_OPS:
         return Reason(node_of(root), f"this loss term is one of several results of the call "
                       f"'{node.name}' that are weighed differently (a mean and a sum); their "
                       "gradients enter the call's gradient function together and cannot be "
