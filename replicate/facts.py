@@ -141,8 +141,9 @@ class Analysis:
     tower0_values: list[str] = dataclasses.field(default_factory=list)
     train_ops: list[str] = dataclasses.field(default_factory=list)
     classes: dict[int, int | None] = dataclasses.field(default_factory=dict)
-    #: Batch class -> the multiple of examples each tower's share must be (an op groups them).
-    granules: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: The multiple of examples each tower's share of every batch class must be (an op groups
+    #: them; 1 when none does).
+    granule: int = 1
     demoted: dict[str, str] = dataclasses.field(default_factory=dict)
     auto_sync: list[str] = dataclasses.field(default_factory=list)
     #: Loss denominators (tensor -> the batch reductions it is computed from) that the

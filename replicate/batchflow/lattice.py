@@ -220,10 +220,10 @@ class Classes:
         self.conflicts: list[tuple[int, int, str, str]] = []
         #: Class -> the op whose shape fixed its size (the report states the assumption).
         self.pinned: dict[int, str] = {}
-        #: Class -> (g, op): ``op`` regroups the examples in groups of ``g`` consecutive rows
+        #: (class, g, op): ``op`` regroups the examples in groups of ``g`` consecutive rows
         #: (``tf.reshape(x, [-1, 2, d])``, ``tf.split(x, 2)``), so each tower's share must be a
         #: multiple of ``g`` for it to run at all.
-        self.granules: dict[int, tuple[int, str]] = {}
+        self.granules: list[tuple[int, int, str]] = []
 
     def new(self, static: int | None) -> int:
         """A new class of ``static`` examples (None when dynamic)."""
@@ -275,15 +275,13 @@ class Classes:
 
     def granule(self, c: int, g: int, where: str) -> None:
         """Op ``where`` runs only on a multiple of ``g`` examples of class ``c``."""
-        if g > 1:
-            root = self.find(c)
-            old = self.granules.get(root, (1, where))
-            self.granules[root] = (math.lcm(old[0], g), old[1] if old[0] > 1 else where)
+        if g > 1 and (c, g, where) not in self.granules:     # rules run again every round
+            self.granules.append((c, g, where))
 
     def granularity(self, c: int) -> tuple[int, str]:
         """The multiple of examples class ``c``'s ops need, and the first op that needs one."""
         root, g, where = self.find(c), 1, ""
-        for member, (h, op) in self.granules.items():
+        for member, h, op in self.granules:
             if self.find(member) == root:
                 g, where = math.lcm(g, h), where or op
         return g, where

@@ -255,7 +255,7 @@ class Analyze:
             tower0_values=tower0_values,
             train_ops=train_ops,
             classes={classes.find(b.cls): classes.static(b.cls) for b in batch_inputs},
-            granules={c: granule for c in fed} if granule > 1 else {},
+            granule=granule,
             demoted=dict(flow.demoted),
             auto_sync=auto,
             denominators=flow.denominators(),

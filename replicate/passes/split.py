@@ -76,7 +76,7 @@ class Split:
             members = [b for b in analysis.batch_inputs if b.cls == cls]
             scope = SCOPE if i == 0 else f"{SCOPE}/class_{i}"
             sizes = self._counts(ir, towers, cls, members, scope, analysis.classes.get(cls),
-                                 analysis.granules.get(cls, 1))
+                                 analysis.granule)
             for batch_input in members:
                 if batch_input.sparse is None:
                     self._split(ir, towers, batch_input, sizes)
