@@ -93,29 +93,27 @@ def export_graph(graph: Any, clear_devices: bool = False) -> meta_graph_pb2.Meta
 
 
 def importable(meta: meta_graph_pb2.MetaGraphDef) -> meta_graph_pb2.MetaGraphDef:
-    """``meta``, or a copy without the names its collections give of ops not in its graph."""
+    """``meta``, or a copy without the names its collections give of ops not in its graph: a
+    layer built inside a v2 ``tf.cond`` adds its moving-average updates, ops of the branch's
+    function body, to the graph's ``UPDATE_OPS``. Exported as they are, the MetaGraphDef cannot
+    be imported ("refers to an Operation not in the graph"), by TensorFlow or here."""
     names = {node.name for node in meta.graph_def.node}
-    if all(v.split(":")[0].lstrip("^") in names for c in meta.collection_def.values()
-           if c.HasField("node_list") for v in c.node_list.value):
+
+    def stale(m: meta_graph_pb2.MetaGraphDef):
+        for collection in m.collection_def.values():
+            if collection.HasField("node_list"):
+                values = list(collection.node_list.value)
+                kept = [v for v in values if v.split(":")[0].lstrip("^") in names]
+                if len(kept) != len(values):
+                    yield collection.node_list, kept
+
+    if next(stale(meta), None) is None:
         return meta
     meta = meta_graph_pb2.MetaGraphDef.FromString(meta.SerializeToString())
-    _drop_body_names(meta)
+    for node_list, kept in list(stale(meta)):
+        del node_list.value[:]
+        node_list.value.extend(kept)
     return meta
-
-
-def _drop_body_names(meta: meta_graph_pb2.MetaGraphDef) -> None:
-    """Drop names of ops that are not in the graph from its collections of names: a layer
-    built inside a v2 ``tf.cond`` adds its moving-average updates, ops of the branch's function
-    body, to the graph's ``UPDATE_OPS``. Exported as they are, the MetaGraphDef cannot be
-    imported ("refers to an Operation not in the graph"), by TensorFlow or here."""
-    names = {node.name for node in meta.graph_def.node}
-    for collection in meta.collection_def.values():
-        if collection.HasField("node_list"):
-            values = list(collection.node_list.value)
-            kept = [v for v in values if v.split(":")[0].lstrip("^") in names]
-            if len(kept) != len(values):
-                del collection.node_list.value[:]
-                collection.node_list.value.extend(kept)
 
 
 def _checked(loaded: Loaded) -> Loaded:

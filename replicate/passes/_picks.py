@@ -66,8 +66,8 @@ def assert_examples(ir: IR) -> int:
             if copy is None or copy.op not in PICK_OPS:
                 continue
             data, where, kind = PICK_OPS[copy.op]
-            if name in flow.ctx.gradient or (_constant(ir, copy.inputs[where]) is None
-                                             and copy.op not in _RUN_TIME):
+            position = _constant(ir, copy.inputs[where])
+            if name in flow.ctx.gradient or (position is None and copy.op not in _RUN_TIME):
                 continue    # gradient code, or bounds known only at run time (a concat's
                             # gradient slicing its pieces apart): no fixed example is picked
             source = copy.inputs[data]
@@ -76,7 +76,7 @@ def assert_examples(ir: IR) -> int:
             if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
                     or out.src != name:
                 continue
-            if _constant(ir, copy.inputs[where]) is None:
+            if position is None:
                 _assert(ir, copy, k, picked.axis, copy.inputs[where], kind, len(copies))
             else:
                 needs[name] = _needed(ir, copy, picked.axis, where)

@@ -39,14 +39,14 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
     ancestors = ir.ancestors(train_ops, graph)
     out, fetched = [], []
     for prefix in prefixes:
+        seeds = scope_seeds(ir, prefix)
         if not any(n.startswith(prefix + "/") for n in ancestors):
             # gradients a driver fetches (saliency maps, a gradient norm to log): weighed like
             # the others, else each tower's was taken for a share of a mean's (1/3 of the
             # gradient of a sum on 3 towers, claimed exact)
-            if scope_seeds(ir, prefix):
-                fetched.append(prefix)
+            if seeds:
+                fetched.append((prefix, seeds))
             continue
-        seeds = scope_seeds(ir, prefix)
         found = [l for _, l in seeds]
         if loss is not None:
             found = [loss if (l is None or _same(ir, l, loss)) else l for l in found]
@@ -55,8 +55,7 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
         out.append(scope)
     if not out:
         raise AnalysisError(f"train op '{train_ops[0]}' does not depend on any gradient")
-    for prefix in fetched:
-        seeds = scope_seeds(ir, prefix)
+    for prefix, seeds in fetched:
         found = [l for _, l in seeds]
         out.append(GradScope(prefix, next((l for l in found if l), None), "mean",
                              seeds=[s for s, _ in seeds], losses=found, fetched=True))
