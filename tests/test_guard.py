@@ -83,8 +83,8 @@ def test_towers_without_examples_train_through_max_pooling(aggregation, towers, 
     assert float(rel) <= 1e-5
 
 
-def _picking(kind: str):
-    """A graph whose loss picks an example of the batch by position (so it is inexact)."""
+def _regression(loss_of):
+    """A linear regression whose loss ``loss_of(predictions, y)`` builds, trained by SGD."""
     import tensorflow as tf
     v1 = tf.compat.v1
     g = tf.Graph()
@@ -92,12 +92,20 @@ def _picking(kind: str):
         x = v1.placeholder(tf.float32, [None, 4], name="x")
         y = v1.placeholder(tf.float32, [None], name="y")
         w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1))
-        p = tf.reduce_sum(x * w, 1)
-        p = {"first": lambda: p - p[0], "second": lambda: p - tf.gather(p, [1]),
-             "scan": lambda: tf.scan(lambda a, e: a + e, p)}[kind]()
-        loss = tf.reduce_mean(tf.square(p - y), name="loss")
+        loss = tf.identity(loss_of(tf.reduce_sum(x * w, 1), y), name="loss")
         v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
     return g
+
+
+def _picking(kind: str):
+    """A graph whose loss picks an example of the batch by position (so it is inexact)."""
+    import tensorflow as tf
+
+    def loss(p, y):
+        p = {"first": lambda: p - p[0], "second": lambda: p - tf.gather(p, [1]),
+             "scan": lambda: tf.scan(lambda a, e: a + e, p)}[kind]()
+        return tf.reduce_mean(tf.square(p - y))
+    return _regression(loss)
 
 
 @pytest.mark.parametrize("kind,need", [("first", 1), ("second", 2), ("scan", 1)])
@@ -200,23 +208,16 @@ def test_an_empty_tower_reshapes_a_flat_batch_as_the_others_do():
 def _mining(k: str):
     """Hard-example mining: the mean of the k largest per-example losses (inexact)."""
     import tensorflow as tf
-    v1 = tf.compat.v1
-    g = tf.Graph()
-    with g.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.float32, [None], name="y")
-        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1))
-        per = tf.square(tf.reduce_sum(x * w, 1) - y)
+
+    def loss(p, y):
+        per = tf.square(p - y)
         n = tf.shape(per)[0]
         if k == "nth":          # the losses above the third smallest
             third = tf.stop_gradient(tf.raw_ops.NthElement(input=per, n=2))
-            loss = tf.reduce_mean(per * tf.cast(per >= third, tf.float32), name="loss")
-        else:
-            count = {"static": 2, "half": tf.maximum(1, n // 2), "guarded": tf.minimum(n, 3)}[k]
-            top, _ = tf.nn.top_k(per, count)
-            loss = tf.reduce_mean(top, name="loss")
-        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
-    return g
+            return tf.reduce_mean(per * tf.cast(per >= third, tf.float32))
+        count = {"static": 2, "half": tf.maximum(1, n // 2), "guarded": tf.minimum(n, 3)}[k]
+        return tf.reduce_mean(tf.nn.top_k(per, count)[0])
+    return _regression(loss)
 
 
 @pytest.mark.parametrize("k,runs,stops", [("static", 6, 5), ("half", 3, 2), ("guarded", 2, None),
