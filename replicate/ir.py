@@ -166,6 +166,9 @@ class IR:
         self.versions = None
         self.meta: meta_graph_pb2.MetaGraphDef | None = None
         self.static_shapes: dict[str, list[list[int | None] | None]] = {}
+        #: A function body's resource and TensorList arguments -> what they hold
+        #: (``batchflow.bodies.Probe``), for the shapes of the bodies nested in it.
+        self.probes: dict = {}
         self.facts: dict[str, Any] = {}
         self._functions: dict[str, Any] = {}
         self._types: dict[str, tuple] = {}

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 
+from replicate.batchflow.bodies import import_body, probe_of
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, join, mixed
 from replicate.batchflow.rules.common import condition, taint_of
 from replicate.batchflow.loss import IDENTITIES, behind
 from replicate.batchflow.rules.rowloop import rows_loop
-from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
+from replicate.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call"]
 
@@ -29,21 +30,13 @@ log = logging.getLogger(__name__)
 MAX_ITERATIONS = 12
 
 
-def _tf_shape(shape):
-    import tensorflow as tf
-
-    return tf.TensorShape(shape)
-
-
 def _body(ctx: Context, name: str, refs: list[str]) -> tuple[IR, list[str], list[str]] | None:
     """The IR of library function ``name`` called with tensors ``refs``, with static shapes,
-    its argument and result tensors. A variable read inside the body gets the variable's
-    shape (TensorFlow's import gives a captured handle's read no shape: a bias added in a
-    loop body had an unknown rank, and the step's state became mixed)."""
+    its argument and result tensors. The variables and lists it is passed keep their shapes
+    (:mod:`replicate.batchflow.bodies`)."""
     shapes = [ctx.shape(r) for r in refs]
-    variables = [_variable_shape(ctx, r) for r in refs]
-    key = ("ir", name, tuple(tuple(s) if s is not None else None for s in shapes),
-           tuple(tuple(v) if v is not None else None for v in variables))
+    probes = [probe_of(ctx.ir, ctx.shape, r) for r in refs]
+    key = ("ir", name, tuple(tuple(s) if s is not None else None for s in shapes), tuple(probes))
     if key in ctx.functions:
         return ctx.functions[key]
     fdef = ctx.ir.function(name)
@@ -51,7 +44,6 @@ def _body(ctx: Context, name: str, refs: list[str]) -> tuple[IR, list[str], list
         ctx.functions[key] = None
         return None
     import tensorflow as tf
-    from tensorflow.python.framework import function_def_to_graph
 
     host = getattr(ctx.ir, "tf_graph", None)
     if host is None:
@@ -59,30 +51,13 @@ def _body(ctx: Context, name: str, refs: list[str]) -> tuple[IR, list[str], list
         with host.as_default():
             tf.graph_util.import_graph_def(_library_only(ctx.ir), name="")
         ctx.ir.tf_graph = host
-    with host.as_default():
-        graph = function_def_to_graph.function_def_to_graph(fdef, input_shapes=[_tf_shape(s) for s in shapes])
-    body = IR.from_graph_def(graph.as_graph_def())
-    body.load_static_shapes(graph)
-    handles = {parse_tensor(t.name)[0]: v for t, v in zip(graph.inputs, variables) if v is not None}
-    for node in body.nodes.values():
-        if node.op == "ReadVariableOp" and node.inputs and node_of(node.inputs[0]) in handles:
-            body.static_shapes[node.name] = [handles[node_of(node.inputs[0])]]
+    body, args, outs = import_body(host, fdef, shapes, probes)
     body.tf_graph = host
     body.library = ctx.ir.library
     body._functions = ctx.ir._functions
-    found = (body, [t.name for t in graph.inputs], [t.name for t in graph.outputs])
+    found = (body, args, outs)
     ctx.functions[key] = found
     return found
-
-
-#: What a variable's handle passes through on its way into a body.
-_HANDLE_PATH = frozenset({"Identity", "Enter"})
-
-
-def _variable_shape(ctx: Context, ref: str) -> list | None:
-    """The shape of the resource variable whose handle ``ref`` is (through identities), or None."""
-    node = ctx.ir.nodes.get(node_of(behind(ctx.ir, ref, _HANDLE_PATH)))
-    return node.attr("shape") if node is not None and node.op == "VarHandleOp" else None
 
 
 def _library_only(ir: IR):
