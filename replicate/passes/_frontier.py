@@ -18,7 +18,7 @@ from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.batchflow.merge import merge_kind, recompute_plan
 from replicate.roles import FLOAT_TYPES, sparse_roles
 
-__all__ = ["classify"]
+__all__ = ["classify", "fetch_cone"]
 
 _MERGEABLE = frozenset({"concat", "mean", "sum", "ratio", "max", "min"})
 
@@ -147,6 +147,49 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     merged = {t: f for t, f in merged.items() if f.role == "recompute" or node_of(t) not in recomputed}
     return (frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable,
             [t for t, _ in doubtful], forward_only)
+
+
+def fetch_cone(ir: IR, stand_ins: list[str], inside: set[str], dependent: set[str],
+               in_grad: set[str], batch_inputs) -> set[str]:
+    """Ops outside the towers that a driver may fetch and that would combine tower 0's
+    stand-in for an unmergeable tensor with the whole batch's values: an accuracy of logits
+    that mix the examples (mixup, a batch-centred layer, a recursion the analysis cannot
+    follow) against the fed labels. Run once outside the towers, such an op met tower 0's rows
+    and the batch's, and the rewrite failed where one device runs. Returned when there is such
+    a conflict: every op downstream of a stand-in up to a state write, an update or gradient
+    code; the analysis then puts them in the towers, whose values it merges (or, unmergeable
+    in turn, warns of), so they run."""
+    from replicate import ops
+
+    def pure(node) -> bool:
+        op_def = ir.op_def(node.op)
+        return node.name not in inside and node.name not in in_grad and op_def is not None \
+            and not op_def.is_stateful and node.op not in ops.VARIABLE_OPS and not writes(ir, node)
+
+    stand = set(stand_ins)
+    cone: set[str] = set()
+    work = [c.name for t in stand_ins for c, _ in ir.data_consumers(t) if pure(c)]
+    while work:
+        name = work.pop()
+        if name not in cone:
+            cone.add(name)
+            work.extend(c.name for c in ir.consumers(name) if pure(c))
+    # the whole batch's values outside the towers: the fed inputs and what reads them there
+    batch = {node_of(t) for t in batch_inputs}
+    work = list(batch)
+    while work:
+        for c in ir.consumers(work.pop()):
+            if c.name not in inside and c.name not in batch and c.name not in cone:
+                batch.add(c.name)
+                work.append(c.name)
+    for name in cone:
+        refs = ir.nodes[name].inputs
+        stood = any(tensor_name(*parse_tensor(r)) in stand or node_of(r) in cone for r in refs)
+        whole = any(node_of(r) in batch or (node_of(r) in dependent and
+                                            tensor_name(*parse_tensor(r)) not in stand) for r in refs)
+        if stood and whole:
+            return cone
+    return set()
 
 
 def _sorted(ir: IR, tensors) -> list[str]:

@@ -32,7 +32,7 @@ from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _phases, _weights
-from replicate.passes._frontier import classify
+from replicate.passes._frontier import classify, fetch_cone
 from replicate.passes._updates import find_train_ops
 from replicate.pipeline import PassResult
 from replicate.roles import gradient_scopes
@@ -77,6 +77,19 @@ class Analyze:
 
     def run(self, ir: IR) -> PassResult:
         _refuse_replicated(ir)
+        pulled = self._analyze(ir, set())
+        if pulled:      # fetch-only ops that met tower 0's stand-ins and the whole batch
+            first = ir.facts["analysis"]
+            try:
+                self._analyze(ir, pulled)
+            except AnalysisError as exc:    # they cannot run in the towers either: as before
+                log.info("analyze: fetch-only ops left outside the towers (%s)", exc)
+                ir.facts["analysis"] = first
+        return PassResult(ir, False)
+
+    def _analyze(self, ir: IR, pulled: set[str]) -> set[str]:
+        """Analyse with the ops ``pulled`` into the towers; set ``ir.facts["analysis"]`` and
+        return the ops that should have been (see :func:`fetch_cone`)."""
         prefixes = gradient_scopes(ir)
         if not prefixes:
             raise AnalysisError("no train op found: the graph has no gradient computation "
@@ -90,7 +103,8 @@ class Analyze:
                     if c.name not in in_grad for r in c.inputs if node_of(r) == n]
         crossing = list(dict.fromkeys(sorted(crossing, key=_order(ir))))
         barriers = _phases.barriers(ir, graph, apply_ops, in_grad)
-        region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses], barriers)
+        region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses]
+                                       + sorted(pulled, key=_order(ir)), barriers)
         phases, phase_reads = _phases.phases(ir, graph, region, barriers, apply_ops)
         candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
         forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
@@ -170,7 +184,7 @@ class Analyze:
         outside = {n for n in region for c in ir.consumers(n) if c.name not in inside}
         waits = _forwarding(ir, region, updates)
         needed = self._needed(ir, region, waits, [node_of(t) for t in crossing + losses]
-                              + sorted(outside - waits, key=_order(ir)))
+                              + sorted((outside | pulled) - waits, key=_order(ir)))
         keep_targets = {n for n in region if n not in dependent and (n in outside or n in self.external)}
         keep_targets |= {node_of(t) for t in flow.plan.splits}
         keep = ir.ancestors(keep_targets, graph) & inside
@@ -266,7 +280,8 @@ class Analyze:
         )
         _exactness.collect(ir, analysis)
         ir.facts["analysis"] = analysis
-        return PassResult(ir, False)
+        return set() if pulled else fetch_cone(ir, forward_only + unmergeable, inside, dependent,
+                                               in_grad, flow.inputs)
 
     # ------------------------------------------------------------------ pieces
     def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str], barriers: set[str]
