@@ -278,3 +278,35 @@ def test_a_flattened_concatenation_of_two_copies_of_the_batch_keeps_its_width():
     res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert res.report.exact
     assert compare(build(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5
+
+
+def test_an_empty_tower_flattens_a_time_major_batch_as_the_others_do():
+    """``tf.reshape(tf.transpose(h, [1, 0, 2]), [T * tf.shape(x)[0], -1])``: the batch on axis
+    1 of ``[T, B, H]``. An empty tower's reshape inferred ``-1 = T * H`` (TensorFlow's rule for
+    no elements) instead of H, and its dense layer failed at the step with an empty tower; the
+    pin had served only batches on axis 0."""
+    import numpy as np
+    import tensorflow as tf
+
+    import replicate
+    from replicate.equivalence import compare
+    v1 = tf.compat.v1
+    T, D, H = 3, 4, 5
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, T, D], name="x")
+            init = v1.glorot_uniform_initializer
+            h = v1.layers.dense(x, H, kernel_initializer=init(seed=1), name="h")
+            rows = tf.reshape(tf.transpose(h, [1, 0, 2]), [T * tf.shape(x)[0], -1])
+            rows.set_shape([None, H])
+            out = v1.layers.dense(rows, 2, kernel_initializer=init(seed=2), name="o")
+            loss = tf.reduce_mean(tf.square(out), name="loss")
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        return g
+
+    rng = np.random.default_rng(4)
+    feeds = [{"x:0": rng.normal(size=(b, T, D)).astype(np.float32)} for b in (7, 5, 2)]
+    res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert compare(build(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5

@@ -72,14 +72,16 @@ def _inferred(ir: IR, flow, data: str, shape_of: str) -> int | None:
     """The value of the ``-1`` of the target ``shape_of`` of a reshape of ``data`` (names of
     the input graph), when the analysis proves it."""
     source, target = flow.fact(data), flow.fact(shape_of)
-    if source is None or source.kind != PART or source.axis != 0 or not isinstance(source.block, int) \
+    if source is None or source.kind != PART or not isinstance(source.block, int) \
             or not isinstance(source.outer, int) or target is None or target.value is None:
         return None
     shape = ir.static_shape(data)
-    if shape is None or any(d is None for d in shape[1:]):
+    if shape is None or any(d is None for i, d in enumerate(shape) if i != source.axis):
         return None
-    # rows per example along the axis: ``block`` of each, in ``outer`` copies of the batch
-    per_example = source.block * source.outer * math.prod(shape[1:])
+    # rows per example along the axis: ``block`` of each, in ``outer`` copies of the batch (a
+    # time-major ``[T, B, H]`` holds T * H elements of each example, as ``[B, T, H]`` does)
+    rest_dims = [d for i, d in enumerate(shape) if i != source.axis]
+    per_example = source.block * source.outer * math.prod(rest_dims)
     rest, syms = 1, 0
     for element in target.value:
         if isinstance(element, Sym):
