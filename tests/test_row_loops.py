@@ -151,3 +151,31 @@ def test_map_fn_beside_a_count_of_fed_weights():
     result = compare(graph, res.meta_graph_def, "train", feeds, cpus=3, fetch=("loss:0",))
     assert res.report.exact, res.report.reasons
     assert result.max_rel <= RTOL
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_map_with_results_of_a_dynamic_length_runs_through_an_empty_tower(accumulate):
+    """``tf.map_fn`` over variable-length sequences (each example's result ``[T, H]`` with T
+    known only at run time): a tower without examples stacked an empty list of a partly known
+    element shape, which TensorFlow refuses (claimed exact, failed at the step with the empty
+    tower; review 9). It now stacks ``[0, 0, H]``."""
+    def build():
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, None, 3], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            w = v1.get_variable("W", [3, 5], initializer=v1.random_normal_initializer(seed=3))
+            u = v1.get_variable("U", [5, 3], initializer=v1.random_normal_initializer(seed=4))
+            h = tf.map_fn(lambda seq: tf.tanh(tf.matmul(seq, w)), x)
+            logits = tf.matmul(tf.reduce_mean(h, 1), u)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                                  name="loss")
+            v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        return graph
+
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 4, 3).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 5, 2)]
+    res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(build(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)

@@ -24,6 +24,13 @@ step is computed at run time steps by 1 where that step is 0. TensorFlow rejects
 the tower's count when ``top_k`` ranks the examples (hard-example mining, an inexact rewrite
 that must still run). A range of step 0 has no elements in that gradient (it counts rows of
 an empty tensor), and so does the same range stepping by 1; no other step changes.
+
+Produces, for stacked lists (:func:`stack_empty_lists`): every tower copy of a
+``TensorListStack`` whose element shape is only partly known (``tf.map_fn`` over the batch
+with a per-example result of a dynamic length) stacks an empty list with that shape's unknown
+dimensions taken as 0. TensorFlow refuses to stack an empty list without a full element shape
+("Tried to stack elements of an empty list with non-fully-defined element_shape"); with
+elements the list decides the shape itself, so nothing changes then.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from tensorflow.python.framework import dtypes
 from replicate.batchflow.lattice import PART, Sym
 from replicate.ir import IR, node_of
 
-__all__ = ["infer_reshapes", "nonzero_steps"]
+__all__ = ["infer_reshapes", "nonzero_steps", "stack_empty_lists"]
 
 SCOPE = "replicate/reshape"
 
@@ -132,4 +139,27 @@ def nonzero_steps(ir: IR) -> int:
                                           [zero, ir.const(f"{scope}/one", 1, dtype, dev), step],
                                           device=dev, attrs={"T": dtype}).name)
         done += 1
+    return done
+
+
+def stack_empty_lists(ir: IR) -> int:
+    """Give the towers' stacks of lists a full element shape when the list is empty (see the
+    module docstring); returns how many tower ops changed."""
+    done, i32 = 0, dtypes.int32
+    for names in ir.facts["copies"]:
+        for copied in names.values():
+            copy = ir.nodes.get(copied)
+            if copy is None or copy.op != "TensorListStack":
+                continue
+            shape = ir.const_value(node_of(copy.inputs[1]))
+            if shape is None or shape.ndim != 1 or (shape >= 0).all():
+                continue
+            scope, dev = f"{copy.name}/replicate/empty", copy.device
+            length = ir.add(f"{scope}/length", "TensorListLength", [copy.inputs[0]], device=dev).name
+            empty = ir.add(f"{scope}/empty", "Equal", [length, ir.const(f"{scope}/zero", 0, i32, dev)],
+                           device=dev, attrs={"T": i32, "incompatible_shape_error": True}).name
+            full = ir.const(f"{scope}/full", [max(int(d), 0) for d in shape], i32, dev)
+            ir.set_input(copy.name, 1, ir.add(f"{scope}/shape", "SelectV2", [empty, full, copy.inputs[1]],
+                                              device=dev, attrs={"T": i32}).name)
+            done += 1
     return done

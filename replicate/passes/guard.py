@@ -11,8 +11,9 @@ the kernel sees one example instead of zero.
 
 Also: every tower copy of an op that picks examples by position checks first that its tower
 holds enough examples, with a message that says so (:mod:`replicate.passes._picks`); and a
-tower's run-time reshape target gets the ``-1`` the analysis proved, and a gradient range a
-nonzero step, where an empty tower would fail (:mod:`replicate.passes._empty`).
+tower's run-time reshape target gets the ``-1`` the analysis proved, a gradient range a
+nonzero step, and a stack of an empty list a full element shape, where an empty tower would
+fail (:mod:`replicate.passes._empty`).
 
 When the gradient's ``orig_output`` is the forward pooling op's output (``MaxPool``,
 ``MaxPoolV2``, ``MaxPool3D`` in the same tower, reading the same ``orig_input``) -- the usual
@@ -41,7 +42,7 @@ from tensorflow.python.framework import dtypes
 
 from replicate.ir import IR
 from replicate.passes._picks import assert_examples
-from replicate.passes._empty import infer_reshapes, nonzero_steps
+from replicate.passes._empty import infer_reshapes, nonzero_steps, stack_empty_lists
 from replicate.pipeline import PassResult
 
 __all__ = ["Guard", "GUARDED_OPS"]
@@ -71,11 +72,12 @@ class Guard:
             log.info("guard: %d tower ops that pick examples by position check their tower's count",
                      picks)
             done += picks
-        pinned, steps = infer_reshapes(ir), nonzero_steps(ir)
-        if pinned or steps:
+        pinned, steps, stacks = infer_reshapes(ir), nonzero_steps(ir), stack_empty_lists(ir)
+        if pinned or steps or stacks:
             log.info("guard: %d tower reshapes get their inferred dimension from the analysis, "
-                     "%d gradient ranges a nonzero step", pinned, steps)
-            done += pinned + steps
+                     "%d gradient ranges a nonzero step, %d list stacks a full shape when empty",
+                     pinned, steps, stacks)
+            done += pinned + steps + stacks
         log.info("guard: %d max-pooling gradients guarded against empty batches", done)
         return PassResult(ir, done > 0)
 
