@@ -40,14 +40,19 @@ REF_VARIABLE_OPS = frozenset({"VariableV2", "Variable", "AutoReloadVariable", "T
 RESOURCE_VARIABLE_OPS = frozenset({"VarHandleOp", "_VarHandlesOp"})
 VARIABLE_OPS = REF_VARIABLE_OPS | RESOURCE_VARIABLE_OPS | frozenset(
     {"MutableHashTable", "MutableHashTableV2", "MutableHashTableOfTensors",
-     "MutableHashTableOfTensorsV2", "MutableDenseHashTable", "MutableDenseHashTableV2"}
+     "MutableHashTableOfTensorsV2", "MutableDenseHashTable", "MutableDenseHashTableV2",
+     # a static lookup table (a vocabulary): copied into the towers, it was never initialized
+     "HashTable", "HashTableV2"}
 )
 
 #: Ops that bring data into the graph. Shared; batch inputs among them are split.
 BATCH_SOURCE_OPS = frozenset(
     {"Placeholder", "PlaceholderV2", "PlaceholderWithDefault", "IteratorGetNext",
      "IteratorGetNextSync", "QueueDequeueMany", "QueueDequeueManyV2", "QueueDequeueUpTo",
-     "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueV2"}
+     "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueV2",
+     # a SparseTensor an iterator yields (tf.data encodes it as a variant): its (indices,
+     # values, dense shape), split by the examples the indices name like a sparse placeholder
+     "DeserializeSparse"}
 )
 #: Ops that read a ``SparseTensor`` as three operands: op -> (indices, values, dense shape)
 #: positions (values None: the op does not read them). A batch input fed as a SparseTensor is

@@ -275,3 +275,43 @@ def test_tokens_fed_flat_with_their_example_ids_are_refused_with_the_fix():
         v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
     with pytest.raises(replicate.errors.AnalysisError, match="segment ids given whole.*padded"):
         replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_sparse_feature_from_an_iterator_is_split_by_its_examples(accumulate):
+    """A ``SparseTensor`` that a ``tf.data`` iterator yields (a VarLenFeature's ids, batched):
+    tf.data hands it over as a variant that ``DeserializeSparse`` decodes, which the analysis
+    did not read as a batch input, so every tower took the whole batch's ids beside its own
+    rows of ``x`` and ``y`` and failed at step 1 (review 9). Its (indices, values, dense shape)
+    are now split by the examples the indices name, like a sparse placeholder's."""
+    rng = np.random.RandomState(3)
+    feature = tf.train.Feature
+    records = [tf.train.Example(features=tf.train.Features(feature={
+        "x": feature(float_list=tf.train.FloatList(value=rng.randn(4).tolist())),
+        "ids": feature(int64_list=tf.train.Int64List(value=rng.randint(0, 10, rng.randint(0, 4)).tolist())),
+        "y": feature(int64_list=tf.train.Int64List(value=[int(rng.randint(0, 3))]))})).SerializeToString()
+        for _ in range(14)]
+    spec = {"x": v1.FixedLenFeature([4], tf.float32), "ids": v1.VarLenFeature(tf.int64),
+            "y": v1.FixedLenFeature([], tf.int64)}
+
+    def build():
+        graph = tf.Graph()
+        with graph.as_default():
+            data = tf.data.Dataset.from_tensor_slices(records).batch(5).map(
+                lambda batch: v1.parse_example(batch, spec))
+            f = v1.data.make_one_shot_iterator(data).get_next()     # batches of 5, 5 and 4
+            init = v1.random_normal_initializer
+            emb = v1.get_variable("emb", [10, 3], initializer=init(seed=9))
+            e = tf.nn.safe_embedding_lookup_sparse(emb, f["ids"], None, combiner="mean")
+            h = tf.concat([f["x"], tf.reshape(e, [-1, 3])], 1)
+            w = v1.get_variable("w", [7, 3], initializer=init(seed=3))
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=f["y"], logits=tf.matmul(h, w)), name="loss")
+            v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        return graph
+
+    res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    assert {b.tensor for b in res.analysis.batch_inputs} >= {"DeserializeSparse:0", "DeserializeSparse:1"}
+    cmp = compare(build(), res.graph, "train", 3, fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

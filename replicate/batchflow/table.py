@@ -23,6 +23,9 @@ UNARY = frozenset({
     "Softplus", "Softsign", "Sqrt", "Square", "Tan", "Tanh", "LeakyRelu", "Cast", "Angle",
     "ComplexAbs", "Conj", "OnesLike", "ZerosLike", "BitwiseNot", "PopulationCount",
     "ClipByValue",   # its min/max operands broadcast: listed in BROADCAST as well
+    # per-element string features (feature columns): one output element per input element
+    "StringToHashBucketFast", "StringToHashBucketStrong", "StringToHashBucket", "Bucketize",
+    "AsString", "StringToNumber", "StringStrip", "StringLower", "StringUpper",
 })
 
 #: Elementwise ops whose data inputs broadcast against each other (numpy rules).

@@ -125,7 +125,9 @@ def sparse_triples(ir: IR, region: list[str], candidates: list[str]
                 unread.append(indices)
     for ref in list(candidates) + unread:
         name = node_of(ref)
-        if name.endswith("/indices") and ref.endswith(":0"):
+        if ir.nodes[name].op == "DeserializeSparse" and ref.endswith(":0"):
+            note(ref, f"{name}:1", f"{name}:2")     # an iterator's SparseTensor, decoded
+        elif name.endswith("/indices") and ref.endswith(":0"):
             base = name[: -len("/indices")]
             values, shape = f"{base}/values", f"{base}/shape"
             note(ref, f"{values}:0" if values in ir.nodes else None,

@@ -68,6 +68,7 @@ RULES.update({
     "RandomShuffle": shape.shuffle,
     "Range": shape.range_,
     "Gather": index.gather, "GatherV2": index.gather, "ResourceGather": index.gather,
+    "LookupTableFindV2": index.lookup, "LookupTableFind": index.lookup,
     "GatherNd": index.gather_nd, "ResourceGatherNd": index.gather_nd, "Where": index.where,
     "Unique": index.unique, "UniqueV2": index.unique, "UniqueWithCounts": index.unique,
     "DynamicPartition": index.dynamic_partition,

@@ -20,7 +20,7 @@ from replicate.ir import Node
 __all__ = ["gather", "gather_nd", "where", "unique", "dynamic_partition", "segment", "sparse_to_dense",
            "scatter_nd", "broadcast_gradient_args", "broadcast_args", "concat_offset",
            "invert_permutation", "dynamic_stitch", "candidate_sampler", "accidental_hits",
-           "reverse_sequence", "uncounted_rows", "FILLED", "ENTRIES", "UNIQUE"]
+           "reverse_sequence", "uncounted_rows", "FILLED", "ENTRIES", "UNIQUE", "lookup"]
 
 UNIQUE = "unique"
 #: The handle of sparse indices in which every example has an entry (SparseFillEmptyRows).
@@ -482,3 +482,12 @@ def invert_permutation(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             inverse[v] = i
         return [shared(tuple(inverse), ins[0].taint)]
     return [ins[0].with_(value=None)]
+
+
+def lookup(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``LookupTableFindV2(table, keys, default)``: one value per key, from a table every
+    tower shares (a vocabulary), its values' dimensions after the keys'."""
+    table, keys, default = ins[0], ins[1], ins[2]
+    if table.kind == SHARED and default.kind == SHARED and keys.kind in (PART, SHARED):
+        return [keys.with_(value=None, index=None, handle=None)]
+    return [ctx.no_rule(node, ins)]
