@@ -115,7 +115,8 @@ def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple,
 
 def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtype: int,
             device: str, controller: str, weights: tuple = ("count",),
-            allreduce_key: int | None = None, axis: int = 0, tail: int = 0, tail_sum: bool = False) -> str:
+            allreduce_key: int | None = None, axis: int = 0, tail: int = 0, tail_sum: bool = False,
+            outer=1) -> str:
     """Add the ops combining ``parts`` (one tensor per tower) by ``kind``; return the result.
 
     Args:
@@ -138,6 +139,10 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
             batch rows are concatenated in tower order, then the shared rows follow once:
             summed over the towers with ``tail_sum`` (each tower's share of a gradient), else
             tower 0's (the same in every tower).
+        outer: for ``concat``: each part holds this many copies of its batch rows one after
+            the other along ``axis`` (time-major steps flattened with the batch); the towers'
+            rows of each copy are joined, copy after copy. An int, or per part a ``(tensor,
+            dimension)`` whose size it is.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown combine kind '{kind}'")
@@ -164,6 +169,8 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
     if kind in ("concat", "sparse_values", "sparse_indices") and tail and len(refs) > 1:
         return _concat_with_tail(ir, towers, name, refs, tf_dtype, device,
                                  axis if kind == "concat" else 0, tail, tail_sum)
+    if kind == "concat" and outer != 1 and len(refs) > 1:
+        return _interleaved(ir, towers, name, refs, tf_dtype, device, axis, outer)
     if kind in ("concat", "sparse_values", "sparse_indices"):
         if len(refs) == 1:
             return ir.add(name, "Identity", refs, device=device, attrs={"T": tf_dtype}).name
@@ -226,6 +233,47 @@ def _allreduce(ir: IR, devices: list[str], name: str, refs: list[str], tf_dtype,
 def _ref(tensor: str) -> str:
     node, idx = parse_tensor(tensor)
     return node if idx == 0 else f"{node}:{idx}"
+
+
+def _interleaved(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype, device: str,
+                 axis: int, outer) -> str:
+    """Parts of ``outer`` copies of their rows each along ``axis``: each viewed as
+    ``[..., outer, rows, ...]``, joined along the rows, and viewed back. ``outer`` is an int,
+    or per part a ``(tensor, dimension)`` whose size it is (a dynamic number of time steps,
+    read from the tower's own copy of the tensor it was inferred from)."""
+    i32 = dtypes.int32
+
+    def size(ref: str, scope: str, dev: str, begin: list[int], length: list[int]) -> str:
+        shape = ir.add(f"{scope}/shape", "Shape", [ref], device=dev,
+                       attrs={"T": ir.output_dtype(ref), "out_type": i32}).name
+        return ir.add(f"{scope}/slice", "Slice", [shape, ir.const(f"{scope}/begin", begin, i32, dev),
+                                                  ir.const(f"{scope}/size", length, i32, dev)],
+                      device=dev, attrs={"T": i32, "Index": i32}).name
+
+    def view(ref: str, scope: str, dev: str, middle: list[str], skip: int) -> str:
+        """The shape of ``ref`` with dimensions ``axis`` to ``axis + skip`` replaced by
+        ``middle`` (1-element vectors)."""
+        parts = [size(ref, f"{scope}/head", dev, [0], [axis])] + middle + \
+            [size(ref, f"{scope}/rest", dev, [axis + skip], [-1])]
+        return ir.add(f"{scope}/target", "ConcatV2", parts + [ir.const(f"{scope}/axis", 0, i32, dev)],
+                      device=dev, attrs={"T": i32, "N": len(parts), "Tidx": i32}).name
+
+    viewed = []
+    for k, ref in enumerate(refs):
+        scope, dev = f"{name}_parts/tower_{k}", towers.devices[k]
+        if isinstance(outer, int):
+            copies = ir.const(f"{scope}/copies", [outer], i32, dev)
+        else:
+            copies = size(_ref(outer[k][0]), f"{scope}/copies", dev, [outer[k][1]], [1])
+        target = view(ref, scope, dev, [copies, ir.const(f"{scope}/rows", [-1], i32, dev)], 1)
+        viewed.append(ir.add(f"{scope}/copies_view", "Reshape", [ref, target], device=dev,
+                             attrs={"T": tf_dtype, "Tshape": i32}).name)
+    along = ir.const(f"{name}_parts/axis", axis + 1, i32, device)
+    joined = ir.add(f"{name}_parts/joined", "ConcatV2", viewed + [along], device=device,
+                    attrs={"T": tf_dtype, "N": len(viewed), "Tidx": i32}).name
+    target = view(joined, f"{name}_parts/flat", device, [ir.const(f"{name}_parts/rows", [-1], i32, device)], 2)
+    return ir.add(name, "Reshape", [joined, target], device=device,
+                  attrs={"T": tf_dtype, "Tshape": i32}).name
 
 
 def _concat_with_tail(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype, device: str,

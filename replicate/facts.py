@@ -70,6 +70,9 @@ class Frontier:
     #: shared rows after the batch rows along ``axis`` (a sampled loss's rows): the towers'
     #: copies of those rows are summed (a gradient) or taken from tower 0 (shared values).
     tail: int = 0
+    #: ``concat`` of tensors holding ``outer`` copies of the batch one after the other along
+    #: ``axis`` (time-major rows flattened): the towers' rows of each copy are joined in turn.
+    outer: int | str = 1
 
 
 @dataclasses.dataclass

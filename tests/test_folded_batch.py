@@ -142,3 +142,78 @@ def test_time_major_flattening_reshaped_back_merges(towers, batch):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
     for single, multi in cmp.fetched:
         np.testing.assert_allclose(single[0], multi[0], rtol=RTOL, atol=1e-6)
+
+
+def _flattened_by_batch_size(labels: str) -> tf.Graph:
+    """``[T, B, D]`` flattened by ``tf.reshape(steps, [T * tf.shape(x)[0], -1])`` (a target
+    that names the batch size), with labels tiled time-major or example-major."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, T, D], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        w = v1.get_variable("w", [D, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        rows = tf.reshape(tf.transpose(x, [1, 0, 2]), [T * tf.shape(x)[0], -1])
+        rows.set_shape([None, D])
+        if labels == "time":
+            tiled = tf.reshape(tf.tile(y[None, :], [T, 1]), [-1])
+        else:
+            tiled = tf.reshape(tf.tile(y[:, None], [1, T]), [-1])
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tiled, logits=tf.matmul(rows, w))
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(losses, name="loss"),
+                                                        name="train")
+    return graph
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_time_major_flattening_sized_by_the_batch_keeps_its_layout(accumulate):
+    """``T * tf.shape(x)[0]`` rows of a time-major tensor are T copies of the batch, not T rows
+    of each example. Taken as the latter, the rows paired with example-major labels were
+    claimed exact (0.27 off: one device pairs them otherwise), and with time-major labels the
+    same layout was "two different orders" (inexact, though the towers train exactly)."""
+    rng = np.random.RandomState(1)
+    feeds = [{"x:0": rng.randn(b, T, D).astype(np.float32),
+              "y:0": rng.randint(0, 3, b).astype(np.int32)} for b in (7, 5, 2)]
+    devices = ["/cpu:1", "/cpu:2", "/cpu:3"]
+    same = replicate.transform(_flattened_by_batch_size("time"), devices, accumulate=accumulate)
+    assert same.report.exact, same.report.reasons
+    cmp = compare(_flattened_by_batch_size("time"), same.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    crossed = replicate.transform(_flattened_by_batch_size("example"), devices, accumulate=accumulate)
+    assert not crossed.report.exact
+
+
+def _time_major_logits(static_steps: bool) -> tf.Graph:
+    """A time-major ``dynamic_rnn`` whose ``[T, B, H]`` outputs are flattened to
+    ``[T * tf.shape(x)[1], H]`` before the softmax layer; the driver fetches the logits."""
+    graph = tf.Graph()
+    with graph.as_default():
+        steps = T if static_steps else None
+        x = v1.placeholder(tf.float32, [steps, None, D], name="x")
+        y = v1.placeholder(tf.int64, [steps, None], name="y")
+        cell = v1.nn.rnn_cell.BasicRNNCell(5)
+        outputs, _ = v1.nn.dynamic_rnn(cell, x, dtype=tf.float32, time_major=True)
+        rows = tf.reshape(outputs, [T * tf.shape(x)[1], 5])
+        w = v1.get_variable("w", [5, 3], initializer=v1.random_normal_initializer(seed=3))
+        logits = tf.matmul(rows, w, name="logits")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.reshape(y, [-1]), logits=logits)
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(xent, name="loss"), name="train")
+    return graph
+
+
+@pytest.mark.parametrize("static_steps", [False, True])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_fetched_time_major_rows_merge_step_by_step(static_steps, accumulate):
+    """The towers' ``[T*B_k, C]`` logits hold T copies of their rows: they are merged copy by
+    copy (step by step), as one device lays them out. They were concatenated tower after
+    tower (claimed exact, the fetched logits 1.4 off), then given as tower 0's value."""
+    rng = np.random.RandomState(2)
+    feeds = [{"x:0": rng.randn(T, b, D).astype(np.float32),
+              "y:0": rng.randint(0, 3, (T, b)).astype(np.int64)} for b in (7, 5, 2)]
+    named = {"x:0": 1, "y:0": 1} if static_steps else None
+    res = replicate.transform(_time_major_logits(static_steps), ["/cpu:1", "/cpu:2", "/cpu:3"],
+                              accumulate=accumulate, batch_inputs=named)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(_time_major_logits(static_steps), res.graph, "train", feeds, fetch=("logits:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:
+        np.testing.assert_allclose(multi[0], single[0], rtol=RTOL, atol=1e-6)

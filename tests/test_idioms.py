@@ -480,15 +480,18 @@ def test_a_softmax_over_a_tiled_parameter_s_rows_is_a_reason():
     assert any("from each other" in r.what for r in res.report.reasons), res.report.reasons
 
 
-def test_time_major_inputs_with_per_step_labels_move_together():
+@pytest.mark.parametrize("steps", [None, 3])
+def test_time_major_inputs_with_per_step_labels_move_together(steps):
     """A time-major ``xt`` ``[T, B, D]`` with per-step labels ``yt`` ``[T, B]`` that no loop
     unstacks: moving only ``xt`` to axis 1 left ``yt`` on axis 0, which the analysis demoted,
     and the rewrite was claimed exact and split ``xt`` by the time steps (failed at step 1).
-    Inputs laid out alike move together, and a retry that demotes an input is not kept."""
+    Inputs laid out alike move together, and a retry that demotes an input is not kept. The
+    same with the steps declared (``[3, None, D]``, the TF1 seq2seq habit): the labels stayed
+    on axis 0 as a "batch of 3", claimed exact, and the split failed at step 1 (review 9)."""
     graph = tf.Graph()
     with graph.as_default():
-        xt = v1.placeholder(tf.float32, [None, None, 4], name="xt")
-        yt = v1.placeholder(tf.int64, [None, None], name="yt")
+        xt = v1.placeholder(tf.float32, [steps, None, 4], name="xt")
+        yt = v1.placeholder(tf.int64, [steps, None], name="yt")
         outputs, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.GRUCell(5), xt, time_major=True, dtype=tf.float32)
         logits = v1.layers.dense(outputs, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=2))
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yt, logits=logits),
@@ -520,3 +523,98 @@ def test_a_mask_fed_flattened_with_its_time_steps_is_refused_with_the_fix():
         v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
     with pytest.raises(replicate.errors.AnalysisError, match="rows per example.*one row per example"):
         replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+
+
+def test_a_vocabulary_table_and_hashed_features_are_exact():
+    """String features as the feature-column era wrote them: words mapped to ids by a static
+    vocabulary table (``StaticHashTable``), hashed into buckets
+    (``tf.strings.to_hash_bucket_fast``), and a number bucketized. The table was copied into
+    every tower and never initialized ("Table not initialized" at step 1), and the three ops
+    had no batch rule (review 9). Now the table is shared like a variable, each op maps its
+    elements one by one, and the rewrite is exact through an empty tower and accumulation."""
+    def build():
+        graph = tf.Graph()
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, 2], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            word = v1.placeholder(tf.string, [None], name="word")
+            table = v1.lookup.StaticHashTable(v1.lookup.KeyValueTensorInitializer(
+                ["a", "b", "c"], [0, 1, 2], key_dtype=tf.string, value_dtype=tf.int64), 3)
+            init = v1.random_normal_initializer
+            words = tf.nn.embedding_lookup(v1.get_variable("words", [4, 3], initializer=init(seed=1)),
+                                           table.lookup(word))
+            hashed = tf.nn.embedding_lookup(v1.get_variable("hashed", [5, 3], initializer=init(seed=2)),
+                                            tf.strings.to_hash_bucket_fast(word, 5))
+            buckets = tf.raw_ops.Bucketize(input=x[:, 0], boundaries=[-0.5, 0.0, 0.5])
+            ranges = tf.nn.embedding_lookup(v1.get_variable("ranges", [4, 3], initializer=init(seed=3)),
+                                            buckets)
+            h = tf.concat([x, words, hashed, ranges], 1)
+            w = v1.get_variable("w", [11, 3], initializer=init(seed=4))
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=tf.matmul(h, w)), name="loss")
+            v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        return graph
+
+    rng = np.random.RandomState(0)
+    vocab = np.array(["a", "b", "c", "zz", "q"], dtype=object)
+    feeds = [{"x:0": rng.randn(b, 2).astype(np.float32), "y:0": rng.randint(0, 3, b),
+              "word:0": vocab[rng.randint(0, 5, b)]} for b in (7, 5, 2)]
+    for accumulate in (1, 2):
+        res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+        assert res.report.exact, res.report.reasons
+        assert [op.name for op in res.graph.get_operations() if op.type == "HashTableV2"] == ["hash_table"]
+        cmp = compare(build(), res.graph, "train", feeds, fetch=("loss:0",))
+        assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def _time_major_variant(kind: str) -> tf.Graph:
+    """Time-major sequences ([T, B, ...], T dynamic) whose batch axis only shows past another
+    op: labels fed ``[T, B]`` beside a batch-major ``x`` (compared with transposed logits),
+    ``tf.reverse_sequence`` before a backward RNN, a variational dropout before the RNN."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, None, 3], name="x")
+        y = v1.placeholder(tf.int64, [None, None], name="y")        # [T, B]
+        lengths = v1.placeholder(tf.int32, [None], name="len")
+        cell = v1.nn.rnn_cell.BasicRNNCell(5)
+        w = v1.get_variable("w", [5, 3], initializer=v1.random_normal_initializer(seed=3))
+        if kind == "labels":                                          # x is [B, T, D]
+            outputs, _ = v1.nn.dynamic_rnn(cell, x, dtype=tf.float32)
+            logits = tf.transpose(tf.tensordot(outputs, w, 1), [1, 0, 2])
+        elif kind == "reversed":
+            back = tf.reverse_sequence(x, tf.cast(lengths, tf.int64), seq_axis=0, batch_axis=1)
+            outputs, _ = v1.nn.dynamic_rnn(cell, back, sequence_length=lengths, dtype=tf.float32,
+                                           time_major=True)
+            logits = tf.tensordot(tf.reverse_sequence(outputs, tf.cast(lengths, tf.int64), seq_axis=0,
+                                                      batch_axis=1), w, 1)
+        else:
+            kept = tf.nn.dropout(x, rate=0.3, noise_shape=[1, tf.shape(x)[1], 3], seed=11)
+            outputs, _ = v1.nn.dynamic_rnn(cell, kept, dtype=tf.float32, time_major=True)
+            logits = tf.tensordot(outputs, w, 1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("kind", ["labels", "reversed", "dropout"])
+def test_time_major_inputs_found_past_the_op_before_the_loop(kind):
+    """Each was split along its time steps, and step 1 failed (the labels case claimed exact):
+    the loop's reader is looked for past ops that keep the layout, and a lone time-major input
+    is tried on axis 1 too (review 9). Exact at `accumulate` 1 and 2."""
+    rng = np.random.RandomState(0)
+    feeds = []
+    for b in (7, 5, 2):
+        batch = rng.randn(b, 4, 3).astype(np.float32)
+        feeds.append({"x:0": batch if kind == "labels" else batch.transpose(1, 0, 2).copy(),
+                      "y:0": rng.randint(0, 3, (4, b)), "len:0": rng.randint(1, 5, b).astype(np.int32)})
+    graph = _time_major_variant(kind)
+    names = {o.name for o in graph.get_operations()}
+    feeds = [{k: v for k, v in f.items() if k.split(":")[0] in names} for f in feeds]
+    for accumulate in (1, 2):
+        res = replicate.transform(_time_major_variant(kind), ["/cpu:1", "/cpu:2", "/cpu:3"],
+                                  accumulate=accumulate)
+        assert res.report.exact, res.report.reasons
+        cmp = compare(_time_major_variant(kind), res.graph, "train", feeds, fetch=("loss:0",))
+        assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

@@ -164,19 +164,31 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
     if looped:
         # the loop's inputs and every other input laid out like them ([T, B, ...], both
         # leading dimensions dynamic: per-step labels) move together
-        alike = [t for t in pool if t in flow.inputs and _leading_dynamic(ir, t)]
+        steps = {(ir.static_shape(t) or [None])[0] for t in looped}
+        alike = [t for t in pool if t in flow.inputs and _laid_out_like(ir, t, steps)]
         trial_pool = {**pool, **{t: 1 for t in set(looped) | set(alike)}}
         trial = settle(trial_pool)
         # kept only when it proves more and demotes nothing more (a per-step label left on
         # axis 0 beside inputs moved to axis 1 was claimed exact and split by the time steps)
         if _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted):
-            flow = trial
+            flow, pool = trial, trial_pool
+    if not forced and _unproven(flow):
+        # a lone input fed time-major beside batch-major ones (labels [T, B] compared with
+        # transposed logits): split by its time steps, the rewrite failed at step 1
+        for t in [t for t in pool if pool[t] == 0 and t in flow.inputs and _laid_out_like(ir, t, {None})]:
+            trial_pool = {**pool, t: 1}
+            trial = settle(trial_pool)
+            if _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted):
+                flow, pool = trial, trial_pool
     return flow
 
 
-def _leading_dynamic(ir: IR, tensor: str) -> bool:
+def _laid_out_like(ir: IR, tensor: str, steps: set) -> bool:
+    """``tensor`` may be ``[T, B, ...]`` as the loop's inputs are: a dynamic axis 1 after a
+    leading axis of their number of steps (dynamic, or the same static T: a per-step label
+    declared ``[T, None]`` stayed on axis 0 as a "batch of T" beside inputs moved to axis 1)."""
     shape = ir.static_shape(tensor)
-    return shape is not None and len(shape) >= 2 and shape[0] is None and shape[1] is None
+    return shape is not None and len(shape) >= 2 and shape[1] is None and shape[0] in steps
 
 
 #: Ops that unstack their input's leading axis into the elements a loop reads one by one.
@@ -193,12 +205,33 @@ def _time_major(ir: IR, inputs: list[str]) -> list[str]:
         shape = ir.static_shape(t)
         if shape is None or len(shape) < 2 or shape[1] is not None:
             continue
-        readers = [(c, i) for c, i in ir.data_consumers(t)]
-        readers += [(c2, i2) for c, _ in readers if c.op == "Identity"
-                    for c2, i2 in ir.data_consumers(f"{c.name}:0")]
-        if any(_UNSTACKS.get(c.op) == i for c, i in readers):
+        if _unstacked(ir, t):
             out.append(t)
     return out
+
+
+#: Ops between a time-major input and the loop that keep its layout: identities, elementwise
+#: ops (a dropout's mask, a scale) and reversing the sequences along their time axis.
+def _keeps_layout(op: str) -> bool:
+    from replicate.batchflow import table
+
+    return op in table.UNARY or op in table.BROADCAST or op in table.PASS_THROUGH \
+        or op == "ReverseSequence"
+
+
+def _unstacked(ir: IR, tensor: str) -> bool:
+    """A loop reads ``tensor``'s leading axis element by element, directly or through ops that
+    keep its layout (a variational dropout, ``tf.reverse_sequence`` of a backward RNN)."""
+    work, seen = [tensor], set()
+    while work and len(seen) < 64:
+        ref = work.pop()
+        for c, i in ir.data_consumers(ref):
+            if _UNSTACKS.get(c.op) == i:
+                return True
+            if c.name not in seen and _keeps_layout(c.op):
+                seen.add(c.name)
+                work.append(f"{c.name}:0")
+    return False
 
 
 def _unproven(flow: Flow) -> int:

@@ -151,6 +151,13 @@ class Context:
 
         for _ in range(32):
             node = self.ir.nodes.get(node_of(ref))
+            if node is not None and node.op == "Transpose" and len(node.inputs) > 1:
+                perm = self.int_value(node.inputs[1])       # the dimension it moved there
+                if perm is None or index >= len(perm) or not isinstance(perm[index], int) \
+                        or isinstance(perm[index], bool):
+                    break
+                ref, index = node.inputs[0], int(perm[index])
+                continue
             if node is None or not node.inputs or not (
                     node.op in table.UNARY or node.op in table.PASS_THROUGH
                     or node.op in ("Enter", "Exit", "Identity", "Switch", "Merge")):

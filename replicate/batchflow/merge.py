@@ -29,6 +29,9 @@ class Merge:
     axis: int = 0
     note: str = ""
     tail: int = 0
+    #: copies of the batch one after the other along ``axis`` (a time-major ``[T*B, H]``):
+    #: an int, or a named dimension ``"tensor#dim"`` whose size it is
+    outer: int | str = 1
 
 
 def merge_kind(ir: IR, flow, ref: str) -> Merge:
@@ -49,6 +52,9 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
             return Merge("other", note="row numbers local to each tower")
         if fact.ordered and fact.outer == 1:
             return Merge("concat", axis=fact.axis)
+        if fact.ordered and fact.index is None and isinstance(fact.block, int) and (
+                (isinstance(fact.outer, int) and fact.outer > 1) or _named(fact.outer)):
+            return Merge("concat", axis=fact.axis, outer=fact.outer)   # each copy's rows joined
         return Merge("other", note="the towers hold its rows in another order")
     if fact.kind == RED:
         spec = fact.spec
@@ -74,6 +80,11 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
             return Merge(fact.merge)
         return Merge("other", note=fact.why or f"a batch-dependent {fact.merge} value")
     return Merge("other", note="shared")
+
+
+def _named(outer) -> bool:
+    """``outer`` is a dimension of a tensor, named ``"tensor#dim"`` (not an anonymous one)."""
+    return isinstance(outer, str) and "#" in outer and not outer.startswith("?")
 
 
 #: The most ops a recomputed output may need (it runs once, on the controller).

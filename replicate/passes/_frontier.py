@@ -115,7 +115,8 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             unmergeable.append(t)
             merged[t] = Frontier(t, "first", False)
             return
-        merged[t] = Frontier(t, red.kind, False, weights=red.weights, axis=red.axis, tail=red.tail)
+        merged[t] = Frontier(t, red.kind, False, weights=red.weights, axis=red.axis, tail=red.tail,
+                             outer=red.outer)
 
     for t in crossing_sorted:
         if node_of(t) not in in_grad:

@@ -156,7 +156,7 @@ class Rewire:
             if arity.get(name, 1) == 1 and list(roles) == [0]:
                 combine(ir, towers, name, [copies[k][name] for k in range(n)], roles[0].role,
                         out_types[f"{name}:0"], self.controller, self.controller, roles[0].weights,
-                        axis=roles[0].axis, tail=roles[0].tail)
+                        axis=roles[0].axis, tail=roles[0].tail, outer=_copies_of(roles[0].outer, copies, n))
                 count += 1
                 continue
             outputs, types = [], []
@@ -166,7 +166,8 @@ class Rewire:
                     outputs.append(combine(ir, towers, f"{name}_merged/output_{i}",
                                            [f"{copies[k][name]}:{i}" for k in range(n)], roles[i].role,
                                            out_types[tensor], self.controller, self.controller,
-                                           roles[i].weights, axis=roles[i].axis, tail=roles[i].tail))
+                                           roles[i].weights, axis=roles[i].axis, tail=roles[i].tail,
+                                           outer=_copies_of(roles[i].outer, copies, n)))
                     count += 1
                 elif i in synced.get(name, {}):
                     outputs.append(synced[name][i])     # a synchronized statistic (sync pass)
@@ -181,3 +182,13 @@ class Rewire:
 def _ref(tensor: str) -> str:
     node, idx = parse_tensor(tensor)
     return node if idx == 0 else f"{node}:{idx}"
+
+
+def _copies_of(outer, copies, n: int):
+    """A merge's count of batch copies: an int, or per tower the ``(tensor, dimension)`` it is
+    the size of (``"tensor#dim"``, read from the tower's own copy of the tensor)."""
+    if isinstance(outer, int):
+        return outer
+    tensor, dim = outer.rsplit("#", 1)
+    name, idx = parse_tensor(tensor)
+    return [(tensor_name(copies[k].get(name, name), idx), int(dim)) for k in range(n)]
