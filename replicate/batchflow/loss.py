@@ -122,8 +122,9 @@ FIXES = (
      "draw the noise for the whole batch before tf.map_fn (one tf.nn.dropout on the stacked "
      "result), or train this graph on one device"),
     ("carries a value from one example to the next",
-     "keep each example's computation to itself (tf.map_fn, not tf.scan over the batch), or "
-     "train this graph on one device"),
+     "if the loop is over time steps of a time-major input ([T, B, ...]), name its batch axis: "
+     "batch_inputs={'x:0': 1} (--batch-inputs x:0@1); else keep each example's computation to "
+     "itself (tf.map_fn, not tf.scan over the batch), or train this graph on one device"),
     ("puts values of the whole batch into its results",
      "compute what the examples share (a batch mean, the batch size) outside the loop and "
      "feed it as a constant, or train this graph on one device"),

@@ -16,7 +16,7 @@ from replicate.batchflow.lattice import MIXED, PART, RED
 from replicate.batchflow.loss import UNNORMALIZED, shares_suffice
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["Merge", "merge_kind", "recompute_plan"]
+__all__ = ["Merge", "merge_kind", "recompute_plan", "batch_multiple"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
         spec = fact.spec
         if spec and spec[0] == "count":
             spec = ("count", flow.classes.find(spec[1]))
-        if fact.merge in ("sum", "count"):
+        if fact.merge in ("sum", "count") or batch_multiple(fact):
             return Merge("sum", ("ones",))
         if fact.merge in ("mean", "ratio"):
             from replicate.roles import FLOAT_TYPES
@@ -85,6 +85,17 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
 def _named(outer) -> bool:
     """``outer`` is a dimension of a tensor, named ``"tensor#dim"`` (not an anonymous one)."""
     return isinstance(outer, str) and "#" in outer and not outer.startswith("?")
+
+
+def batch_multiple(fact) -> bool:
+    """``fact`` is a size that is a known multiple of the batch size (``tf.size`` of the
+    labels, a metric's example count): the towers' sizes add up to the batch's. Not a size
+    only computed from the batch (a padded length of a dynamic axis beside it, the same in
+    every tower: summed it was N times too long)."""
+    from replicate.batchflow.lattice import Sym
+
+    return fact.kind == RED and fact.merge == "size" and fact.value is not None \
+        and len(fact.value) == 1 and isinstance(fact.value[0], Sym) and isinstance(fact.value[0].coef, int)
 
 
 #: The most ops a recomputed output may need (it runs once, on the controller).

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from replicate.batchflow.effects import called_functions, draws, writes
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
+from replicate.batchflow.merge import batch_multiple
 from replicate.ir import IR, node_of
 
 __all__ = ["evictable"]
@@ -122,7 +123,7 @@ def _reads_global(ir: IR, flow, node, harmless: set[str], region: set[str]) -> b
             return False
         if fact.taint - harmless:
             return False
-        if fact.kind == RED and fact.merge not in _GLOBAL:
+        if fact.kind == RED and fact.merge not in _GLOBAL and not batch_multiple(fact):
             return False
         if fact.kind not in (SHARED, RED):
             return False

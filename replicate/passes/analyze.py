@@ -209,10 +209,11 @@ class Analyze:
         forward_only = [t for t in forward_only if t not in kept
                         and not (syncs and _global_value(flow, t, syncs))]
         if forward_only:        # intermediates: a warning, not the report's NOT MERGED line
+            # every name: a driver fetching one sees tower 0's value (the list was cut at 4,
+            # and the fetched logits a review looked for were past the cut)
             warnings.append(f"{len(forward_only)} forward tensors cannot be merged across towers; "
                             "fetching one by its name gives tower 0's value (" + ", ".join(
-                                f"'{t}'" for t in forward_only[:4]) +
-                            (", ..." if len(forward_only) > 4 else "") + ")")
+                                f"'{t}'" for t in forward_only) + ")")
         reasons += [Reason(node_of(t), f"gradient rows '{t}' join rows shared by every tower with "
                            "the batch's in an order replicate does not follow; they are "
                            "concatenated, which a sum over rows adds up but row-wise processing "
