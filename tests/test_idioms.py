@@ -616,5 +616,7 @@ def test_time_major_inputs_found_past_the_op_before_the_loop(kind):
         res = replicate.transform(_time_major_variant(kind), ["/cpu:1", "/cpu:2", "/cpu:3"],
                                   accumulate=accumulate)
         assert res.report.exact, res.report.reasons
+        moved = {"labels": "y:0", "reversed": "x:0", "dropout": "x:0"}[kind]
+        assert any(f"input '{moved}' is taken to be time-major" in w for w in res.report.warnings)
         cmp = compare(_time_major_variant(kind), res.graph, "train", feeds, fetch=("loss:0",))
         assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

@@ -62,6 +62,8 @@ class Flow:
     losses: dict[str, tuple[list[Term], Reason | None]]
     order: list[str]
     depths: dict[str, int]
+    #: inputs taken to hold the batch on axis 1 without the user saying so, with why
+    guessed: dict = dataclasses.field(default_factory=dict)
 
     @property
     def classes(self) -> Classes:
@@ -171,16 +173,28 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         # kept only when it proves more and demotes nothing more (a per-step label left on
         # axis 0 beside inputs moved to axis 1 was claimed exact and split by the time steps)
         if _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted):
+            trial.guessed = {t: "a loop reads its leading axis step by step" if t in looped else
+                             "it is laid out like the inputs a loop reads step by step"
+                             for t in trial_pool if trial_pool[t] == 1 and t in trial.inputs}
             flow, pool = trial, trial_pool
     if not forced and _unproven(flow):
-        # a lone input fed time-major beside batch-major ones (labels [T, B] compared with
-        # transposed logits): split by its time steps, the rewrite failed at step 1
-        for t in [t for t in pool if pool[t] == 0 and t in flow.inputs and _laid_out_like(ir, t, {None})]:
+        # a lone label or mask fed time-major beside batch-major inputs ([T, B] compared with
+        # transposed logits): split by its time steps, the rewrite failed at step 1. Only
+        # integer and boolean inputs: a float input moved so made a mismatch of the program's
+        # own layouts look consistent (a guess the warning states; review 10)
+        for t in [t for t in pool if pool[t] == 0 and t in flow.inputs and _laid_out_like(ir, t, {None})
+                  and ir.output_dtype(t) in _LABEL_TYPES]:
             trial_pool = {**pool, t: 1}
             trial = settle(trial_pool)
             if _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted):
+                trial.guessed = {**flow.guessed, t: "only so do the ops that read it pair its rows "
+                                 "with the batch's"}
                 flow, pool = trial, trial_pool
     return flow
+
+
+#: DataType enums of labels, masks and ids (int32, int64, bool).
+_LABEL_TYPES = frozenset({3, 9, 10})
 
 
 def _laid_out_like(ir: IR, tensor: str, steps: set) -> bool:

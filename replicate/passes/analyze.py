@@ -231,6 +231,9 @@ class Analyze:
         order = _order(ir)
         controls = dict(sorted(controls.items(), key=lambda kv: order(kv[0])))
         fed = {classes.find(b.cls) for b in batch_inputs}
+        warnings += [f"input '{t}' is taken to be time-major, its batch on axis 1 ({why}); if it "
+                     f"is fed batch-major, say so with batch_inputs={{'{t}': 0}}"
+                     for t, why in flow.guessed.items() if t in flow.inputs]
         warnings += [f"the batch size is taken to be {classes.static(c)} from '{where}', whose "
                      "shape bakes it in: feed exactly that many examples per step (one device "
                      "needs that too)" for c, where in sorted(classes.pinned.items())

@@ -253,8 +253,15 @@ def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact])
         want = "max" if node.op == "Maximum" else "min"
         if all(f.merge == want for f in rs):
             return first.with_(taint=taint)
+        if all(f.merge == "size" for f in rs) and not others and len({f.value for f in rs}) == 1:
+            return first.with_(taint=taint)         # of equal sizes: that size
         if all(f.merge == "size" for f in rs):
-            return first.with_(taint=taint)
+            # max(B, 1), min(B, 4): no multiple of the batch size (the towers' max(B_k, 1) do
+            # not add up to max(B, 1) with an empty tower; min(B, 4) is no size at all). Kept
+            # as B, a loss divided by it and a counter of it were claimed exact (review 10)
+            return first.with_(merge="other", value=None, taint=taint,
+                               why=f"'{node.name}': {node.op} of the batch size and another value "
+                               "(each tower has its own)")
     return other(f"{node.op} of a batch-reduced value")
 
 
