@@ -15,7 +15,9 @@ from __future__ import annotations
 import collections
 from typing import Iterable
 
-__all__ = ["Prod", "map_reshape", "strided_entries"]
+from replicate.batchflow.lattice import Fact, Sym
+
+__all__ = ["Prod", "map_reshape", "sized_rows", "strided_entries"]
 
 
 class Prod:
@@ -105,6 +107,43 @@ def map_reshape(in_dims: list, axis: int, outer, inner, batch: int | None,
             return None
         suffix = suffix.times(out_dims[j])
     return None
+
+
+def sized_rows(f: Fact, in_dims: list | None, target: tuple, j: int, out_dims: list | None) -> bool:
+    """A target whose dimension ``j`` is ``coef`` times the batch size holds ``coef`` rows of
+    each example there when what follows it is what follows each example's rows in the input:
+    ``coef * prod(target[j+1:]) == block * prod(in_dims[axis+1:])``. What comes before is then
+    as many copies of the batch as the input holds (the reshape's own size check sees to
+    that): ``[B, T, H]`` to ``[T * B, H]`` rows of each example, a time-major ``[T * B]``
+    back to ``[T, B]``. A time-major ``[T, B, H]`` to ``[T * B, H]`` is not that (T copies of
+    the batch): taken as T rows of each example, it paired with example-major labels as if they
+    were one device's (claimed exact, 0.27 off); the layout mapping finds it."""
+    coef = target[j].coef
+    if in_dims is None or f.outer is None:
+        return False
+
+    def dims(indices) -> list | None:
+        out = []
+        for i in indices:
+            t = target[i]
+            if isinstance(t, int) and t == -1:
+                t = out_dims[i] if out_dims is not None and i < len(out_dims) else None
+            if t is None or isinstance(t, (bool, Sym)):
+                return None
+            out.append(t)
+        return out
+
+    def same(a: Prod, b: Prod) -> bool:
+        return a.value == b.value and a.symbols == b.symbols and not any(s.startswith("?") for s in a.symbols)
+
+    # either side suffices: the reshape's size check makes the other equal too
+    before, after = dims(range(j)), dims(range(j + 1, len(target)))
+    if before is not None and None not in in_dims[:f.axis] and \
+            same(Prod.of(before, "t"), Prod.of(in_dims[:f.axis], "i").times(f.outer)):
+        return True
+    return after is not None and None not in in_dims[f.axis + 1:] and coef is not None \
+        and f.block is not None \
+        and same(Prod.of(after, "t").times(coef), Prod.of(in_dims[f.axis + 1:], "i").times(f.block))
 
 
 def strided_entries(rank: int, n: int, ellipsis: int, new_axis: int, shrink: int

@@ -16,7 +16,7 @@ from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, forward_of, mixed, part, rows,
                                               shared, size_fact, taint_of)
 from replicate.batchflow.rules import tail
-from replicate.batchflow.rules.layout import Prod, map_reshape, strided_entries
+from replicate.batchflow.rules.layout import map_reshape, sized_rows, strided_entries
 from replicate.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["reshape", "expand_dims", "squeeze", "transpose", "concat", "pack", "unpack", "split",
@@ -82,7 +82,7 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [f.with_(value=None, index=index, taint=f.taint | ins[1].taint)]
     in_dims = ctx.named_shape(node.inputs[0], skip=f.axis)
     syms = [j for j, v in enumerate(target) if isinstance(v, Sym) and ctx.classes.same(v.cls, f.cls)]
-    if syms and _sized_rows(f, in_dims, target, syms[0], out_dims):
+    if syms and sized_rows(f, in_dims, target, syms[0], out_dims):
         j = syms[0]
         return [part(j, f.cls, target[j].coef, taint=f.taint | ins[1].taint, ordered=f.ordered,
                      filtered=f.filtered)]
@@ -114,43 +114,6 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     # (it was marked unordered, so reshaping back to [T, B] could not be merged any more)
     return [part(j, f.cls, inner, ordered=f.ordered, filtered=f.filtered,
                  taint=f.taint | ins[1].taint, outer=outer)]
-
-
-def _sized_rows(f: Fact, in_dims: list | None, target: tuple, j: int, out_dims: list | None) -> bool:
-    """A target whose dimension ``j`` is ``coef`` times the batch size holds ``coef`` rows of
-    each example there when what follows it is what follows each example's rows in the input:
-    ``coef * prod(target[j+1:]) == block * prod(in_dims[axis+1:])``. What comes before is then
-    as many copies of the batch as the input holds (the reshape's own size check sees to
-    that): ``[B, T, H]`` to ``[T * B, H]`` rows of each example, a time-major ``[T * B]``
-    back to ``[T, B]``. A time-major ``[T, B, H]`` to ``[T * B, H]`` is not that (T copies of
-    the batch): taken as T rows of each example, it paired with example-major labels as if they
-    were one device's (claimed exact, 0.27 off); the layout mapping finds it."""
-    coef = target[j].coef
-    if in_dims is None or f.outer is None:
-        return False
-
-    def dims(indices) -> list | None:
-        out = []
-        for i in indices:
-            t = target[i]
-            if isinstance(t, int) and t == -1:
-                t = out_dims[i] if out_dims is not None and i < len(out_dims) else None
-            if t is None or isinstance(t, (bool, Sym)):
-                return None
-            out.append(t)
-        return out
-
-    def same(a: Prod, b: Prod) -> bool:
-        return a.value == b.value and a.symbols == b.symbols and not any(s.startswith("?") for s in a.symbols)
-
-    # either side suffices: the reshape's size check makes the other equal too
-    before, after = dims(range(j)), dims(range(j + 1, len(target)))
-    if before is not None and None not in in_dims[:f.axis] and \
-            same(Prod.of(before, "t"), Prod.of(in_dims[:f.axis], "i").times(f.outer)):
-        return True
-    return after is not None and None not in in_dims[f.axis + 1:] and coef is not None \
-        and f.block is not None \
-        and same(Prod.of(after, "t").times(coef), Prod.of(in_dims[f.axis + 1:], "i").times(f.block))
 
 
 def _regroups(ctx: Context, node: Node, f: Fact, in_dims: list, target: tuple) -> None:
