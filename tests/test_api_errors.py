@@ -139,3 +139,25 @@ def test_an_output_that_does_not_import_is_an_internal_error_naming_node_and_pas
         api._import_result(_bad_output(name), v1.MetaGraphDef())
     with pytest.raises(InternalError, match="internal error|report"):
         api._import_result(_bad_output(name), v1.MetaGraphDef())
+
+
+def test_a_batch_chosen_by_a_v2_cond_between_iterators_is_refused_with_the_fix():
+    """``tf.cond(is_training, train.get_next, val.get_next)`` built with control flow v2 reads
+    the batch inside the cond's branches: it was refused with "name them with
+    batch_inputs=", advice that then led to a report of no gradients (review 9). The refusal
+    names the cond and the two ways out."""
+    import numpy as np
+
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        xs, ys = np.zeros((14, 4), np.float32), np.arange(14) % 3
+        data = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(5).repeat()
+        train, val = v1.data.make_one_shot_iterator(data), v1.data.make_one_shot_iterator(data)
+        x, y = tf.cond(v1.placeholder(tf.bool, [], name="is_training"), train.get_next, val.get_next)
+        logits = v1.layers.dense(x, 3)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    with pytest.raises(replicate.ReplicateError, match="disable_control_flow_v2") as err:
+        replicate.transform(g, ["/cpu:1", "/cpu:2"])
+    assert "'cond'" in str(err.value) and "from_string_handle" in str(err.value)

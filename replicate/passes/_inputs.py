@@ -219,3 +219,19 @@ def independent_terms(ir: IR, loss: str, dependent: set[str], region: set[str]) 
             elif producer in region and ir.nodes[producer].op != "Const":
                 out.append(producer)
     return out
+
+
+def fed_in_a_call(ir: IR, region: list[str]) -> str | None:
+    """A region call (a v2 ``If``, a defun) whose function reads data from an iterator or a
+    placeholder inside its body: the batch then enters inside the call, unsplittable."""
+    from replicate.batchflow.effects import called_functions
+
+    for name in region:
+        node = ir.nodes[name]
+        if node.op not in ops.CALL_OPS:
+            continue
+        for fn in called_functions(node):
+            fdef = ir.function(fn)
+            if fdef is not None and any(n.op in ops.BATCH_SOURCE_OPS for n in fdef.node_def):
+                return name
+    return None

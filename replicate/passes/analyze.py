@@ -132,6 +132,14 @@ class Analyze:
                         for t, (axis, cls) in flow.inputs.items()]
         batch_inputs.sort(key=lambda b: _order(ir)(b.tensor))
         if not batch_inputs:
+            chooser = _inputs.fed_in_a_call(ir, region)
+            if chooser is not None:     # tf.cond(is_training, train.get_next, val.get_next)
+                raise AnalysisError(
+                    f"no batch input found: the batch comes out of '{chooser}', a function call "
+                    "(a tf.cond built with control flow v2) that reads it from an iterator or a "
+                    "placeholder inside its branches, where replicate cannot split it; build "
+                    "the graph with tf.compat.v1.disable_control_flow_v2(), or choose the "
+                    "iterator with a string handle (tf.data.Iterator.from_string_handle)")
             raise AnalysisError("no batch input found: no placeholder or iterator output whose "
                                 "examples the loss reduces (name them with batch_inputs=)")
         shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates + sorted(followers))
