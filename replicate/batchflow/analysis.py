@@ -23,6 +23,9 @@ import collections
 import dataclasses
 import logging
 
+from tensorflow.core.framework import types_pb2
+
+from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import SHARED, Classes, Fact
 from replicate.batchflow.rules.common import ROWS_CONFLICT
@@ -170,9 +173,7 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         alike = [t for t in pool if t in flow.inputs and _laid_out_like(ir, t, steps)]
         trial_pool = {**pool, **{t: 1 for t in set(looped) | set(alike)}}
         trial = settle(trial_pool)
-        # kept only when it proves more and demotes nothing more (a per-step label left on
-        # axis 0 beside inputs moved to axis 1 was claimed exact and split by the time steps)
-        if _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted):
+        if _proves_more(trial, flow):
             trial.guessed = {t: "a loop reads its leading axis step by step" if t in looped else
                              "it is laid out like the inputs a loop reads step by step"
                              for t in trial_pool if trial_pool[t] == 1 and t in trial.inputs}
@@ -186,15 +187,22 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
                   and ir.output_dtype(t) in _LABEL_TYPES]:
             trial_pool = {**pool, t: 1}
             trial = settle(trial_pool)
-            if _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted):
+            if _proves_more(trial, flow):
                 trial.guessed = {**flow.guessed, t: "only so do the ops that read it pair its rows "
                                  "with the batch's"}
                 flow, pool = trial, trial_pool
     return flow
 
 
-#: DataType enums of labels, masks and ids (int32, int64, bool).
-_LABEL_TYPES = frozenset({3, 9, 10})
+#: Types of labels, masks and ids.
+_LABEL_TYPES = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64, types_pb2.DT_BOOL})
+
+
+def _proves_more(trial: Flow, flow: Flow) -> bool:
+    """A retry with inputs moved to axis 1 is kept only when it proves more and demotes
+    nothing more (a per-step label left on axis 0 beside inputs moved to axis 1 was claimed
+    exact and split by the time steps)."""
+    return _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted)
 
 
 def _laid_out_like(ir: IR, tensor: str, steps: set) -> bool:
@@ -227,8 +235,6 @@ def _time_major(ir: IR, inputs: list[str]) -> list[str]:
 #: Ops between a time-major input and the loop that keep its layout: identities, elementwise
 #: ops (a dropout's mask, a scale) and reversing the sequences along their time axis.
 def _keeps_layout(op: str) -> bool:
-    from replicate.batchflow import table
-
     return op in table.UNARY or op in table.BROADCAST or op in table.PASS_THROUGH \
         or op == "ReverseSequence"
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from replicate.batchflow.loss import behind
 from replicate.ir import IR, node_of, parse_tensor
 
 __all__ = ["Probe", "probe_of", "import_body"]
@@ -46,19 +47,10 @@ _PATH = frozenset({"Identity", "Enter", "Switch", "Merge", "NextIteration"})
 _LISTS = frozenset({"TensorListReserve", "EmptyTensorList"})
 
 
-def _behind(ir: IR, ref: str) -> str:
-    for _ in range(16):
-        node = ir.nodes.get(node_of(ref))
-        if node is None or node.op not in _PATH or not node.inputs:
-            break
-        ref = node.inputs[0]
-    return ref
-
-
 def probe_of(ir: IR, shape_of, ref: str) -> Probe | None:
     """The probe of tensor ``ref`` of ``ir`` (``shape_of(ref)``: a static shape), or None."""
     for _ in range(16):
-        ref = _behind(ir, ref)
+        ref = behind(ir, ref, _PATH)
         name, idx = parse_tensor(ref)
         node = ir.nodes.get(name)
         if node is None:
@@ -77,7 +69,7 @@ def probe_of(ir: IR, shape_of, ref: str) -> Probe | None:
                 return None
             return Probe("list", tuple(shape[1:]), node.attr("element_dtype"))
         if node.op in _LISTS:
-            value = ir.const_value(node_of(_behind(ir, node.inputs[0])))
+            value = ir.const_value(node_of(behind(ir, node.inputs[0], _PATH)))
             if value is None or value.ndim != 1:
                 return None
             return Probe("list", tuple(int(d) if d >= 0 else None for d in value),

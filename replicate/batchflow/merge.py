@@ -12,7 +12,7 @@ import dataclasses
 
 from tensorflow.core.framework import types_pb2
 
-from replicate.batchflow.lattice import MIXED, PART, RED
+from replicate.batchflow.lattice import MIXED, PART, RED, Sym
 from replicate.batchflow.loss import UNNORMALIZED, shares_suffice
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
 
@@ -92,8 +92,6 @@ def batch_multiple(fact) -> bool:
     labels, a metric's example count): the towers' sizes add up to the batch's. Not a size
     only computed from the batch (a padded length of a dynamic axis beside it, the same in
     every tower: summed it was N times too long)."""
-    from replicate.batchflow.lattice import Sym
-
     return fact.kind == RED and fact.merge == "size" and fact.value is not None \
         and len(fact.value) == 1 and isinstance(fact.value[0], Sym) and isinstance(fact.value[0].coef, int)
 
