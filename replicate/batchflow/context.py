@@ -87,6 +87,8 @@ class Context:
         self.all_gradient = all_gradient
         self.functions = functions if functions is not None else {}
         self.notes: list[tuple[str, str]] = []
+        #: Placeholders without a static rank that left an op's layout unknown.
+        self.shapeless: set[str] = set()
         #: Ops no split of the batch can run: node -> (what, fix).
         self.refusals: dict[str, tuple[str, str]] = {}
         self.refined: dict[str, list[int | None]] = {}
@@ -281,6 +283,7 @@ class Context:
             seen.add(name)
             producer = self.ir.nodes[name]
             if self.rank(ref) is None and producer.op in ("Placeholder", "PlaceholderWithDefault"):
+                self.shapeless.add(name)
                 return (f"{node.op} of a tensor of unknown rank: input '{name}' has no static "
                         "shape (give the placeholder one, e.g. shape=[] for a scalar)")
             if self.rank(ref) is None:

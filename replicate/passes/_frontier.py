@@ -102,7 +102,8 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                     # a forward tensor a driver may fetch by name keeps it: tower 0's value
                     # (it used to vanish, and the driver's fetch failed)
                     merged[t] = Frontier(t, "first", False)
-                    forward_only.append(t)
+                    if fact is None or fact.kind != "shared":   # else tower 0's is everyone's
+                        forward_only.append(t)
                 return
             fact = flow.fact(t)
             if red.kind == "none" and fact is not None and fact.kind == "shared":

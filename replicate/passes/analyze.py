@@ -31,7 +31,7 @@ from replicate.batchflow.rules.functional import INSIDE
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _phases, _weights
+from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _phases, _pins, _weights
 from replicate.passes._frontier import classify, fetch_cone
 from replicate.passes._updates import find_train_ops
 from replicate.pipeline import PassResult
@@ -77,6 +77,33 @@ class Analyze:
 
     def run(self, ir: IR) -> PassResult:
         _refuse_replicated(ir)
+        self._settle(ir)
+        first = ir.facts["analysis"]
+        shapeless = _pins.candidates(ir, first)
+        if not shapeless:
+            return PassResult(ir, False)
+        # placeholders without a rank left layouts unknown: try them as scalars, checked at
+        # run time (a hyperparameter fed a float), and keep that only if it proves more
+        pinned = _pins.pin_scalars(ir, shapeless)
+        if pinned is None:
+            return PassResult(ir, False)
+        pins, undo = pinned
+        try:
+            self._settle(ir)
+            better = len(ir.facts["analysis"].reasons) < len(first.reasons)
+        except AnalysisError:
+            better = False
+        if not better:
+            undo()
+            ir.facts["analysis"] = first
+            return PassResult(ir, False)
+        analysis = ir.facts["analysis"]
+        analysis.warnings = [w for w in analysis.warnings if not any(     # said better below
+            w.startswith(f"input '{tensor_name(n)}' has unknown rank") for n in pins)]
+        analysis.warnings.extend(_pins.warning(n, p) for n, p in pins.items())
+        return PassResult(ir, True)
+
+    def _settle(self, ir: IR) -> None:
         pulled = self._analyze(ir, set())
         if pulled:      # fetch-only ops that met tower 0's stand-ins and the whole batch
             first = ir.facts["analysis"]
@@ -85,7 +112,6 @@ class Analyze:
             except AnalysisError as exc:    # they cannot run in the towers either: as before
                 log.info("analyze: fetch-only ops left outside the towers (%s)", exc)
                 ir.facts["analysis"] = first
-        return PassResult(ir, False)
 
     def _analyze(self, ir: IR, pulled: set[str]) -> set[str]:
         """Analyse with the ops ``pulled`` into the towers; set ``ir.facts["analysis"]`` and
