@@ -171,13 +171,23 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         # leading dimensions dynamic: per-step labels) move together
         steps = {(ir.static_shape(t) or [None])[0] for t in looped}
         alike = [t for t in pool if t in flow.inputs and _laid_out_like(ir, t, steps)]
-        trial_pool = {**pool, **{t: 1 for t in set(looped) | set(alike)}}
-        trial = settle(trial_pool)
-        if _proves_more(trial, flow):
-            trial.guessed = {t: "a loop reads its leading axis step by step" if t in looped else
-                             "it is laid out like the inputs a loop reads step by step"
-                             for t in trial_pool if trial_pool[t] == 1 and t in trial.inputs}
-            flow, pool = trial, trial_pool
+        # with a dynamic T a [B, T] label looks like a [T, B] one: try the loop's inputs alone
+        # too (moved along, it was split by its time steps and the rewrite failed at step 1)
+        options = [set(looped) | set(alike)] + ([set(looped)] if set(alike) - set(looped) else [])
+        best = flow
+        for moved in options:
+            trial_pool = {**pool, **{t: 1 for t in moved}}
+            trial = settle(trial_pool)
+            # a tie with the unmoved split still moves: split by its time steps, a looped
+            # input makes the towers run different numbers of steps, and the rewrite failed
+            # at step 1 (review 10); the tie among the options keeps the first
+            if _proves_more(trial, best, ties=best is flow):
+                trial.guessed = {t: "a loop reads its leading axis step by step" if t in looped
+                                 else "it is laid out like the inputs a loop reads step by step"
+                                 for t in trial_pool if trial_pool[t] == 1 and t in trial.inputs}
+                best, best_pool = trial, trial_pool
+        if best is not flow:
+            flow, pool = best, best_pool
     if not forced and _unproven(flow):
         # a lone label or mask fed time-major beside batch-major inputs ([T, B] compared with
         # transposed logits): split by its time steps, the rewrite failed at step 1. Only
@@ -198,11 +208,12 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
 _LABEL_TYPES = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64, types_pb2.DT_BOOL})
 
 
-def _proves_more(trial: Flow, flow: Flow) -> bool:
-    """A retry with inputs moved to axis 1 is kept only when it proves more and demotes
-    nothing more (a per-step label left on axis 0 beside inputs moved to axis 1 was claimed
-    exact and split by the time steps)."""
-    return _unproven(trial) < _unproven(flow) and not set(trial.demoted) - set(flow.demoted)
+def _proves_more(trial: Flow, flow: Flow, ties: bool = False) -> bool:
+    """A retry with inputs moved to axis 1 is kept only when it proves more (or as much, with
+    ``ties``) and demotes nothing more (a per-step label left on axis 0 beside inputs moved
+    to axis 1 was claimed exact and split by the time steps)."""
+    better = _unproven(trial) <= _unproven(flow) if ties else _unproven(trial) < _unproven(flow)
+    return better and not set(trial.demoted) - set(flow.demoted)
 
 
 def _laid_out_like(ir: IR, tensor: str, steps: set) -> bool:

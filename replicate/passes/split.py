@@ -77,9 +77,14 @@ class Split:
             scope = SCOPE if i == 0 else f"{SCOPE}/class_{i}"
             sizes = self._counts(ir, towers, cls, members, scope, analysis.classes.get(cls),
                                  analysis.granule)
+            guessed = getattr(analysis.flow, "guessed", None) or {}
+            dense = [b for b in members if b.sparse is None]
             for batch_input in members:
                 if batch_input.sparse is None:
                     self._split(ir, towers, batch_input, sizes)
+                    if batch_input is not dense[0] and any(b.tensor in guessed for b in dense):
+                        self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
+                                          guessed)
                 elif batch_input.tensor == batch_input.sparse[0]:
                     _sparse.split(ir, towers, batch_input.sparse, towers.class_counts[cls],
                                   self.controller)
@@ -162,6 +167,34 @@ class Split:
                                          "Tlen": dtypes.int32, "num_split": n})
         for k in range(n):
             towers.inputs[k][batch_input.tensor] = tensor_name(node.name, k)
+
+
+    def _check_agree(self, ir: IR, member, first, batch: str, guessed: dict[str, str]) -> None:
+        """Before ``member`` is split, check it holds as many examples along its axis as
+        ``first`` does: the layout of a guessed time-major input (``[T, B]`` and ``[B, T]``
+        look alike when both are dynamic) is decided by the feed, and a wrong guess failed in
+        ``SplitV`` with a message that did not say why."""
+        dev, i32 = self.controller, {"T": dtypes.int32}
+        name, idx = parse_tensor(member.tensor)
+        scope = f"{SCOPE}/{name}_{idx}/check"
+        shape = ir.add(f"{scope}/shape", "Shape", [_ref(member.tensor)], device=dev,
+                       attrs={"T": dtypes.as_dtype(ir.output_dtype(member.tensor)),
+                              "out_type": dtypes.int32}).name
+        size = ir.add(f"{scope}/size", "GatherV2", [shape, ir.const(f"{scope}/axis", member.axis,
+                      dtypes.int32, dev), ir.const(f"{scope}/zero", 0, dtypes.int32, dev)],
+                      device=dev, attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32,
+                                         "Taxis": dtypes.int32}).name
+        same = ir.add(f"{scope}/same", "Equal", [size, batch], device=dev, attrs=i32).name
+        said = "; ".join(f"'{t}' was taken to be time-major, its batch on axis 1 ({why})"
+                         for t, why in guessed.items())
+        text = (f"replicate: batch input '{member.tensor}' holds another number of examples along "
+                f"axis {member.axis} than '{first.tensor}' along axis {first.axis} (the two sizes "
+                f"follow): {said}; if an input is fed batch-major, say so with "
+                f"batch_inputs={{'<name>': 0}}")
+        message = ir.const(f"{scope}/message", text, dtypes.string, dev)
+        check = ir.add(f"{scope}/assert", "Assert", [same, message, size, batch], device=dev,
+                       attrs={"T": [dtypes.string, dtypes.int32, dtypes.int32], "summarize": 3})
+        ir.set_control(f"{SCOPE}/{name}_{idx}", [check.name])
 
 
 def _ref(tensor: str) -> str:
