@@ -285,7 +285,8 @@ class Context:
             if self.rank(ref) is None and producer.op in ("Placeholder", "PlaceholderWithDefault"):
                 self.shapeless.add(name)
                 return (f"{node.op} of a tensor of unknown rank: input '{name}' has no static "
-                        "shape (give the placeholder one, e.g. shape=[] for a scalar)")
+                        "shape (give the placeholder its shape: shape=[] for a scalar, "
+                        "shape=[None] for a value per example)")
             if self.rank(ref) is None:
                 work.extend(producer.inputs)
         return f"{node.op} of a tensor of unknown rank"

@@ -148,6 +148,12 @@ class _Resolver:
                         "batch-sized shape is needed", "compute it per example")
             return
         node = ir.nodes[name]
+        if table.is_vector_view(node) and d.dim == 0 and (d.block, d.outer) == (1, 1) \
+                and ir.nodes[node_of(node.inputs[0])].op in ops.BATCH_SOURCE_OPS:
+            # a value per example fed without a shape (a mask, example weights): split it
+            fed = tensor_name(*parse_tensor(node.inputs[0]))
+            self.plan.promote.setdefault(fed, dataclasses.replace(d, tensor=fed))
+            return
         if name not in ctx.region_names:
             if node.op in ops.BATCH_SOURCE_OPS and (d.block, d.outer) != (1, 1):
                 # a fed tensor with several rows per example (labels flattened with their

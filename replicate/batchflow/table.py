@@ -28,6 +28,16 @@ UNARY = frozenset({
     "AsString", "StringToNumber", "StringStrip", "StringLower", "StringUpper",
 })
 
+#: Name suffix of a ``Reshape(p, [-1])`` through which broadcasting ops read a placeholder
+#: declared without a shape (``passes/_pins.py``): a scalar or a vector, checked at run time.
+VECTOR_VIEW = "replicate_vector"
+
+
+def is_vector_view(node) -> bool:
+    """``node`` reads a shapeless placeholder as a vector (rank at most 1, checked)."""
+    return node.op == "Reshape" and node.name.endswith("/" + VECTOR_VIEW)
+
+
 #: Elementwise ops whose data inputs broadcast against each other (numpy rules).
 BROADCAST = frozenset({
     "Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "DivNoNan", "RealDiv", "TruncateDiv",

@@ -1,34 +1,53 @@
-"""Helper of the analyze pass: take shapeless placeholders for scalars, checked at run time.
+"""Helper of the analyze pass: read shapeless placeholders as vectors where they broadcast.
 
-A legacy program often declares a hyperparameter without a shape
-(``scale = tf.placeholder(tf.float32)``) and feeds it a Python float. Without a rank, the
-ops that read it (``x + scale * noise``, then a ``matmul``) have no layout the analysis can
-prove, so the result was inexact although every step the driver runs is exact.
+A legacy program often declares a value without a shape (``scale = tf.placeholder(tf.float32)``)
+and feeds it a float, or a vector of class weights, a feature mean. Without a rank, the ops
+that read it (``x + scale * noise``, then a ``matmul``) have no layout the analysis can prove,
+so the result was inexact although every step the driver runs is exact.
+
+An elementwise op that broadcasts such a placeholder against an operand of rank 1 or more
+computes the same values, of the same shape, when it reads the placeholder flattened to a
+vector (a scalar becomes one entry, a vector stays as it is). With that view the analysis
+knows the rank, and what it proves holds for every scalar or vector the driver feeds. A
+value per example fed through such a placeholder lines its one axis up with the batch's,
+which the analysis sees and reports as before.
 
 Requires: an IR with static shapes and its ``tf_graph``; the analysis' placeholders that
-left a layout unknown (``ctx.shapeless``, shared inputs only: a batch input is never pinned).
+left a layout unknown (``ctx.shapeless``, shared inputs only: a batch input is never viewed).
 
-Produces: an ``EnsureShape(shape=[])`` after each such placeholder, read by all its
-consumers, and the static shapes (and ``ir.tf_graph``) inferred again with it. The analyze
-pass keeps the pins only when the analysis then proves more, and names each in a warning;
-the emitted graph keeps the check, so a step fed anything but a scalar stops with
-TensorFlow's error naming the pin instead of training on an unproved layout.
+Produces: for each such placeholder read by broadcasting ops, ``<name>/replicate_vector``
+(``Reshape(p, [-1])``) that those ops read instead, after a check that it was fed no more than
+a vector (``<name>/replicate_vector/check``: a step fed a matrix stops naming it instead of
+training on an unproved layout); the other readers (an optimizer's learning rate, a cond's
+predicate) keep the placeholder. The static shapes (and ``ir.tf_graph``) are inferred again.
+The analyze pass keeps the views only when the analysis then proves more, and names each in
+a warning.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from tensorflow.core.framework import attr_value_pb2, tensor_shape_pb2
+import numpy as np
+from tensorflow.python.framework import dtypes
 
 from replicate import registry
+from replicate.batchflow import table
 from replicate.errors import InputError
-from replicate.ir import IR, tensor_name
+from replicate.ir import IR, node_of, tensor_name
 
-__all__ = ["candidates", "pin_scalars", "warning"]
+__all__ = ["candidates", "view_as_vectors", "warning"]
 
-#: Suffix of the node that checks a placeholder is fed a scalar.
-SUFFIX = "replicate_scalar"
+#: Suffix of the node that reads a placeholder as a vector.
+SUFFIX = table.VECTOR_VIEW
+
+#: Elementwise ops whose operands broadcast: a scalar operand and its one-entry vector give the
+#: same result when another operand has rank 1 or more.
+BROADCASTING = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "DivNoNan", "RealDiv", "FloorDiv",
+    "TruncateDiv", "FloorMod", "Maximum", "Minimum", "Pow", "SquaredDifference", "Equal",
+    "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr",
+})
 
 
 def candidates(ir: IR, analysis) -> list[str]:
@@ -41,42 +60,91 @@ def candidates(ir: IR, analysis) -> list[str]:
                   if tensor_name(n) in shared and ir.static_shape(tensor_name(n)) is None)
 
 
-def pin_scalars(ir: IR, names: list[str]) -> tuple[dict[str, str], Callable[[], None]] | None:
-    """Insert the checks after ``names`` and infer the shapes again; return placeholder ->
-    check, and a function that undoes all of it. None, with nothing changed, when an op
-    cannot read a scalar there (a ``tf.gather`` of class weights fed as a vector)."""
+def _readers(ir: IR, name: str) -> list[str]:
+    """The ops that read ``name``'s output and may read it as a vector instead."""
+    return list(dict.fromkeys(c.name for c, pos in ir.data_consumers(tensor_name(name))
+                              if _widens_alike(ir, c, pos, name)))
+
+
+def _widens_alike(ir: IR, node, pos: int, name: str, depth: int = 0) -> bool:
+    """``node`` gives the same values of the same shape when its input ``pos`` is a vector of
+    one entry instead of a scalar: it broadcasts it against an operand of rank 1 or more, or
+    against scalars into ops that all do so in turn (``1 + (pos_weight - 1) * labels``)."""
+    if node.op not in BROADCASTING:
+        return False
+    others = [r for i, r in enumerate(node.inputs) if i != pos]
+    if any(node_of(r) == name for r in others):
+        return False
+    ranks = [len(s) if s is not None else None for s in map(ir.static_shape, others)]
+    if any(r is not None and r >= 1 for r in ranks):
+        return True
+    if depth >= 4 or None in ranks:
+        return False
+    readers = ir.data_consumers(f"{node.name}:0")
+    return bool(readers) and all(_widens_alike(ir, c, i, name, depth + 1) for c, i in readers)
+
+
+def view_as_vectors(ir: IR, names: list[str]) -> tuple[dict[str, str], Callable[[], None]] | None:
+    """Make the broadcasting readers of ``names`` read them as vectors and infer the shapes
+    again; return placeholder -> view, and a function that undoes all of it. None, with nothing
+    changed, when no placeholder has such readers or the graph does not import so."""
     saved_shapes, saved_graph = dict(ir.static_shapes), ir.tf_graph
-    pins = {}
-    for name in names:
-        node = ir.nodes[name]
-        pin = ir.unique_name(f"{name}/{SUFFIX}")
-        readers = [c.name for c, _ in ir.data_consumers(tensor_name(name))]
-        ir.add(pin, "EnsureShape", [tensor_name(name)], device=node.device,
-               attrs={"shape": attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto()),
-                      "T": node.attrs["dtype"]})
-        ir.replace_uses(tensor_name(name), tensor_name(pin), only=readers)
-        pins[name] = pin
+    views: dict[str, tuple[str, list[str]]] = {}
 
     def undo() -> None:
-        for name, pin in pins.items():
-            ir.replace_uses(tensor_name(pin), tensor_name(name))
-            ir.remove(pin)
+        for name, (view, added) in views.items():
+            ir.replace_uses(tensor_name(view), tensor_name(name))
+            ir.remove_many(added)
         ir.static_shapes = saved_shapes
         ir.tf_graph = saved_graph
 
-    try:
-        graph = registry.import_checked(ir.to_graph_def(), "shapeless inputs taken for scalars")
-    except InputError:
-        undo()
+    for _ in range(8):  # a view gives its readers a rank, which may qualify more: (x - mu) / (mu + 1)
+        ready = [(n, r) for n in names for r in [_readers(ir, n)] if r]
+        if not ready:
+            break
+        for name, readers in ready:
+            if name in views:
+                ir.replace_uses(tensor_name(name), tensor_name(views[name][0]), only=readers)
+            else:
+                views[name] = _view(ir, name, readers)
+        try:
+            graph = registry.import_checked(ir.to_graph_def(), "shapeless inputs read as vectors")
+        except InputError:
+            undo()
+            return None
+        ir.load_static_shapes(graph)
+        ir.tf_graph = graph
+    if not views:
         return None
-    ir.load_static_shapes(graph)
-    ir.tf_graph = graph
-    return pins, undo
+    return {name: view for name, (view, _) in views.items()}, undo
 
 
-def warning(name: str, pin: str) -> str:
-    """What the report says about a pin."""
-    return (f"input '{tensor_name(name)}' has no static shape: it is taken to be a scalar, "
-            f"which the ops reading it need to be proved exact; the rewritten graph checks this "
-            f"when it runs ('{pin}' stops a step fed anything else); give the placeholder a "
-            "shape to say otherwise")
+def _view(ir: IR, name: str, readers: list[str]) -> tuple[str, list[str]]:
+    """Add ``name``'s checked vector view, read by ``readers``: (the view, the nodes added)."""
+    node = ir.nodes[name]
+    dev, ref = node.device, tensor_name(name)
+    view = ir.unique_name(f"{name}/{SUFFIX}")
+    i32 = {"T": dtypes.int32}
+    rank = ir.add(f"{view}/rank", "Rank", [ref], device=dev, attrs={"T": node.attrs["dtype"]}).name
+    ok = ir.add(f"{view}/at_most_one", "LessEqual",
+                [rank, ir.const(f"{view}/one", 1, dtypes.int32, dev)], device=dev, attrs=i32).name
+    text = (f"replicate: input '{ref}' was declared without a shape and is read as a scalar or a "
+            "vector (the analysis proved the rewrite for those); it was fed a value of the rank "
+            "that follows: give the placeholder its shape and transform again")
+    check = ir.add(f"{view}/check", "Assert",
+                   [ok, ir.const(f"{view}/message", text, dtypes.string, dev), rank], device=dev,
+                   attrs={"T": [dtypes.string, dtypes.int32], "summarize": 3}).name
+    ir.add(view, "Reshape", [ref, ir.const(f"{view}/shape", np.array([-1], np.int32), dtypes.int32,
+                                           dev)], [check], device=dev,
+           attrs={"T": node.attrs["dtype"], "Tshape": dtypes.int32})
+    ir.replace_uses(ref, tensor_name(view), only=readers)
+    return view, [f"{view}/rank", f"{view}/one", f"{view}/at_most_one", f"{view}/message",
+                  f"{view}/check", f"{view}/shape", view]
+
+
+def warning(name: str, view: str) -> str:
+    """What the report says about a view."""
+    return (f"input '{tensor_name(name)}' has no static shape: the ops that broadcast it "
+            f"against the batch's tensors read it as a vector ('{view}'; a scalar is one entry), "
+            "which proves the rewrite for any scalar or vector fed; a step fed more dimensions "
+            f"stops at '{view}/check'; give the placeholder a shape to say otherwise")

@@ -82,12 +82,12 @@ class Analyze:
         shapeless = _pins.candidates(ir, first)
         if not shapeless:
             return PassResult(ir, False)
-        # placeholders without a rank left layouts unknown: try them as scalars, checked at
-        # run time (a hyperparameter fed a float), and keep that only if it proves more
-        pinned = _pins.pin_scalars(ir, shapeless)
-        if pinned is None:
+        # placeholders without a rank left layouts unknown: where ops broadcast them, read
+        # them as vectors, checked at run time, and keep that only if it proves more
+        viewed = _pins.view_as_vectors(ir, shapeless)
+        if viewed is None:
             return PassResult(ir, False)
-        pins, undo = pinned
+        views, undo = viewed
         try:
             self._settle(ir)
             better = len(ir.facts["analysis"].reasons) < len(first.reasons)
@@ -99,8 +99,8 @@ class Analyze:
             return PassResult(ir, False)
         analysis = ir.facts["analysis"]
         analysis.warnings = [w for w in analysis.warnings if not any(     # said better below
-            w.startswith(f"input '{tensor_name(n)}' has unknown rank") for n in pins)]
-        analysis.warnings.extend(_pins.warning(n, p) for n, p in pins.items())
+            w.startswith(f"input '{tensor_name(n)}' has unknown rank") for n in views)]
+        analysis.warnings.extend(_pins.warning(n, v) for n, v in views.items())
         return PassResult(ir, True)
 
     def _settle(self, ir: IR) -> None:
