@@ -67,6 +67,8 @@ class Flow:
     depths: dict[str, int]
     #: inputs taken to hold the batch on axis 1 without the user saying so, with why
     guessed: dict = dataclasses.field(default_factory=dict)
+    #: inputs of a fixed shape taken to be read whole by every tower, with why
+    unsplit: dict = dataclasses.field(default_factory=dict)
 
     @property
     def classes(self) -> Classes:
@@ -201,6 +203,20 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
                 trial.guessed = {**flow.guessed, t: "only so do the ops that read it pair its rows "
                                  "with the batch's"}
                 flow, pool = trial, trial_pool
+    fixed = _fixed_classes(ir, flow, pool) if not forced and _blocked(flow) else []
+    if fixed:
+        # a vector of a fixed length beside a batch of any size (multi-task loss weights, a
+        # stateless seed) was split as a batch of its own: refused, or inexact, for a cause
+        # the split itself made (review 11). Read whole by every tower instead, if that
+        # proves more
+        trial = settle({t: a for t, a in pool.items() if t not in fixed})
+        if _blocked(trial) < _blocked(flow) and not set(trial.demoted) - set(flow.demoted):
+            trial.guessed = {t: why for t, why in flow.guessed.items() if t in trial.inputs}
+            trial.unsplit = {t: f"its shape {ir.static_shape(t)} is fixed while the batch's is not, "
+                             "and split by examples it "
+                             + ("could not be split over the towers" if flow.plan.unsplittable else
+                                "made the result inexact") for t in fixed}
+            flow = trial
     return flow
 
 
@@ -214,6 +230,32 @@ def _proves_more(trial: Flow, flow: Flow, ties: bool = False) -> bool:
     to axis 1 was claimed exact and split by the time steps)."""
     better = _unproven(trial) <= _unproven(flow) if ties else _unproven(trial) < _unproven(flow)
     return better and not set(trial.demoted) - set(flow.demoted)
+
+
+def _blocked(flow: Flow) -> int:
+    """What keeps the result from being exact: unproven losses, plan reasons, and ops no
+    split of the batch can run."""
+    return _unproven(flow) + len(flow.plan.unsplittable)
+
+
+def _fixed_classes(ir: IR, flow: Flow, pool: dict[str, int]) -> list[str]:
+    """Batch inputs of a fully static shape whose batch class holds no input of a dynamic
+    size, when some candidate has a dynamic batch size (else they are the batch; the
+    candidate may have been demoted for them: loss weights stacked with its reductions)."""
+    def dynamic_size(t: str) -> bool:
+        shape = ir.static_shape(t)
+        return shape is not None and pool.get(t, 0) < len(shape) and shape[pool.get(t, 0)] is None
+
+    if not any(dynamic_size(t) for t in pool):
+        return []
+    classes = flow.classes
+    mixed_in = {classes.find(c) for t, (_, c) in flow.inputs.items() if dynamic_size(t)}
+    out = []
+    for t, (_, cls) in flow.inputs.items():
+        shape = ir.static_shape(t)
+        if classes.find(cls) not in mixed_in and shape and all(d is not None for d in shape):
+            out.append(t)
+    return out
 
 
 def _laid_out_like(ir: IR, tensor: str, steps: set) -> bool:

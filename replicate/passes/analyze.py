@@ -268,6 +268,8 @@ class Analyze:
         warnings += [f"input '{t}' is taken to be time-major, its batch on axis 1 ({why}); if it "
                      f"is fed batch-major, say so with batch_inputs={{'{t}': 0}}"
                      for t, why in flow.guessed.items() if t in flow.inputs]
+        warnings += [f"input '{t}' is taken to be read whole by every tower ({why}); if it holds "
+                     f"examples, say so with batch_inputs=" for t, why in flow.unsplit.items()]
         warnings += [f"the batch size is taken to be {classes.static(c)} from '{where}', whose "
                      "shape bakes it in: feed exactly that many examples per step (one device "
                      "needs that too)" for c, where in sorted(classes.pinned.items())
