@@ -113,3 +113,27 @@ def test_inspect_never_lists_a_tensor_as_merged_and_not_mergeable(tmp_path):
     assert info["tower0_outputs"][0] not in merged_row
     assert re.search(r"tower 0 +1 +forward tensors under their original names holding tower 0's "
                      r"value only", text)
+
+
+def _generator_of_fed_size(shaped: bool) -> tf.Graph:
+    """A GAN whose noise has a fed size (``bs``), or the batch's (``tf.shape(x)[0]``)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        size = tf.shape(x)[0] if shaped else v1.placeholder(tf.int32, [], name="bs")
+        init = v1.glorot_uniform_initializer(seed=1)
+        fake = v1.layers.dense(v1.random_normal([size, 2], seed=3), 3, name="G", kernel_initializer=init)
+        real = v1.layers.dense(x, 1, name="D", kernel_initializer=init)
+        judged = v1.layers.dense(fake, 1, name="D", reuse=True)
+        loss = tf.add(tf.reduce_mean(tf.nn.softplus(-real)), tf.reduce_mean(tf.nn.softplus(judged)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+def test_a_gradient_the_batch_does_not_reach_is_named_as_such():
+    """It was told to 'apply the gradients outside control flow', with none in the graph."""
+    res = replicate.transform(_generator_of_fed_size(False), ["/cpu:1", "/cpu:2"])
+    texts = [str(r) for r in res.report.reasons]
+    assert texts and all("control flow" not in t for t in texts)
+    assert any("does not depend on the batch" in t and "tf.shape(x)[0]" in t for t in texts)
+    assert replicate.transform(_generator_of_fed_size(True), ["/cpu:1", "/cpu:2"]).report.exact

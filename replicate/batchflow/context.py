@@ -282,6 +282,10 @@ class Context:
                 continue
             seen.add(name)
             producer = self.ir.nodes[name]
+            if self.rank(ref) is None and producer.op == "Placeholder" and f"{name}:0" in self.seeds:
+                return (f"{node.op} of a tensor of unknown rank: the function's argument '{name}' "
+                        "has none (the caller passes it a tensor without a static shape, such "
+                        "as a placeholder declared without one: give that its shape)")
             if self.rank(ref) is None and producer.op in ("Placeholder", "PlaceholderWithDefault"):
                 self.shapeless.add(name)
                 return (f"{node.op} of a tensor of unknown rank: input '{name}' has no static "

@@ -151,7 +151,8 @@ def _loop_obstacle(node, flow, effect) -> tuple[str, str] | None:
                 "iterations at once: which iteration gets which draw can depend on scheduling, "
                 "so one device need not reproduce its own draws",
                 "build the loop with parallel_iterations=1 (dynamic_rnn(..., "
-                "parallel_iterations=1)): its draws are then reproduced exactly")
+                "parallel_iterations=1); a Keras RNN layer: unroll=True): its draws are then "
+                "reproduced exactly")
     trips = flow.fact(f"{node.name}:0")
     if trips is not None and trips.kind != SHARED:
         return (f"random op '{op}' ({effect.op}) inside loop '{node.name}' draws once per "
@@ -196,7 +197,8 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
                     f"{busy[-1].parallel} iterations at once: which iteration gets which draw can "
                     "depend on scheduling, so one device need not reproduce its own draws",
                     "build the loop with parallel_iterations=1 (dynamic_rnn(..., "
-                    "parallel_iterations=1)): its draws are then reproduced exactly")
+                    "parallel_iterations=1); a Keras RNN layer: unroll=True): its draws are then "
+                    "reproduced exactly")
     if not effect.seeded:
         return (f"random op ({node.op}) has no seed: one device does not reproduce its own draws "
                 "either; the towers draw from the same distribution",

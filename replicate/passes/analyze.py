@@ -226,7 +226,7 @@ class Analyze:
         frontier, outputs, unmergeable, doubtful, forward_only = classify(
             ir, region, dependent, in_grad, grad_scopes, apply_ops, flow, losses, self.outputs,
             self.merge_forward, dead)
-        reasons += _unaggregated_updates(ir, apply_ops, inside, frontier)
+        reasons += _unaggregated_updates(ir, apply_ops, inside, frontier, dependent)
         syncs = loss_syncs | synced
         if syncs:
             outputs = [_global_after_sync(flow, f, syncs) for f in outputs]
@@ -476,7 +476,7 @@ def _dead_gradient_code(ir: IR, candidates: set[str]) -> set[str]:
     return dead
 
 
-def _unaggregated_updates(ir: IR, apply_ops, inside: set[str], frontier) -> list[Reason]:
+def _unaggregated_updates(ir: IR, apply_ops, inside: set[str], frontier, dependent: set[str]) -> list[Reason]:
     """An optimizer update must read an aggregated gradient: a tensor of the towers that it
     reads otherwise (through a TF1 cond's switch, which was taken for a forward value and
     merged by a mean: claimed exact, 1.2 off) is a reason, never silently merged."""
@@ -484,7 +484,16 @@ def _unaggregated_updates(ir: IR, apply_ops, inside: set[str], frontier) -> list
     out = []
     for a in apply_ops:
         ref = tensor_name(*parse_tensor(a.grad)) if a.grad else None
-        if ref is not None and node_of(ref) in inside and ref not in grads:
+        if ref is not None and node_of(ref) in inside and ref not in grads and node_of(ref) not in dependent:
+            # the same in every tower: a generator fed noise of a fed size (review 11 was told
+            # to apply the gradients outside control flow, with no control flow in sight)
+            out.append(Reason(a.name, f"the gradient '{ref}' that optimizer update '{a.name}' "
+                              "reads does not depend on the batch (its variable is trained only "
+                              "through values every tower computes whole, such as noise of a fed "
+                              "size); replicate aggregates only gradients of the towers' examples",
+                              "size what the variable computes by the batch (tf.shape(x)[0], not "
+                              "a fed size), or train this graph on one device"))
+        elif ref is not None and node_of(ref) in inside and ref not in grads:
             out.append(Reason(a.name, f"optimizer update '{a.name}' reads '{ref}', a value of the "
                               "towers that is not one of the gradients they aggregate",
                               "apply the gradients outside control flow, or train this graph on "
