@@ -7,7 +7,8 @@ layout of everything after them was unknown, and the report said inexact althoug
 is exact. Ops that broadcast such a placeholder against a tensor of rank 1 or more now read it
 as a vector (``Reshape(p, [-1])``: a scalar is one entry), which gives the same values, so the
 proof holds for any scalar or vector fed; the emitted graph checks the rank, and a vector that
-lines up with the batch is split like any value per example. Where no op can read it so (class
+lines up with the batch is split like any value per example. A call (a v2 ``tf.cond`` branch
+reading a dropout's ``keep_prob``) reads it so when its functions do. Where no op can (class
 weights gathered by label), nothing changes and the reason says which shape to declare.
 
 Earlier in this session the placeholder was taken to be a scalar (``EnsureShape([])``): the
@@ -37,7 +38,14 @@ def _graph(kind: str) -> tf.Graph:
         x = v1.placeholder(tf.float32, [None, D], name="x")
         y = v1.placeholder(tf.int32, [None], name="y")
         p = v1.placeholder(tf.float32, name="p")            # no shape
-        if kind == "autoencoder":
+        if kind == "cond_dropout":          # the training flag's branch reads keep_prob
+            training = v1.placeholder(tf.bool, [], name="training")
+            h = tf.nn.relu(_dense(x, H, "w1", D))
+            h = v1.cond(training, lambda: v1.nn.dropout(h, keep_prob=p, seed=7), lambda: h)
+            logits = tf.identity(_dense(h, C, "w2", H), name="out")
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                                  name="loss")
+        elif kind == "autoencoder":
             noisy = x + p * v1.random_normal((D,), seed=1)
             recon = _dense(tf.nn.softplus(_dense(noisy, H, "w1", D)), D, "w2", H)
             tf.identity(recon, name="out")
@@ -58,14 +66,16 @@ def _graph(kind: str) -> tf.Graph:
     return g
 
 
-def _feeds(value):
+def _feeds(value, kind=""):
     rng = np.random.default_rng(3)
+    flag = {"training:0": True} if kind == "cond_dropout" else {}
     return [{"x:0": rng.random((b, D), dtype=np.float32), "y:0": rng.integers(0, C, b).astype(np.int32),
-             "p:0": value(rng, b)} for b in BATCHES]
+             "p:0": value(rng, b), **flag} for b in BATCHES]
 
 
 CASES = {
     "autoencoder": lambda r, b: 0.1,                                        # the driver's float
+    "cond_dropout": lambda r, b: 0.6,                                       # keep_prob in a v2 cond
     "normalized": lambda r, b: np.linspace(0.0, 1.0, D).astype(np.float32),  # a feature vector
     "class_weights": lambda r, b: np.array([1.0, 2.0, 0.5, 1.5], np.float32),
     "mask": lambda r, b: (r.random(b) > 0.3).astype(np.float32),            # one per example
@@ -80,7 +90,8 @@ def test_a_shapeless_placeholder_read_as_a_vector_trains_exactly(kind, accumulat
     viewed = [w for w in res.report.warnings if "has no static shape" in w]
     assert len(viewed) == 1 and "'p:0'" in viewed[0] and "p/replicate_vector/check" in viewed[0]
     assert not any("has unknown rank" in w for w in res.report.warnings)
-    r = compare(_graph(kind), res.graph, "train", _feeds(CASES[kind]), fetch=("loss:0", "out:0"), cpus=4)
+    r = compare(_graph(kind), res.graph, "train", _feeds(CASES[kind], kind), fetch=("loss:0", "out:0"),
+                cpus=4)
     assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
     for one, towers in r.fetched:
         for a, b in zip(one, towers):

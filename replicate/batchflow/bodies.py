@@ -130,6 +130,13 @@ def import_body(host, fdef, shapes: list, probes: list[Probe | None]) -> tuple[I
     args = [flat[a.name] for a in fdef.signature.input_arg]
     results = [flat[fdef.ret[a.name]] for a in fdef.signature.output_arg]
     nodes = {n.name: n for n in gd.node}
+    for ref, shape in zip(args, shapes):
+        # the shapes recorded when the function was traced replace the call's: an argument
+        # traced without a rank keeps none although the call now passes a vector
+        node = nodes.get(node_of(ref))
+        if shape is not None and node is not None and node.op == "Placeholder" \
+                and node.attr["shape"].shape.unknown_rank:
+            node.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
     originals, own = [], {}
     for ref, probe in zip(args, probes):
         name = node_of(ref)

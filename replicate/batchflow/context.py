@@ -89,6 +89,8 @@ class Context:
         self.notes: list[tuple[str, str]] = []
         #: Placeholders without a static rank that left an op's layout unknown.
         self.shapeless: set[str] = set()
+        #: In a function body: its arguments without a static rank that did so.
+        self.shapeless_args: set[str] = set()
         #: Ops no split of the batch can run: node -> (what, fix).
         self.refusals: dict[str, tuple[str, str]] = {}
         self.refined: dict[str, list[int | None]] = {}
@@ -283,6 +285,7 @@ class Context:
             seen.add(name)
             producer = self.ir.nodes[name]
             if self.rank(ref) is None and producer.op == "Placeholder" and f"{name}:0" in self.seeds:
+                self.shapeless_args.add(f"{name}:0")
                 return (f"{node.op} of a tensor of unknown rank: the function's argument '{name}' "
                         "has none (the caller passes it a tensor without a static shape, such "
                         "as a placeholder declared without one: give that its shape)")
@@ -294,6 +297,22 @@ class Context:
             if self.rank(ref) is None:
                 work.extend(producer.inputs)
         return f"{node.op} of a tensor of unknown rank"
+
+    def trace_shapeless(self, ref: str) -> None:
+        """A function argument without a rank left a layout unknown: record the placeholders
+        without a static shape that tensor ``ref`` passed to it comes from."""
+        work, seen = [ref], set()
+        while work and len(seen) < 200:
+            ref = work.pop()
+            name = node_of(ref)
+            if name in seen or name not in self.ir.nodes or self.rank(ref) is not None:
+                continue
+            seen.add(name)
+            producer = self.ir.nodes[name]
+            if producer.op in ("Placeholder", "PlaceholderWithDefault"):
+                self.shapeless.add(name)
+            else:
+                work.extend(producer.inputs)
 
     def refuse(self, node: str, what: str, fix: str) -> None:
         """No split of the batch can run ``node``: the transform refuses, saying why."""

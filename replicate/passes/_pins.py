@@ -33,6 +33,7 @@ from tensorflow.python.framework import dtypes
 
 from replicate import registry
 from replicate.batchflow import table
+from replicate.batchflow.bodies import import_body
 from replicate.errors import InputError
 from replicate.ir import IR, node_of, tensor_name
 
@@ -66,10 +67,21 @@ def _readers(ir: IR, name: str) -> list[str]:
                               if _widens_alike(ir, c, pos, name)))
 
 
+#: Calls -> (their function attributes, how many leading inputs are no arguments).
+CALLS = {"If": (("then_branch", "else_branch"), 1), "StatelessIf": (("then_branch", "else_branch"), 1),
+         "PartitionedCall": (("f",), 0), "StatefulPartitionedCall": (("f",), 0)}
+
+
 def _widens_alike(ir: IR, node, pos: int, name: str, depth: int = 0) -> bool:
     """``node`` gives the same values of the same shape when its input ``pos`` is a vector of
     one entry instead of a scalar: it broadcasts it against an operand of rank 1 or more, or
-    against scalars into ops that all do so in turn (``1 + (pos_weight - 1) * labels``)."""
+    against scalars into ops that all do so in turn (``1 + (pos_weight - 1) * labels``), or
+    it is a call whose functions all read that argument so (a dropout's ``keep_prob`` in a
+    ``tf.cond`` branch)."""
+    if node.op in CALLS:
+        return depth < 4 and _calls_widen_alike(ir, node, pos, depth)
+    if node.op == "OptionalFromValue":
+        return True     # a branch's value kept for its gradient, whose ops broadcast it alike
     if node.op not in BROADCASTING:
         return False
     others = [r for i, r in enumerate(node.inputs) if i != pos]
@@ -82,6 +94,25 @@ def _widens_alike(ir: IR, node, pos: int, name: str, depth: int = 0) -> bool:
         return False
     readers = ir.data_consumers(f"{node.name}:0")
     return bool(readers) and all(_widens_alike(ir, c, i, name, depth + 1) for c, i in readers)
+
+
+def _calls_widen_alike(ir: IR, node, pos: int, depth: int) -> bool:
+    """Every function ``node`` may call reads its argument at input ``pos`` as
+    :func:`_widens_alike` asks (the bodies imported with the call's input shapes)."""
+    attrs, skip = CALLS[node.op]
+    host = getattr(ir, "tf_graph", None)
+    if pos < skip or host is None:
+        return False
+    shapes = [ir.static_shape(r) for r in node.inputs[skip:]]
+    for attr in attrs:
+        fdef = ir.function(node.attr(attr)) if node.attr(attr) else None
+        if fdef is None or pos - skip >= len(fdef.signature.input_arg):
+            return False
+        body, args, _ = import_body(host, fdef, shapes, [None] * len(shapes))
+        arg = args[pos - skip]
+        if not all(_widens_alike(body, c, i, node_of(arg), depth + 1) for c, i in body.data_consumers(arg)):
+            return False        # (a branch that does not read it is no obstacle)
+    return True
 
 
 def view_as_vectors(ir: IR, names: list[str]) -> tuple[dict[str, str], Callable[[], None]] | None:

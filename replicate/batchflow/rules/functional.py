@@ -77,6 +77,8 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
 
     key = ("call", name, tuple(facts), ctx.in_gradient(node))
     if key in ctx.functions:
+        for ref in ctx.functions.get(("shapeless",) + key, ()):
+            ctx.trace_shapeless(ref)
         return ctx.functions[key]
     found = _body(ctx, name, refs)
     if found is None:
@@ -102,6 +104,10 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
         ctx.note(node.name, f"function '{name}' holds the static batch size in '{p.tensor}'")
     for where, what in inner.notes:
         ctx.note(node.name, what)
+    shapeless = [refs[index[a]] for a in inner.shapeless_args if a in index]
+    ctx.functions[("shapeless",) + key] = shapeless
+    for ref in shapeless:
+        ctx.trace_shapeless(ref)
     passed = frozenset().union(*(f.taint for f in facts if f is not None))
     result = [_outer(ctx, node, inner.fact(o), passed, body) for o in outs]
     ctx.functions[key] = result
