@@ -29,7 +29,7 @@ UNARY = frozenset({
 })
 
 #: Name suffix of a ``Reshape(p, [-1])`` through which broadcasting ops read a placeholder
-#: declared without a shape (``passes/_pins.py``): a scalar or a vector, checked at run time.
+#: declared without a shape (``passes/_shapeless.py``): a scalar or a vector, checked at run time.
 VECTOR_VIEW = "replicate_vector"
 
 

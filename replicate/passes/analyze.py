@@ -11,7 +11,8 @@ losses and how each is weighted across towers, optimizer updates, the tower regi
 stopping at the barriers of earlier phases of the step: :mod:`replicate.passes._phases`),
 the gradient and forward frontier with how each tensor combines across towers, the rewrite
 plan for batch sizes baked into the graph, and the reasons the result may not be exact.
-The graph itself is not changed.
+The graph itself is not changed, except that placeholders declared without a shape may be read
+through checked vector views where that proves more (:mod:`replicate.passes._shapeless`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from replicate.batchflow.rules.functional import INSIDE
 from replicate.errors import AnalysisError
 from replicate.facts import Analysis, BatchInput, Reason
 from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _phases, _pins, _weights
+from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _phases, _shapeless, _weights
 from replicate.passes._frontier import classify, fetch_cone
 from replicate.passes._updates import find_train_ops
 from replicate.pipeline import PassResult
@@ -79,12 +80,12 @@ class Analyze:
         _refuse_replicated(ir)
         self._settle(ir)
         first = ir.facts["analysis"]
-        shapeless = _pins.candidates(ir, first)
+        shapeless = _shapeless.candidates(ir, first)
         if not shapeless:
             return PassResult(ir, False)
         # placeholders without a rank left layouts unknown: where ops broadcast them, read
         # them as vectors, checked at run time, and keep that only if it proves more
-        viewed = _pins.view_as_vectors(ir, shapeless)
+        viewed = _shapeless.view_as_vectors(ir, shapeless)
         if viewed is None:
             return PassResult(ir, False)
         views, undo = viewed
@@ -100,7 +101,7 @@ class Analyze:
         analysis = ir.facts["analysis"]
         analysis.warnings = [w for w in analysis.warnings if not any(     # said better below
             w.startswith(f"input '{tensor_name(n)}' has unknown rank") for n in views)]
-        analysis.warnings.extend(_pins.warning(n, v) for n, v in views.items())
+        analysis.warnings.extend(_shapeless.warning(n, v) for n, v in views.items())
         return PassResult(ir, True)
 
     def _settle(self, ir: IR) -> None:
