@@ -6,13 +6,17 @@ mean and deviation, or a mask per example through such placeholders too. Without
 layout of everything after them was unknown, and the report said inexact although every step
 is exact. Ops that broadcast such a placeholder against a tensor of rank 1 or more now read it
 as a vector (``Reshape(p, [-1])``: a scalar is one entry), which gives the same values, so the
-proof holds for any scalar or vector fed; the emitted graph checks the rank, and a vector that
-lines up with the batch is split like any value per example. A call (a v2 ``tf.cond`` branch
-reading a dropout's ``keep_prob``) reads it so when its functions do. Where no op can (class
-weights gathered by label), nothing changes and the reason says which shape to declare.
+proof holds for any scalar or vector fed; the emitted graph checks the rank. A call (a v2
+``tf.cond`` branch reading a dropout's ``keep_prob``) reads it so when its functions do. One
+that lines up with the batch (``xent * w``) is a reason: fed one number per example it must be
+split, fed a single number it must not, and only the feed tells. Where no op can read it as a
+vector (class weights gathered by label), nothing changes; the reasons say which shape to
+declare.
 
 Earlier in this session the placeholder was taken to be a scalar (``EnsureShape([])``): the
-graphs fed vectors were then claimed exact and stopped at step 1 (review 11)."""
+graphs fed vectors were then claimed exact and stopped at step 1 (review 11); then a vector
+lined up with the batch was split, and a single number fed there stopped at step 1 under an
+exact claim (review 12)."""
 
 import numpy as np
 import pytest
@@ -78,7 +82,6 @@ CASES = {
     "cond_dropout": lambda r, b: 0.6,                                       # keep_prob in a v2 cond
     "normalized": lambda r, b: np.linspace(0.0, 1.0, D).astype(np.float32),  # a feature vector
     "class_weights": lambda r, b: np.array([1.0, 2.0, 0.5, 1.5], np.float32),
-    "mask": lambda r, b: (r.random(b) > 0.3).astype(np.float32),            # one per example
 }
 
 
@@ -114,6 +117,19 @@ def test_a_step_fed_a_matrix_stops_at_the_check():
         feed = _feeds(lambda r, b: np.full([1, D], 0.1, np.float32))[0]
         with pytest.raises(tf.errors.InvalidArgumentError, match="declared without a shape"):
             sess.run(res.train_op, feed)
+
+
+@pytest.mark.parametrize("value", [lambda r, b: 0.5, lambda r, b: (r.random(b) > 0.3).astype(np.float32)],
+                         ids=["one value", "one per example"])
+def test_a_placeholder_lined_up_with_the_batch_is_no_exact_claim(value):
+    """``xent * w`` with ``w`` fed one number must not be split, with ``w`` fed one number
+    per example must be: only the feed tells. Split, the single number stopped at step 1 under
+    an exact claim (review 12)."""
+    res = replicate.transform(_graph("mask"), DEVICES)
+    assert not res.report.exact
+    assert any("'p' has no static shape" in str(r) and "shape=[None]" in str(r) for r in res.report.reasons)
+    if np.ndim(value(np.random.default_rng(0), 3)) == 0:    # the single value runs, as one device
+        compare(_graph("mask"), res.graph, "train", _feeds(value), fetch=("loss:0",), cpus=4)
 
 
 def test_nothing_changes_where_no_op_broadcasts_the_placeholder():

@@ -346,11 +346,6 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
         for tensor, d in plan.promote.items():
             if tensor not in inputs:
                 shape = ir.static_shape(tensor)
-                if shape is None and any(table.is_vector_view(c) for c in ir.consumers(node_of(tensor))):
-                    # fed without a shape, read as a vector (rank at most 1, checked at run
-                    # time) and split by examples: it has rank 1
-                    ir.static_shapes[node_of(tensor)] = [[None]]
-                    shape = [None]
                 inputs[tensor] = (d.dim, d.cls)
                 if shape and shape[d.dim] is not None:
                     classes.union(d.cls, classes.new(shape[d.dim]), node_of(tensor))

@@ -148,11 +148,16 @@ class _Resolver:
                         "batch-sized shape is needed", "compute it per example")
             return
         node = ir.nodes[name]
-        if table.is_vector_view(node) and d.dim == 0 and (d.block, d.outer) == (1, 1) \
-                and ir.nodes[node_of(node.inputs[0])].op in ops.BATCH_SOURCE_OPS:
-            # a value per example fed without a shape (a mask, example weights): split it
-            fed = tensor_name(*parse_tensor(node.inputs[0]))
-            self.plan.promote.setdefault(fed, dataclasses.replace(d, tensor=fed))
+        if table.is_vector_view(node):
+            # fed without a shape, it lines up with the batch: a mask fed per example must be
+            # split, a weight fed as one number must not, and only the feed tells (split, a
+            # scalar failed at step 1 claimed exact: review 12)
+            fed = node_of(node.inputs[0])
+            self.reason(fed, f"'{fed}' has no static shape and lines up with the batch in "
+                        f"'{d.by}': fed one value per example it must be split, fed a single "
+                        "value it must not, and only the feed tells which",
+                        "give the placeholder its shape: shape=[None] for a value per example, "
+                        "shape=[] for a single value")
             return
         if name not in ctx.region_names:
             if node.op in ops.BATCH_SOURCE_OPS and (d.block, d.outer) != (1, 1):

@@ -8,9 +8,10 @@ so the result was inexact although every step the driver runs is exact.
 An elementwise op that broadcasts such a placeholder against an operand of rank 1 or more
 computes the same values, of the same shape, when it reads the placeholder flattened to a
 vector (a scalar becomes one entry, a vector stays as it is). With that view the analysis
-knows the rank, and what it proves holds for every scalar or vector the driver feeds. A
-value per example fed through such a placeholder lines its one axis up with the batch's,
-which the analysis sees and reports as before.
+knows the rank, and what it proves holds for every scalar or vector the driver feeds. A view
+that lines its one axis up with the batch's (``xent * w``) is a reason (``batchflow/plan``):
+fed one value per example it must be split, fed a single value it must not, and only the
+feed tells.
 
 Requires: an IR with static shapes and its ``tf_graph``; the analysis' placeholders that
 left a layout unknown (``ctx.shapeless``, shared inputs only: a batch input is never viewed).

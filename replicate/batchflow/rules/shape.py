@@ -15,7 +15,6 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, forward_of, mixed, part, rows,
                                               shared, size_fact, taint_of)
-from replicate.batchflow import table
 from replicate.batchflow.rules import tail
 from replicate.batchflow.rules.layout import map_reshape, sized_rows, strided_entries
 from replicate.ir import Node, node_of, parse_tensor, tensor_name
@@ -63,8 +62,6 @@ def _sized_by(ctx: Context, node: Node, ref: str, ins: list[Fact]) -> Fact | Non
 
 def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
-    if f.kind == PART and f.axis == 0 and table.is_vector_view(node):
-        return [f]          # a per-example vector fed without a shape, read as the vector it is
     if f.kind != PART:
         sized = _sized_by(ctx, node, node.inputs[1], ins)
         if sized is not None:
