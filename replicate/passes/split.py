@@ -107,14 +107,20 @@ class Split:
         groups) are not rewritten per tower, and the analysis refuses it."""
         n, dev = len(self.devices), self.controller
         if static is not None:
+            # name them: a fixed-length vector taken for a batch of its own (pair indices of a
+            # ranking loss) was refused without saying which input, or how to say it is none
+            which = (f" ({', '.join(repr(b.tensor) for b in members)}; if they hold no examples, "
+                     "name them with shared_inputs=)")
             if static < n and self.micro > 1:
                 raise AnalysisError(
                     f"accumulate={self.micro}: the batch inputs have a static batch size of "
                     f"{static}, fewer than the {n} micro-batches ({n // self.micro} devices x "
-                    f"{self.micro}); use a smaller accumulate or a dynamic batch dimension (None)")
+                    f"{self.micro}); use a smaller accumulate or a dynamic batch dimension (None)"
+                    + which)
             if static < n:
                 raise AnalysisError(f"the batch inputs have a static batch size of {static}, fewer "
-                                    f"than the {n} towers; give them a dynamic batch dimension (None)")
+                                    f"than the {n} towers; give them a dynamic batch dimension (None)"
+                                    + which)
             counts = [(static + n - 1 - k) // n for k in range(n)]
             towers.class_static[cls] = counts
             towers.class_batch[cls] = ir.const(f"{scope}/batch_size", static, dtypes.int32, dev)
