@@ -137,3 +137,22 @@ def test_a_gradient_the_batch_does_not_reach_is_named_as_such():
     assert texts and all("control flow" not in t for t in texts)
     assert any("does not depend on the batch" in t and "tf.shape(x)[0]" in t for t in texts)
     assert replicate.transform(_generator_of_fed_size(True), ["/cpu:1", "/cpu:2"]).report.exact
+
+
+def test_no_batch_input_found_says_which_inputs_were_set_aside():
+    """A batch concatenated with a static-size replay buffer was refused with no hint of which
+    inputs were weighed (review 12); naming all four with batch_inputs= makes it exact."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        u = v1.placeholder(tf.float32, [16, 3], name="u")
+        uy = v1.placeholder(tf.int64, [16], name="uy")
+        w = v1.get_variable("w", [3, 2], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.matmul(tf.concat([x, u], 0), w)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.concat([y, uy], 0), logits=logits)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(xent, name="loss"), name="train")
+    with pytest.raises(replicate.ReplicateError, match="set aside: 'x:0'"):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    named = {"x:0": 0, "y:0": 0, "u:0": 0, "uy:0": 0}
+    assert replicate.transform(graph, ["/cpu:1", "/cpu:2"], batch_inputs=named).report.exact
