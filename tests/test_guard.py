@@ -215,13 +215,16 @@ def _mining(k: str):
         if k == "nth":          # the losses above the third smallest
             third = tf.stop_gradient(tf.raw_ops.NthElement(input=per, n=2))
             return tf.reduce_mean(per * tf.cast(per >= third, tf.float32))
+        if k == "anchor":       # a random example's loss (the index drawn from the batch size)
+            i = tf.compat.v1.random_uniform([1], 0, tf.maximum(n, 1), dtype=tf.int32, seed=9)
+            return tf.reduce_mean(per) + tf.reduce_sum(tf.gather(per, i))
         count = {"static": 2, "half": tf.maximum(1, n // 2), "guarded": tf.minimum(n, 3)}[k]
         return tf.reduce_mean(tf.nn.top_k(per, count)[0])
     return _regression(loss)
 
 
 @pytest.mark.parametrize("k,runs,stops", [("static", 6, 5), ("half", 3, 2), ("guarded", 2, None),
-                                          ("nth", 9, 8)])
+                                          ("nth", 9, 8), ("anchor", 3, 2)])
 def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, stops):
     """``top_k`` over the towers' examples (inexact): a tower with fewer than k examples
     stopped in TensorFlow's "input must have at least k columns", and a tower without any in
@@ -244,7 +247,9 @@ def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, s
     assert not res.report.exact
     compare(_mining(k), res.graph, "train", feeds(runs), cpus=4)
     if stops is not None:
-        what = "NthElement.{1,3} takes the n-th" if k == "nth" else "TopKV2.{1,3} takes the k largest"
+        what = {"nth": "NthElement.{1,3} takes the n-th",
+                "anchor": "GatherV2.{1,3} picks example.s. of each tower.{1,3}s batch by a position computed"}.get(
+                    k, "TopKV2.{1,3} takes the k largest")
         with pytest.raises(RewriteError, match="a tower has too few examples: .{1,3}" + what):
             compare(_mining(k), res.graph, "train", feeds(stops), cpus=4)
 

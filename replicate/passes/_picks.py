@@ -48,7 +48,12 @@ PICK_OPS = {
 
 #: Ops whose position input may be computed at run time: the assertion compares the tower's
 #: count with it (``tf.nn.top_k(losses, tf.maximum(1, n // 2))``: k of the tower's own count).
-_RUN_TIME = frozenset({"TopKV2", "NthElement"})
+_RUN_TIME = frozenset({"TopKV2", "NthElement", "GatherV2", "Gather", "ResourceGather"})
+
+#: Of those, ops whose positions are indices: the tower needs the largest one plus one
+#: (``tf.gather(losses, [random_uniform([], 0, B)])``, a random anchor: an empty tower failed
+#: in the gradient's segment sum with TensorFlow's "out of range", review 11).
+_INDICES = frozenset({"GatherV2", "Gather", "ResourceGather"})
 
 SCOPE = "replicate/examples"
 
@@ -76,7 +81,18 @@ def assert_examples(ir: IR) -> int:
             if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
                     or out.src != name:
                 continue
-            if position is None:
+            if position is None and copy.op in _INDICES:
+                indices = copy.inputs[where]
+                check = _assert(ir, copy, k, picked.axis, _largest_plus_one(ir, copy, indices),
+                                kind, len(copies))
+                # the gradient reads the indices, not the gather: it must wait for the check too
+                # (its segment sum failed first, with TensorFlow's "out of range")
+                guarded = ir.add(f"{copy.name}/{SCOPE}/checked_indices", "Identity", [indices], [check],
+                                 device=copy.device, attrs={"T": dtypes.as_dtype(ir.output_dtype(indices))}).name
+                readers = [c.name for c, _ in ir.data_consumers(indices)
+                           if c.name.startswith(prefix) and f"/{SCOPE}/" not in c.name]
+                ir.replace_uses(indices, guarded, only=readers)
+            elif position is None:
                 _assert(ir, copy, k, picked.axis, copy.inputs[where], kind, len(copies))
             else:
                 needs[name] = _needed(ir, copy, picked.axis, where)
@@ -85,6 +101,18 @@ def assert_examples(ir: IR) -> int:
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
     return done
+
+
+def _largest_plus_one(ir: IR, copy: Node, indices: str) -> str:
+    """A tensor of the tower: the largest of ``indices`` plus one (the examples it needs)."""
+    scope, dev = f"{copy.name}/{SCOPE}", copy.device
+    index = dtypes.as_dtype(ir.output_dtype(indices))
+    flat = ir.add(f"{scope}/indices", "Reshape", [indices, ir.const(f"{scope}/flat", [-1], dtypes.int32, dev)],
+                  device=dev, attrs={"T": index, "Tshape": dtypes.int32}).name
+    top = ir.add(f"{scope}/largest", "Max", [flat, ir.const(f"{scope}/all", 0, dtypes.int32, dev)],
+                 device=dev, attrs={"T": index, "Tidx": dtypes.int32, "keep_dims": False}).name
+    return ir.add(f"{scope}/largest_plus_one", "AddV2", [top, ir.const(f"{scope}/one", 1, index, dev)],
+                  device=dev, attrs={"T": index}).name
 
 
 def _constant(ir: IR, ref: str):
@@ -120,7 +148,7 @@ def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
 
 
 def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: str,
-            towers: int) -> None:
+            towers: int) -> str:
     """The assertion before ``copy``: its tower holds at least ``need`` examples (a number, or
     a tensor of the tower computed at run time)."""
     scope = f"{copy.name}/{SCOPE}"
@@ -153,10 +181,13 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
         bound = need
         if ir.output_dtype(need) != i32.as_datatype_enum:
             bound = add("need", "Cast", [need], SrcT=dtypes.as_dtype(ir.output_dtype(need)), DstT=i32)
-        k = "n + 1" if copy.op == "NthElement" else "k"
+        k = "n + 1" if copy.op == "NthElement" else "i + 1" if copy.op in _INDICES else "k"
+        shown = k if copy.op in _INDICES else k[0]      # the bound printed after the message
+        what = what.replace("by position", "by a position computed at run time (i, the largest)") \
+            if copy.op in _INDICES else what
         message = (f"{what}{k} examples in every step ({k[0]} as that tower computes it); feed "
                    f"more examples per step, or train on fewer towers. Examples in tower "
-                   f"{tower}, {k[0]}:")
+                   f"{tower}, {shown}:")
     # a run-time n-th element needs n + 1 examples
     above = "Greater" if copy.op == "NthElement" and not isinstance(need, int) else "GreaterEqual"
     enough = add("enough", above, [count, bound], T=i32)
@@ -164,3 +195,4 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
     check = add("assert", "Assert", [enough, text, count, bound], T=[dtypes.string, i32, i32],
                 summarize=3)
     ir.set_control(copy.name, copy.control + [check])
+    return check
