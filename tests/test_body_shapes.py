@@ -62,3 +62,43 @@ def test_a_scan_crf_recursion_is_exact_with_its_fetches_merged(kind, accumulate)
     for one, towers in r.fetched:
         for a, b in zip(one, towers):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def _nested() -> tf.Graph:
+    """A ``tf.function`` calling another one twice, both reading captured resource variables:
+    the inner call's results had an unknown rank in the outer body ("Mul of a tensor of
+    unknown rank", inexact, the fetched features tower 0's; review 10). The functions a body
+    calls now go along with its import, which infers through them."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, T, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        init = v1.glorot_uniform_initializer
+        w = v1.get_variable("w", [D, D], initializer=init(seed=1), use_resource=True)
+        u = v1.get_variable("u", [D, D], initializer=init(seed=2), use_resource=True)
+
+        @tf.function
+        def inner(v):
+            return tf.nn.relu(tf.matmul(v, w))
+
+        @tf.function
+        def outer(v):
+            return inner(v) * 2.0 + tf.matmul(inner(v), u)
+
+        feat = tf.identity(outer(tf.reduce_mean(x, 1)), name="feat")
+        logits = tf.identity(v1.layers.dense(feat, C, kernel_initializer=init(seed=3)), name="logits")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        loss = tf.reduce_mean(xent, name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_function_calling_another_is_exact_with_its_fetches_merged(accumulate):
+    res = replicate.transform(_nested(), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    r = compare(_nested(), res.graph, "train", _feeds(), fetch=("loss:0", "feat:0", "logits:0"), cpus=4)
+    assert r.max_rel < 1e-5
+    for one, towers in r.fetched:
+        for a, b in zip(one, towers):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

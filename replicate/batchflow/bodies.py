@@ -105,6 +105,29 @@ def _stand_in(gd, node, probe: Probe) -> None:
     node.attr["shape_type"].type = types_pb2.DT_INT32
 
 
+def _called(host, nodes) -> list:
+    """The FunctionDefs ``nodes`` call, directly or through each other, from ``host``."""
+    def names(defs):
+        for nd in defs:
+            for value in nd.attr.values():
+                if value.HasField("func"):
+                    yield value.func.name
+                yield from (f.name for f in value.list.func)
+
+    work, seen, out = list(names(nodes)), set(), []
+    while work:
+        name = work.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        function = host._get_function(name)     # noqa: SLF001 - the host graph's library
+        if function is None:
+            continue
+        out.append(function.definition)
+        work.extend(names(function.definition.node_def))
+    return out
+
+
 def _shape_proto(dims):
     from tensorflow.core.framework import tensor_shape_pb2
 
@@ -145,6 +168,9 @@ def import_body(host, fdef, shapes: list, probes: list[Probe | None]) -> tuple[I
         originals.append(copy.deepcopy(nodes[name]))
         _stand_in(gd, nodes[name], probe)
         own[name] = probe
+    # the functions it calls go along: with them the import infers a nested call's results
+    # (a tf.function calling another had results of unknown rank, review 10)
+    gd.library.function.extend(_called(host, gd.node))
     with host.as_default():
         graph = FuncGraph(fdef.signature.name)
         with graph.as_default():
