@@ -8,15 +8,15 @@ is exact. Ops that broadcast such a placeholder against a tensor of rank 1 or mo
 as a vector (``Reshape(p, [-1])``: a scalar is one entry), which gives the same values, so the
 proof holds for any scalar or vector fed; the emitted graph checks the rank. A call (a v2
 ``tf.cond`` branch reading a dropout's ``keep_prob``) reads it so when its functions do. One
-that lines up with the batch (``xent * w``) is a reason: fed one number per example it must be
-split, fed a single number it must not, and only the feed tells. Where no op can read it as a
-vector (class weights gathered by label), nothing changes; the reasons say which shape to
-declare.
+that lines up with the batch (``xent * w``) must be split when fed one number per example and
+must not be when fed a single number; only the feed tells, so each tower reads its rows of the
+view broadcast to the batch, which is right both ways. Where no op can read it as a vector
+(class weights gathered by label), nothing changes; the reason says which shape to declare.
 
 Earlier in this session the placeholder was taken to be a scalar (``EnsureShape([])``): the
-graphs fed vectors were then claimed exact and stopped at step 1 (review 11); then a vector
-lined up with the batch was split, and a single number fed there stopped at step 1 under an
-exact claim (review 12)."""
+graphs fed vectors were then claimed exact and stopped at step 1 (review 11); then a view
+lined up with the batch made the placeholder a batch input, and a single number fed there
+stopped at step 1 under an exact claim (review 12)."""
 
 import numpy as np
 import pytest
@@ -119,17 +119,21 @@ def test_a_step_fed_a_matrix_stops_at_the_check():
             sess.run(res.train_op, feed)
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("value", [lambda r, b: 0.5, lambda r, b: (r.random(b) > 0.3).astype(np.float32)],
                          ids=["one value", "one per example"])
-def test_a_placeholder_lined_up_with_the_batch_is_no_exact_claim(value):
+def test_a_placeholder_lined_up_with_the_batch_is_exact_fed_either_way(value, accumulate):
     """``xent * w`` with ``w`` fed one number must not be split, with ``w`` fed one number
-    per example must be: only the feed tells. Split, the single number stopped at step 1 under
-    an exact claim (review 12)."""
-    res = replicate.transform(_graph("mask"), DEVICES)
-    assert not res.report.exact
-    assert any("'p' has no static shape" in str(r) and "shape=[None]" in str(r) for r in res.report.reasons)
-    if np.ndim(value(np.random.default_rng(0), 3)) == 0:    # the single value runs, as one device
-        compare(_graph("mask"), res.graph, "train", _feeds(value), fetch=("loss:0",), cpus=4)
+    per example must be: only the feed tells. Each tower reads its rows of the view broadcast
+    to the batch, right both ways. (Split as a batch input, the single number stopped at step 1
+    under an exact claim, review 12; shared, the mask failed at step 1, review 11.)"""
+    res = replicate.transform(_graph("mask"), DEVICES, accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    r = compare(_graph("mask"), res.graph, "train", _feeds(value), fetch=("loss:0", "out:0"), cpus=4)
+    assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
+    for one, towers in r.fetched:
+        for a, b in zip(one, towers):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_nothing_changes_where_no_op_broadcasts_the_placeholder():
@@ -137,3 +141,31 @@ def test_nothing_changes_where_no_op_broadcasts_the_placeholder():
     assert not res.report.exact
     assert any("'p' has no static shape" in str(r) and "shape=[None]" in str(r) for r in res.report.reasons)
     assert not [n for n in res.graph.as_graph_def().node if "replicate_vector" in n.name]
+
+
+def _tokens() -> tf.Graph:
+    """Token losses flattened with their steps, weighted by a shapeless placeholder."""
+    steps = 4
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, steps, D], name="x")
+        y = v1.placeholder(tf.int32, [None, steps], name="y")
+        p = v1.placeholder(tf.float32, name="p")
+        logits = tf.identity(_dense(tf.reshape(x, [-1, D]), C, "w", D), name="out")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.reshape(y, [-1]), logits=logits)
+        loss = tf.identity(tf.reduce_sum(xent * p) / tf.maximum(tf.reduce_sum(p), 1.0), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("per_token", [True, False], ids=["a weight per token", "one weight"])
+def test_token_weights_fed_without_a_shape_are_exact_either_way(per_token):
+    """The view lines up with rows that hold several per example: it is broadcast to all the
+    towers' rows and each tower takes its own."""
+    rng = np.random.default_rng(6)
+    feeds = [{"x:0": rng.random((b, 4, D), dtype=np.float32), "y:0": rng.integers(0, C, (b, 4)).astype(np.int32),
+              "p:0": (rng.random(b * 4) > 0.3).astype(np.float32) if per_token else 0.5} for b in BATCHES]
+    res = replicate.transform(_tokens(), DEVICES)
+    assert res.report.exact, res.report.reasons
+    r = compare(_tokens(), res.graph, "train", feeds, fetch=("loss:0", "out:0"), cpus=4)
+    assert r.max_rel <= 1e-5, (r.max_rel, r.worst)

@@ -150,14 +150,10 @@ class _Resolver:
         node = ir.nodes[name]
         if table.is_vector_view(node):
             # fed without a shape, it lines up with the batch: a mask fed per example must be
-            # split, a weight fed as one number must not, and only the feed tells (split, a
-            # scalar failed at step 1 claimed exact: review 12)
-            fed = node_of(node.inputs[0])
-            self.reason(fed, f"'{fed}' has no static shape and lines up with the batch in "
-                        f"'{d.by}': fed one value per example it must be split, fed a single "
-                        "value it must not, and only the feed tells which",
-                        "give the placeholder its shape: shape=[None] for a value per example, "
-                        "shape=[] for a single value")
+            # split, a weight fed as one number must not, and only the feed tells. Each tower
+            # reads its rows of the view broadcast to the batch (rebatch): right for both
+            self.plan.splits[d.tensor] = d
+            self.resized(d.tensor, d)
             return
         if name not in ctx.region_names:
             if node.op in ops.BATCH_SOURCE_OPS and (d.block, d.outer) != (1, 1):

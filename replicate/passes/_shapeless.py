@@ -9,9 +9,11 @@ An elementwise op that broadcasts such a placeholder against an operand of rank 
 computes the same values, of the same shape, when it reads the placeholder flattened to a
 vector (a scalar becomes one entry, a vector stays as it is). With that view the analysis
 knows the rank, and what it proves holds for every scalar or vector the driver feeds. A view
-that lines its one axis up with the batch's (``xent * w``) is a reason (``batchflow/plan``):
-fed one value per example it must be split, fed a single value it must not, and only the
-feed tells.
+that lines its one axis up with the batch's (``xent * w``) must be split when fed one value
+per example and must not be when fed a single value; only the feed tells, so each tower reads
+its rows of the view broadcast to the batch (``batchflow/plan``, ``passes/rebatch``), which is
+right both ways. The shapes a broadcasting op's gradient reads of the placeholder are read of
+the view too.
 
 Requires: an IR with static shapes and its ``tf_graph``; the analysis' placeholders that
 left a layout unknown (``ctx.shapeless``, shared inputs only: a batch input is never viewed).
@@ -63,9 +65,21 @@ def candidates(ir: IR, analysis) -> list[str]:
 
 
 def _readers(ir: IR, name: str) -> list[str]:
-    """The ops that read ``name``'s output and may read it as a vector instead."""
-    return list(dict.fromkeys(c.name for c, pos in ir.data_consumers(tensor_name(name))
-                              if _widens_alike(ir, c, pos, name)))
+    """The ops that read ``name``'s output and may read it as a vector instead, and the shape
+    reads of broadcasting gradients (``BroadcastGradientArgs`` must see the shape the view
+    has in each tower; only the placeholder's own gradient, which nothing reads, changes)."""
+    out = []
+    for c, pos in ir.data_consumers(tensor_name(name)):
+        if _widens_alike(ir, c, pos, name):
+            out.append(c.name)
+        elif c.op == "Shape" and all(r.op in _GRADIENT_SHAPE_READERS
+                                     for r, _ in ir.data_consumers(f"{c.name}:0")):
+            out.append(c.name)
+    return list(dict.fromkeys(out))
+
+
+#: Readers of a shape in a broadcasting op's gradient.
+_GRADIENT_SHAPE_READERS = frozenset({"BroadcastGradientArgs", "Reshape"})
 
 
 #: Calls -> (their function attributes, how many leading inputs are no arguments).

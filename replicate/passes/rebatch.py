@@ -35,6 +35,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import dtypes
 
+from replicate.batchflow import table
 from replicate.errors import AnalysisError
 from replicate.ir import IR, node_of, parse_tensor
 from replicate.pipeline import PassResult
@@ -164,9 +165,20 @@ class Rebatch:
         dtype = dtypes.as_dtype(ir.output_dtype(tensor))
         n = len(self.towers.devices)
         shared = None
+        whole = None
+        if not per_tower and table.is_vector_view(ir.nodes[name]):
+            # a single value or one per example (row), which only the feed tells: as many rows
+            # as all the towers' together either way, each tower its own
+            scope = ir.unique_name(f"{SCOPE}/{name}_{idx}/as_rows")
+            rows = ir.add(f"{scope}/rows", "Sum", [sizes, ir.const(f"{scope}/axis", [0], dtypes.int32,
+                                                                   controller)],
+                          device=controller, attrs={"T": dtypes.int32, "Tidx": dtypes.int32,
+                                                    "keep_dims": True}).name
+            whole = ir.add(scope, "BroadcastTo", [_ref(tensor), rows], device=controller,
+                           attrs={"T": dtype, "Tidx": dtypes.int32}).name
         for k, copies in enumerate(self.copies):
             own = copies.get(name)
-            source = f"{own}:{idx}" if per_tower and own is not None else f"{name}:{idx}"
+            source = f"{own}:{idx}" if per_tower and own is not None else (whole or f"{name}:{idx}")
             device = ir.nodes[own].device if per_tower and own is not None else controller
             if per_tower or shared is None:
                 base = f"{SCOPE}/{own if per_tower and own else name}_{idx}_{d.dim}"
