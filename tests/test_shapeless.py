@@ -85,6 +85,15 @@ CASES = {
 }
 
 
+def _matches_one_device(kind: str, res, feeds) -> None:
+    """Three SGD steps of the rewrite match one device's, fetched loss and outputs too."""
+    r = compare(_graph(kind), res.graph, "train", feeds, fetch=("loss:0", "out:0"), cpus=4)
+    assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
+    for one, towers in r.fetched:
+        for a, b in zip(one, towers):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_a_shapeless_placeholder_read_as_a_vector_trains_exactly(kind, accumulate):
@@ -93,12 +102,7 @@ def test_a_shapeless_placeholder_read_as_a_vector_trains_exactly(kind, accumulat
     viewed = [w for w in res.report.warnings if "has no static shape" in w]
     assert len(viewed) == 1 and "'p:0'" in viewed[0] and "p/replicate_vector/check" in viewed[0]
     assert not any("has unknown rank" in w for w in res.report.warnings)
-    r = compare(_graph(kind), res.graph, "train", _feeds(CASES[kind], kind), fetch=("loss:0", "out:0"),
-                cpus=4)
-    assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
-    for one, towers in r.fetched:
-        for a, b in zip(one, towers):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    _matches_one_device(kind, res, _feeds(CASES[kind], kind))
 
 
 def test_the_autoencoder_scale_fed_as_a_vector_trains_exactly_too():
@@ -129,11 +133,7 @@ def test_a_placeholder_lined_up_with_the_batch_is_exact_fed_either_way(value, ac
     under an exact claim, review 12; shared, the mask failed at step 1, review 11.)"""
     res = replicate.transform(_graph("mask"), DEVICES, accumulate=accumulate)
     assert res.report.exact, res.report.reasons
-    r = compare(_graph("mask"), res.graph, "train", _feeds(value), fetch=("loss:0", "out:0"), cpus=4)
-    assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
-    for one, towers in r.fetched:
-        for a, b in zip(one, towers):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    _matches_one_device("mask", res, _feeds(value))
 
 
 def test_nothing_changes_where_no_op_broadcasts_the_placeholder():
