@@ -151,9 +151,20 @@ class _Resolver:
         if table.is_vector_view(node):
             # fed without a shape, it lines up with the batch: a mask fed per example must be
             # split, a weight fed as one number must not, and only the feed tells. Each tower
-            # reads its rows of the view broadcast to the batch (rebatch): right for both
-            self.plan.splits[d.tensor] = d
-            self.resized(d.tensor, d)
+            # reads its rows of the view broadcast to the batch (rebatch): right for both,
+            # where the rows per example are known; else a reason (a refusal there stopped
+            # a single weight beside tokens of a dynamic length that used to run: review 13)
+            if d.rows is not None and d.outer == 1:
+                self.plan.splits[d.tensor] = d
+                self.resized(d.tensor, d)
+            else:
+                fed = node_of(node.inputs[0])
+                self.reason(fed, f"'{fed}' has no static shape and lines up with rows of the "
+                            f"batch in '{d.by}' whose number per example is known only at run "
+                            "time: fed one value per row it must be split, fed a single value "
+                            "it must not, and only the feed tells which",
+                            "give the placeholder its shape: shape=[None] for a value per row, "
+                            "shape=[] for a single value")
             return
         if name not in ctx.region_names:
             if node.op in ops.BATCH_SOURCE_OPS and (d.block, d.outer) != (1, 1):
