@@ -156,3 +156,32 @@ def test_no_batch_input_found_says_which_inputs_were_set_aside():
         replicate.transform(graph, ["/cpu:1", "/cpu:2"])
     named = {"x:0": 0, "y:0": 0, "u:0": 0, "uy:0": 0}
     assert replicate.transform(graph, ["/cpu:1", "/cpu:2"], batch_inputs=named).report.exact
+
+
+def test_a_static_batch_too_small_for_the_towers_names_its_inputs():
+    """Fixed-length pair indices taken for a batch were refused without naming them (review 12)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [2, 3], name="x")
+        w = v1.get_variable("w", [3, 1], initializer=v1.glorot_uniform_initializer(seed=1))
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.matmul(x, w), name="loss"),
+                                                        name="train")
+    with pytest.raises(replicate.ReplicateError, match=r"fewer than the 3 towers.*'x:0'.*shared_inputs="):
+        replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+
+
+def test_shared_values_after_the_batch_are_not_called_tower_0_values():
+    """A loss built with a logits rank known only at run time computes ``Rank`` and its
+    arithmetic after the batch: the same in every tower, they were listed as tower 0's values."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        scale = v1.placeholder(tf.float32, name="scale")        # no shape: logits of unknown rank
+        w = v1.get_variable("w", [3, 2], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.matmul(x * scale, w)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(xent, name="loss"), name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    assert res.report.exact
+    assert not any("Rank" in w for w in res.report.warnings if "cannot be merged" in w)
