@@ -276,32 +276,27 @@ class Context:
     def unknown_rank(self, node: Node) -> str:
         """Why ``node``'s layout is unknown: the input without a static rank it reads from, and
         what to do about it."""
-        work, seen = list(node.inputs), set()
-        while work and len(seen) < 200:
-            ref = work.pop()
-            name = node_of(ref)
-            if name in seen or name not in self.ir.nodes:
-                continue
-            seen.add(name)
-            producer = self.ir.nodes[name]
-            if self.rank(ref) is None and producer.op == "Placeholder" and f"{name}:0" in self.seeds:
+        for name in self._shapeless_sources(node.inputs):
+            if self.ir.nodes[name].op == "Placeholder" and f"{name}:0" in self.seeds:
                 self.shapeless_args.add(f"{name}:0")
                 return (f"{node.op} of a tensor of unknown rank: the function's argument '{name}' "
                         "has none (the caller passes it a tensor without a static shape, such "
                         "as a placeholder declared without one: give that its shape)")
-            if self.rank(ref) is None and producer.op in ("Placeholder", "PlaceholderWithDefault"):
-                self.shapeless.add(name)
-                return (f"{node.op} of a tensor of unknown rank: input '{name}' has no static "
-                        "shape (give the placeholder its shape: shape=[] for a scalar, "
-                        "shape=[None] for a value per example)")
-            if self.rank(ref) is None:
-                work.extend(producer.inputs)
+            self.shapeless.add(name)
+            return (f"{node.op} of a tensor of unknown rank: input '{name}' has no static "
+                    "shape (give the placeholder its shape: shape=[] for a scalar, "
+                    "shape=[None] for a value per example)")
         return f"{node.op} of a tensor of unknown rank"
 
     def trace_shapeless(self, ref: str) -> None:
         """A function argument without a rank left a layout unknown: record the placeholders
         without a static shape that tensor ``ref`` passed to it comes from."""
-        work, seen = [ref], set()
+        self.shapeless.update(self._shapeless_sources([ref]))
+
+    def _shapeless_sources(self, refs: list[str]):
+        """The placeholders (or function arguments) without a static rank that tensors ``refs``
+        come from through producers without one, nearest first."""
+        work, seen = list(refs), set()
         while work and len(seen) < 200:
             ref = work.pop()
             name = node_of(ref)
@@ -310,7 +305,7 @@ class Context:
             seen.add(name)
             producer = self.ir.nodes[name]
             if producer.op in ("Placeholder", "PlaceholderWithDefault"):
-                self.shapeless.add(name)
+                yield name
             else:
                 work.extend(producer.inputs)
 

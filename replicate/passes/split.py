@@ -129,15 +129,7 @@ class Split:
             return ir.const(f"{scope}/sizes", counts, dtypes.int32, dev)
         dense = [b for b in members if b.sparse is None]
         if dense:
-            first = dense[0]
-            shape = ir.add(f"{scope}/shape", "Shape", [first.tensor], device=dev,
-                           attrs={"T": dtypes.as_dtype(ir.output_dtype(first.tensor)),
-                                  "out_type": dtypes.int32}).name
-            axis = ir.const(f"{scope}/axis", first.axis, dtypes.int32, dev)
-            zero = ir.const(f"{scope}/zero", 0, dtypes.int32, dev)   # gather along the shape vector
-            batch = ir.add(f"{scope}/batch_size", "GatherV2", [shape, axis, zero],
-                           device=dev, attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32,
-                                              "Taxis": dtypes.int32}).name
+            batch = _size(ir, dense[0].tensor, dense[0].axis, scope, "batch_size", dev)
         else:
             batch = _sparse.batch_size(ir, members[0].sparse, scope, dev)
         towers_const = ir.const(f"{scope}/towers", n, dtypes.int32, dev)
@@ -183,13 +175,7 @@ class Split:
         dev, i32 = self.controller, {"T": dtypes.int32}
         name, idx = parse_tensor(member.tensor)
         scope = f"{SCOPE}/{name}_{idx}/check"
-        shape = ir.add(f"{scope}/shape", "Shape", [_ref(member.tensor)], device=dev,
-                       attrs={"T": dtypes.as_dtype(ir.output_dtype(member.tensor)),
-                              "out_type": dtypes.int32}).name
-        size = ir.add(f"{scope}/size", "GatherV2", [shape, ir.const(f"{scope}/axis", member.axis,
-                      dtypes.int32, dev), ir.const(f"{scope}/zero", 0, dtypes.int32, dev)],
-                      device=dev, attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32,
-                                         "Taxis": dtypes.int32}).name
+        size = _size(ir, member.tensor, member.axis, scope, "size", dev)
         same = ir.add(f"{scope}/same", "Equal", [size, batch], device=dev, attrs=i32).name
         said = "; ".join(f"'{t}' was taken to be time-major, its batch on axis 1 ({why})"
                          for t, why in guessed.items())
@@ -201,6 +187,16 @@ class Split:
         check = ir.add(f"{scope}/assert", "Assert", [same, message, size, batch], device=dev,
                        attrs={"T": [dtypes.string, dtypes.int32, dtypes.int32], "summarize": 3})
         ir.set_control(f"{SCOPE}/{name}_{idx}", [check.name])
+
+
+def _size(ir: IR, tensor: str, axis: int, scope: str, name: str, dev: str) -> str:
+    """A node ``<scope>/<name>`` computing ``tensor``'s size along ``axis`` at run time."""
+    shape = ir.add(f"{scope}/shape", "Shape", [_ref(tensor)], device=dev,
+                   attrs={"T": dtypes.as_dtype(ir.output_dtype(tensor)), "out_type": dtypes.int32}).name
+    position = ir.const(f"{scope}/axis", axis, dtypes.int32, dev)
+    zero = ir.const(f"{scope}/zero", 0, dtypes.int32, dev)      # gather along the shape vector
+    return ir.add(f"{scope}/{name}", "GatherV2", [shape, position, zero], device=dev,
+                  attrs={"Tparams": dtypes.int32, "Tindices": dtypes.int32, "Taxis": dtypes.int32}).name
 
 
 def _ref(tensor: str) -> str:
