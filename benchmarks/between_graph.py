@@ -92,7 +92,7 @@ def _time_steps(sess, train_op, feeds, steps: int, kinds: tuple[str, ...], task:
 
 def client(args) -> int:
     """One between-graph worker's client (a process of its own)."""
-    from replicate.between import CHIEF, import_meta_graph
+    from replicate.runtime.between import CHIEF, import_meta_graph
 
     v1.disable_eager_execution()
     cluster = json.load(open(args.cluster))
@@ -116,8 +116,8 @@ def client(args) -> int:
 
 def measure(workers: int, batch: int, steps: int, size: str) -> dict:
     import replicate
-    from replicate.cluster_server import LocalCluster
     from replicate.demo import build_cnn
+    from replicate.runtime.cluster_server import LocalCluster
 
     model = build_cnn(SIZES[size])
     out: dict = {"workers": workers, "global_batch": batch}

@@ -1,5 +1,5 @@
 """Cost and speed of the between-graph peer watch: every worker asking every other one (the old
-design) against the hub design of ``replicate.between_watch.watched_tasks`` (the chief watches
+design) against the hub design of ``replicate.runtime.watch.watched_tasks`` (the chief watches
 every worker and ps, the others watch the chief and every ps), over 8 and 16 loopback workers.
 
     python benchmarks/peer_watch.py [--workers 8 16] [--window 4] [--interval 0.2]
@@ -36,8 +36,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from replicate.between_watch import PeerWatch, watched_tasks  # noqa: E402
-from replicate.cluster_server import LocalCluster  # noqa: E402
+from replicate.runtime.cluster_server import LocalCluster  # noqa: E402
+from replicate.runtime.watch import PeerWatch, watched_tasks  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

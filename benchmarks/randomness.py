@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import replicate  # noqa: E402
-from replicate.equivalence import session_config  # noqa: E402
+from replicate.check.equivalence import session_config  # noqa: E402
 from replicate.passes import _draws  # noqa: E402
 
 v1 = tf.compat.v1

@@ -37,7 +37,7 @@ import models  # noqa: E402
 import tracing  # noqa: E402
 
 import replicate  # noqa: E402
-from replicate.equivalence import session_config  # noqa: E402
+from replicate.check.equivalence import session_config  # noqa: E402
 
 __all__ = ["REPLICATE_VARIANTS", "main"]
 

@@ -49,7 +49,7 @@ def main() -> None:
     common.logical_cpus(max(counts) + 1)
     import tensorflow as tf
 
-    from replicate.equivalence import session_config
+    from replicate.check.equivalence import session_config
 
     v1 = tf.compat.v1
     spec = models.SPECS["mlp_20m"]

@@ -19,8 +19,8 @@ import tempfile
 import tensorflow as tf
 
 import replicate
-from replicate.demo import SMALL_SIZE, FULL_SIZE, batches, build_cnn, load
-from replicate.equivalence import session_config
+from replicate.check.equivalence import session_config
+from replicate.demo import FULL_SIZE, SMALL_SIZE, batches, build_cnn, load
 
 __all__ = ["main"]
 

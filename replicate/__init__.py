@@ -13,8 +13,14 @@ from __future__ import annotations
 import importlib
 import os as _os
 
-from replicate.errors import (AnalysisError, DeviceError, InputError, OutputError, PassError,
-                              ReplicateError)
+from replicate.errors import (
+    AnalysisError,
+    DeviceError,
+    InputError,
+    OutputError,
+    PassError,
+    ReplicateError,
+)
 
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -24,7 +30,7 @@ __version__ = "0.1.0"
 
 _LAZY = {"transform": "replicate.api", "analyze_only": "replicate.api",
          "normalize_device": "replicate.api", "Result": "replicate.api",
-         "Report": "replicate.report", "StepFeeder": "replicate.step_feeder"}
+         "Report": "replicate.report", "StepFeeder": "replicate.runtime.step_feeder"}
 
 
 def __getattr__(name: str):

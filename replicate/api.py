@@ -14,29 +14,34 @@ from typing import Any
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from replicate import io, meta, ops
-from replicate.errors import (REPORT, AnalysisError, DeviceError, InputError, InternalError,
-                              ReplicateError)
-from replicate.facts import Analysis, Reason, Towers
-from replicate.ir import IR, parse_tensor
-from replicate.kernels import host_of
+from replicate.batchflow.facts import Analysis, Reason, Towers
+from replicate.errors import (
+    REPORT,
+    AnalysisError,
+    DeviceError,
+    InputError,
+    InternalError,
+    ReplicateError,
+)
+from replicate.graph import io, meta, ops, registry
+from replicate.graph.ir import IR, parse_tensor
+from replicate.graph.kernels import host_of
 from replicate.passes.accumulate import Accumulate
 from replicate.passes.aggregate import STRATEGIES, Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
+from replicate.passes.draw import Draw
 from replicate.passes.guard import Guard
 from replicate.passes.mirror import MIRRORED, Mirror
+from replicate.passes.pipeline import PassRecord, run_pipeline
 from replicate.passes.place import Place
 from replicate.passes.rebatch import Rebatch
-from replicate.passes.draw import Draw
 from replicate.passes.rewire import Rewire
 from replicate.passes.split import Split
 from replicate.passes.sync import Sync
 from replicate.passes.validate import Validate
 from replicate.passes.weigh import Weigh
-from replicate.pipeline import PassRecord, run_pipeline
 from replicate.report import Report
-from replicate import registry
 
 __all__ = ["transform", "Result", "normalize_device", "analyze_only", "BATCH_NORM_MODES", "STRATEGIES", "MIRRORED"]
 
@@ -124,7 +129,6 @@ class Result:
         it fail anyway, the error is an :class:`InternalError`, never TensorFlow's own.
         """
         import tensorflow as tf
-
         from tensorflow.python.framework import meta_graph
 
         graph = tf.Graph()
@@ -277,13 +281,13 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
             leading dimension (a table fed each step whose length may equal the batch size).
         cluster: a cluster description (ClusterSpec-style dict or JSON file, a
             ``tf.train.ClusterSpec``, or ``"TF_CONFIG"``): devices and the controller may then
-            name its tasks, and are checked against it (see :mod:`replicate.cluster`).
+            name its tasks, and are checked against it (see :mod:`replicate.runtime.cluster`).
         verify_each: validate the IR after every pass.
         dump_dir: write the IR after each pass to this directory.
         progress: called with (pass name, index, total) before each pass.
         between_graph: between-graph replication over ``cluster``: ``devices`` are the towers
             inside each worker task; the result is one template every worker imports through
-            :func:`replicate.between.for_task` (see :mod:`replicate.passes.between`).
+            :func:`replicate.runtime.between.for_task` (see :mod:`replicate.passes.between`).
         task_index: with ``between_graph``, pin the result to this worker task.
         sparse_on_ps: with ``between_graph`` and ps tasks, keep sparsely trained variables on
             the ps tasks (else every worker keeps a copy, updated from all-gathered gradients).
@@ -293,7 +297,7 @@ def transform(graph: Any, devices: Sequence[str], *, controller: str = "/cpu:0",
             :mod:`replicate.passes.accumulate`).
         check: the numeric certificate: run the original and the rewrite a few steps side by
             side on logical CPUs with synthetic inputs (an uneven split, an empty tower); a
-            claimed exact that differs is reported inexact (:mod:`replicate.certificate`).
+            claimed exact that differs is reported inexact (:mod:`replicate.check.certificate`).
             This executes the graph, except graphs with file, Python or process ops.
 
     Returns:
@@ -337,8 +341,8 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     if between_graph:
         if micro > 1:
             raise ReplicateError("between_graph with accumulate > 1 is not supported yet")
-        from replicate import between as between_rt
         from replicate.passes.between import Between
+        from replicate.runtime import between as between_rt
 
         if param_devices is not None or batch_norm != "tower0":
             raise ReplicateError("between_graph: param_devices and batch_norm='sync' are not "
@@ -352,7 +356,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
     if mirrored:
         param_devices = None
     if cluster is not None:
-        from replicate.cluster import resolve
+        from replicate.runtime.cluster import resolve
 
         devices, controller, param_devices = resolve(cluster, devices, controller, param_devices)
     devices, controller = _devices(devices, controller)
@@ -444,7 +448,7 @@ def _transform(graph: Any, devices: Sequence[str], *, controller: str, train_op,
 def _certify(report: Report, graph: Any, towers: int, *, train_op: str, loss: str | None,
              strategy: dict[str, Any], distributed: bool) -> None:
     """Run the numeric certificate and record it; a claimed exact that fails becomes inexact."""
-    from replicate.certificate import STEPS, Certificate, certify
+    from replicate.check.certificate import STEPS, Certificate, certify
     from replicate.errors import RewriteError
 
     if distributed:

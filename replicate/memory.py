@@ -31,9 +31,9 @@ import math
 
 from tensorflow.python.framework import dtypes
 
+from replicate.batchflow.facts import Analysis
 from replicate.batchflow.lattice import PART
-from replicate.facts import Analysis
-from replicate.ir import IR, parse_tensor, tensor_name
+from replicate.graph.ir import IR, parse_tensor, tensor_name
 
 __all__ = ["Estimate", "estimate"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from replicate.facts import Reason
+from replicate.batchflow.facts import Reason
 from replicate.wording import count, reductions
 
 __all__ = ["Report"]

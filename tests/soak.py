@@ -114,7 +114,7 @@ def check_importable(graph_def, origin: str) -> None:
     from tensorflow.python.client import pywrap_tf_session as c_api
     from tensorflow.python.framework import c_api_util
 
-    from replicate import registry
+    from replicate.graph import registry
 
     registry.check_graph_def(graph_def, origin)
     options = c_api_util.ScopedTFImportGraphDefOptions()

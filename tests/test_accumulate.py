@@ -2,17 +2,17 @@
 
 import json
 
+import breadth_models as bm
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import breadth_models as bm
-import models
-import replicate
-from replicate.cli import main
-from replicate.equivalence import Trainer, compare
-from replicate.passes.accumulate import SCOPE
 from test_equivalence import CPUS, check
+
+import replicate
+from replicate.check.equivalence import Trainer, compare
+from replicate.cli import main
+from replicate.passes.accumulate import SCOPE
 
 v1 = tf.compat.v1
 

@@ -1,9 +1,9 @@
 """Bad input to transform(): one ReplicateError subclass with a sentence naming the culprit."""
 
+import models
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
 from replicate import AnalysisError, DeviceError, InputError, ReplicateError
 
@@ -47,7 +47,7 @@ def test_several_train_ops_are_all_replicated():
     named by train_op= (or found first) is Result.train_op."""
     import numpy as np
 
-    from replicate.equivalence import compare
+    from replicate.check.equivalence import compare
 
     graph = _two_train_ops()
     res = replicate.transform(graph, CPUS)

@@ -16,7 +16,7 @@ import tensorflow as tf
 from replicate.batchflow.analysis import analyze
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Classes, Sym
 from replicate.batchflow.solver import solve
-from replicate.ir import IR
+from replicate.graph.ir import IR
 
 v1 = tf.compat.v1
 

@@ -9,19 +9,24 @@ import re
 import socket
 import time
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
 import replicate.demo
-from replicate import between_driver as drv
-from replicate.between import for_task, import_meta_graph, task_index_from_env, wait_for_cluster
-from replicate.between_recovery import PeerWatch, error_reason, incarnations
-from replicate.cluster import Cluster
-from replicate.cluster_server import LocalCluster
 from replicate.errors import DeviceError, ReplicateError
+from replicate.runtime import driver as drv
+from replicate.runtime.between import (
+    for_task,
+    import_meta_graph,
+    task_index_from_env,
+    wait_for_cluster,
+)
+from replicate.runtime.cluster import Cluster
+from replicate.runtime.cluster_server import LocalCluster
+from replicate.runtime.recovery import PeerWatch, error_reason, incarnations
 
 v1 = tf.compat.v1
 RTOL = 1e-5
@@ -318,7 +323,7 @@ def test_cli_convert_between_graph(tmp_path):
                                "--between-graph", "--cluster", str(spec), *extra],
                               capture_output=True, text=True, env=env, timeout=120)
         assert done.returncode == 0, done.stderr
-        meta = replicate.io.load(out).meta
+        meta = replicate.graph.io.load(out).meta
         assert "replicate_between" in meta.collection_def
         tasks = {n.device for n in meta.graph_def.node if n.device.startswith("/job:worker")}
         assert all(("/task:1" in d) == bool(extra) for d in tasks)
@@ -466,7 +471,7 @@ def test_a_worker_whose_peer_serves_but_never_trains_fails_within_the_step_timeo
     launch, spec, template = _job(tmp_path)
     procs = launch.Processes(str(tmp_path))
     try:
-        procs.start("server-1", [sys.executable, "-m", "replicate.cluster_server", "--cluster", spec,
+        procs.start("server-1", [sys.executable, "-m", "replicate.runtime.cluster_server", "--cluster", spec,
                                  "--job", "worker", "--task", "1", "--parent", str(os.getpid())])
         w0 = _worker(launch, procs, spec, template, 0, str(tmp_path / "final_0.npz"),
                      str(tmp_path / "ckpt"), "--on-peer-failure", "exit", "--step-timeout", "3",

@@ -1,12 +1,12 @@
 """Issue 4: model families beyond MLPs transform, train, and are exact where exact is possible."""
 
+import breadth_models as bm
 import numpy as np
 import pytest
-
-import breadth_models as bm
-import replicate
-from replicate.equivalence import Trainer
 from test_equivalence import CPUS, check
+
+import replicate
+from replicate.check.equivalence import Trainer
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad", "momentum", "ftrl"])

@@ -19,19 +19,29 @@ import sys
 import threading
 import time
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
 from replicate import cli
-from replicate.cluster import expand, load, resolve
-from replicate.cluster_server import (LocalCluster, _decode, _loopback_only, is_loopback_host,
-                                      listening_addresses, shim_path)
-from replicate.commands._cluster_args import (add_cluster_arguments, cluster_value,
-                                              default_devices, resolve_devices)
+from replicate.cli.commands._cluster_args import (
+    add_cluster_arguments,
+    cluster_value,
+    default_devices,
+    resolve_devices,
+)
 from replicate.errors import DeviceError, InputError, ReplicateError
+from replicate.runtime.cluster import expand, load, resolve
+from replicate.runtime.cluster_server import (
+    LocalCluster,
+    _decode,
+    _loopback_only,
+    is_loopback_host,
+    listening_addresses,
+    shim_path,
+)
 
 v1 = tf.compat.v1
 RTOL = 1e-5
@@ -248,7 +258,7 @@ def test_shim_rewrites_wildcard_binds_to_loopback():
 
 
 def test_server_entry_point_refuses_an_unknown_task(capsys):
-    from replicate.cluster_server import main
+    from replicate.runtime.cluster_server import main
 
     assert main(["--cluster", json.dumps(SPEC), "--job", "worker", "--task", "7"]) == 2
     assert "worker:7" in capsys.readouterr().err

@@ -11,13 +11,13 @@ some examples are clipped and some are not (weighed afterwards, as before, the c
 trained 1e-2 away from one device).
 """
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 
 v1 = tf.compat.v1
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]

@@ -1,13 +1,14 @@
 """Device strings: parsed by tf.DeviceSpec, then range-checked (#25.2), in the API and the CLI,
 and checked before the output so one error does not hide another."""
 
+import models
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
-from replicate import DeviceError, cli, show
+from replicate import DeviceError, cli
 from replicate.api import MAX_DEVICE_INDEX, normalize_device
+from replicate.viz import show
 
 v1 = tf.compat.v1
 

@@ -51,7 +51,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _listening(port: int) -> list[str]:
-    from replicate.cluster_server import listening_addresses
+    from replicate.runtime.cluster_server import listening_addresses
 
     return listening_addresses(port)
 

@@ -249,7 +249,7 @@ def test_cli_md_lists_every_inspect_json_key(model_files, capsys):
 
 
 def test_show_docs_do_not_claim_system_graphviz():
-    from replicate.commands import show
+    from replicate.cli.commands import show
 
     claims = re.compile(r"apt-get install -y graphviz|brew install graphviz|"
                         r"need[s]? Graphviz's `?dot`? program|comes from the system", re.I)

@@ -10,13 +10,14 @@ fetched values must be the global-batch values. Checkpoints move both ways.
 
 import os
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from replicate import cli, io, meta
-from replicate.equivalence import relative_difference, session_config
+from replicate import cli
+from replicate.check.equivalence import relative_difference, session_config
+from replicate.graph import io, meta
 
 v1 = tf.compat.v1
 RTOL = 1e-5

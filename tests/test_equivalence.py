@@ -1,11 +1,11 @@
 """End to end: N towers train exactly as one device on the same global batch."""
 
+import models
 import numpy as np
 import pytest
 
-import models
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 
 RTOL = 1e-5
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
@@ -76,7 +76,7 @@ def test_dataset_iterator_with_short_last_batch():
 def test_global_step_increments_once():
     model = models.mlp("sgd")
     res = replicate.transform(model.graph, CPUS[:3])
-    from replicate.equivalence import Trainer
+    from replicate.check.equivalence import Trainer
     trainer = Trainer(res.meta_graph_def, "train")
     for feed in model.feeds(7, steps=4):
         trainer.step(feed)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 
 v1 = tf.compat.v1
 

@@ -16,18 +16,19 @@ import functools
 import os
 import tempfile
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, strategies as st
-
-import models
-import replicate
-from replicate import registry
-from replicate.passes.aggregate import STRATEGIES
-from replicate.equivalence import compare
-from replicate.errors import AnalysisError
+from hypothesis import given
+from hypothesis import strategies as st
 from soak import SCALE, Tally, fuzz, transform_cleanly
+
+import replicate
+from replicate.check.equivalence import compare
+from replicate.errors import AnalysisError
+from replicate.graph import registry
+from replicate.passes.aggregate import STRATEGIES
 
 v1 = tf.compat.v1
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 
 v1 = tf.compat.v1
 D, C = 4, 3
@@ -114,8 +114,8 @@ def test_the_loss_of_a_seed_that_reaches_several_terms_is_their_sum():
     """``tf.gradients(mean + 0.01 * reduce_sum(x ** 2), x)`` of scalars: the add's gradient
     makes no op, so the seed is read by both terms' gradient code. The loss was taken to be
     the first term alone, and the sign of that gradient was claimed exact (0.035 off)."""
-    from replicate.ir import IR
-    from replicate.roles import scope_seeds
+    from replicate.batchflow.roles import scope_seeds
+    from replicate.graph.ir import IR
 
     g = tf.Graph()
     with g.as_default():

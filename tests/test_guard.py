@@ -19,7 +19,7 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, {here!r})
     import conftest, models, numpy as np, tensorflow as tf
     import replicate
-    from replicate.equivalence import compare
+    from replicate.check.equivalence import compare
     v1 = tf.compat.v1
     mode, agg, towers, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     x = None
@@ -117,7 +117,7 @@ def test_a_tower_too_small_for_a_positional_pick_stops_with_a_message(kind, need
     import numpy as np
 
     import replicate
-    from replicate.equivalence import compare
+    from replicate.check.equivalence import compare
     from replicate.errors import RewriteError
 
     towers = 3
@@ -175,7 +175,7 @@ def test_an_empty_tower_reshapes_a_flat_batch_as_the_others_do():
     import tensorflow as tf
 
     import replicate
-    from replicate.equivalence import compare
+    from replicate.check.equivalence import compare
     v1 = tf.compat.v1
     T, C = 3, 4
 
@@ -234,7 +234,7 @@ def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, s
     import numpy as np
 
     import replicate
-    from replicate.equivalence import compare
+    from replicate.check.equivalence import compare
     from replicate.errors import RewriteError
 
     rng = np.random.default_rng(0)
@@ -262,7 +262,7 @@ def test_a_flattened_concatenation_of_two_copies_of_the_batch_keeps_its_width():
     import tensorflow as tf
 
     import replicate
-    from replicate.equivalence import compare
+    from replicate.check.equivalence import compare
     v1 = tf.compat.v1
 
     def build():
@@ -294,7 +294,7 @@ def test_an_empty_tower_flattens_a_time_major_batch_as_the_others_do():
     import tensorflow as tf
 
     import replicate
-    from replicate.equivalence import compare
+    from replicate.check.equivalence import compare
     v1 = tf.compat.v1
     T, D, H = 3, 4, 5
 

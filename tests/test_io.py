@@ -3,14 +3,14 @@
 import io as pyio
 import os
 
+import models
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
-from replicate import io, meta
-from replicate.commands._common import Progress, parse_devices, relabel, table, train_op_hint
+from replicate.cli.commands._common import Progress, parse_devices, relabel, table, train_op_hint
 from replicate.errors import AnalysisError, DeviceError, InputError, OutputError
+from replicate.graph import io, meta
 
 v1 = tf.compat.v1
 CPUS = ["/cpu:0", "/cpu:1"]

@@ -4,13 +4,13 @@ and inspect never listing a tensor both as merged and as not mergeable."""
 
 import re
 
+import models
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
-from replicate.commands import inspect as inspect_cmd
-from replicate.commands.verify import verdict_line
+from replicate.cli.commands import inspect as inspect_cmd
+from replicate.cli.commands.verify import verdict_line
 from replicate.demo.report import drift_line, verdict
 from replicate.demo.runner import Drift, SideBySide
 from replicate.wording import count, reductions

@@ -3,16 +3,16 @@ every device; exact, copies equal after every step, checkpoints under the origin
 
 import contextlib
 
+import breadth_models
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import breadth_models
-import models
-import replicate
-from replicate.equivalence import Trainer
-from replicate.passes.mirror import COPY_SCOPE, SYNC_OP
 from test_equivalence import CPUS, check
+
+import replicate
+from replicate.check.equivalence import Trainer
+from replicate.passes.mirror import COPY_SCOPE, SYNC_OP
 
 v1 = tf.compat.v1
 

@@ -8,13 +8,13 @@ tower, with accumulation, and the fetched loss is the single-device value. Check
 whose update shows any misweighting directly.
 """
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 
 v1 = tf.compat.v1
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]

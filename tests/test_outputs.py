@@ -1,4 +1,4 @@
-"""Output safety (replicate/outputs.py): what every command may write, and how.
+"""Output safety (replicate/graph/outputs.py): what every command may write, and how.
 
 Each case runs the real command line in-process (``cli.main``) against a real file-system
 object — a device node, a symbolic link, a directory, a FIFO, a missing parent — and checks
@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 
+import models
 import pytest
 import tensorflow as tf
 
-import models
-from replicate import cli, io, outputs
+from replicate import cli
 from replicate.errors import OutputError
+from replicate.graph import io, outputs
 
 v1 = tf.compat.v1
 DEVICES = ["--devices", "/cpu:0,/cpu:1"]

@@ -1,21 +1,21 @@
 """Unit tests per pass on tiny hand-built graphs: structural asserts, order-insensitive."""
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
 import replicate
 from replicate.api import prepare
 from replicate.errors import PassError
-from replicate.ir import IR
+from replicate.graph.ir import IR
 from replicate.passes.aggregate import Aggregate
 from replicate.passes.clone import Clone
+from replicate.passes.pipeline import run_pipeline
 from replicate.passes.place import Place
 from replicate.passes.rewire import Rewire
 from replicate.passes.split import Split
 from replicate.passes.validate import Validate
-from replicate.pipeline import run_pipeline
 
 v1 = tf.compat.v1
 DEVICES = ["/device:CPU:1", "/device:CPU:2"]

@@ -5,10 +5,11 @@ import os
 import subprocess
 import sys
 
+import models
 import tensorflow as tf
 
-import models
-from replicate import cli, quiet
+from replicate import cli
+from replicate.cli import quiet
 
 v1 = tf.compat.v1
 

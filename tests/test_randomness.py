@@ -9,13 +9,12 @@ import contextlib
 import numpy as np
 import pytest
 import tensorflow as tf
+from breadth_models import control_flow_v1
 
 import replicate
 from replicate.batchflow.effects import draws, writes
-from replicate.equivalence import compare
-from replicate.ir import IR
-
-from breadth_models import control_flow_v1
+from replicate.check.equivalence import compare
+from replicate.graph.ir import IR
 
 v1 = tf.compat.v1
 
@@ -569,7 +568,7 @@ def test_while_loop_reading_a_variable_is_exact():
 def test_certificate_weighs_a_difference_against_the_graphs_own_rounding():
     """Above 1e-5, a run agrees only within 10x of one device's drift on a permuted batch
     (slim ResNet-50 at a batch of 7 drifts 0.17 from itself after one step)."""
-    from replicate.certificate import Certificate
+    from replicate.check.certificate import Certificate
 
     run = {"batch": 7, "steps": 3, "worst": "w"}
     assert Certificate(True, runs=[dict(run, max_rel=1.8, rounding=1.9)]).ok
@@ -580,7 +579,7 @@ def test_certificate_weighs_a_difference_against_the_graphs_own_rounding():
 
 def test_inspect_lists_the_random_ops(tmp_path):
     """``inspect --json`` lists every random op and how each is reproduced."""
-    from replicate.commands.inspect import collect
+    from replicate.cli.commands.inspect import collect
 
     path = tmp_path / "dropout.meta"
     v1.train.export_meta_graph(str(path), graph=_mlp("dropout"))

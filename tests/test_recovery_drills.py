@@ -3,7 +3,7 @@ the chief must notice for the others, ends in exact recovery or a clear exit wit
 docs/distributed.md gives, never in a silent hang.
 
 Each drill runs real processes on loopback (examples/between_graph/worker.py and
-``python -m replicate.cluster_server``): an embedding table on ``ps:0`` (sparse Momentum) and a
+``python -m replicate.runtime.cluster_server``): an embedding table on ``ps:0`` (sparse Momentum) and a
 dense layer on every worker.
 """
 
@@ -23,7 +23,7 @@ import tensorflow as tf
 
 import replicate
 import replicate.demo
-from replicate.between_recovery import EXIT_CODE
+from replicate.runtime.recovery import EXIT_CODE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "between_graph")
@@ -57,7 +57,7 @@ def job(tmp_path_factory):
 
 
 def _ps(procs, spec, name):
-    return procs.start(name, [sys.executable, "-m", "replicate.cluster_server", "--cluster", spec,
+    return procs.start(name, [sys.executable, "-m", "replicate.runtime.cluster_server", "--cluster", spec,
                               "--job", "ps", "--task", "0", "--parent", str(os.getpid())])
 
 
@@ -155,7 +155,7 @@ def test_a_killed_ps_restarted_on_its_port_recovers_exactly(job):
     assert int(finals[0]["global_step"]) == 8
     for name in finals[0]:
         np.testing.assert_array_equal(finals[1][name], finals[0][name], err_msg=name)
-    from replicate.between_driver import largest_difference
+    from replicate.runtime.driver import largest_difference
 
     expected = _single_device(graph, str(ckpt), 8, "embedding", [8, 4])
     diff, worst = largest_difference(finals[0], expected)
@@ -259,7 +259,7 @@ def test_a_lost_worker_reaches_the_other_workers_through_the_chief(tmp_path):
     for t in (1, 2):
         for name in finals[0]:
             np.testing.assert_array_equal(finals[t][name], finals[0][name], err_msg=name)
-    from replicate.between_driver import largest_difference
+    from replicate.runtime.driver import largest_difference
 
     expected = _single_device(model.graph, ckpt, 8, "cnn", [4, 4, 4])
     diff, worst = largest_difference(finals[0], expected)
@@ -281,7 +281,7 @@ def test_a_worker_whose_chief_never_trains_fails_within_the_create_timeout(tmp_p
     template.write_bytes(res.meta_graph_def.SerializeToString())
     procs = launch.Processes(str(tmp_path))
     try:
-        procs.start("chief-server", [sys.executable, "-m", "replicate.cluster_server", "--cluster",
+        procs.start("chief-server", [sys.executable, "-m", "replicate.runtime.cluster_server", "--cluster",
                                      str(spec), "--job", "worker", "--task", "0", "--parent",
                                      str(os.getpid())])
         w1 = procs.start("w1", [

@@ -16,11 +16,16 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import device_attributes_pb2
 
-from replicate.between_recovery import (RESTARTS_ENV, bound_close, peer_watch_hook, reset_restarts,
-                                        restarts)
-from replicate.between_watch import PeerWatch, incarnations, polls_per_interval, watched_tasks
 from replicate.errors import ReplicateError
-from replicate.step_feeder import StepFeeder
+from replicate.runtime.recovery import (
+    RESTARTS_ENV,
+    bound_close,
+    peer_watch_hook,
+    reset_restarts,
+    restarts,
+)
+from replicate.runtime.step_feeder import StepFeeder
+from replicate.runtime.watch import PeerWatch, incarnations, polls_per_interval, watched_tasks
 
 v1 = tf.compat.v1
 

@@ -17,18 +17,19 @@ import subprocess
 import sys
 import textwrap
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from soak import SCALE, Tally, fuzz, transform_cleanly
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, tensor_shape_pb2, types_pb2
 from tensorflow.core.protobuf import meta_graph_pb2
 
-import models
 import replicate
-from replicate import registry
 from replicate.errors import InputError, OutputError
-from soak import SCALE, Tally, fuzz, transform_cleanly
+from replicate.graph import registry
 
 v1 = tf.compat.v1
 DEVICES = ["/cpu:0", "/cpu:1"]

@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 
 v1 = tf.compat.v1
 D, H, C = 10, 8, 4

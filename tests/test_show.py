@@ -14,16 +14,16 @@ import re
 import struct
 import xml.etree.ElementTree as ET
 
+import breadth_models
+import models
 import pytest
 from tensorflow.core.framework import graph_pb2
 
-import breadth_models
-import models
 import replicate
-from replicate import cli, show
+from replicate import cli
 from replicate.errors import OutputError, ReplicateError
-from replicate.ir import IR
-from replicate.viz import collapse, dot_source, partition, render, roles_from_analysis
+from replicate.graph.ir import IR
+from replicate.viz import collapse, dot_source, partition, render, roles_from_analysis, show
 from replicate.viz.collapse import MORE
 from replicate.viz.groups import Roles, assign, tower_prefixes
 from replicate.viz.layout import inversions, relabel, tower_classes

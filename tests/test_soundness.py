@@ -8,14 +8,14 @@ from __future__ import annotations
 import collections
 import os
 
+import adversarial
 import numpy as np
 import pytest
 import tensorflow as tf
-
-import adversarial
-import replicate
 from soak import Tally
-from replicate.equivalence import compare
+
+import replicate
+from replicate.check.equivalence import compare
 from replicate.errors import InternalError
 
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]

@@ -19,11 +19,11 @@ import collections
 import os
 
 import numpy as np
+import programs
 import pytest
 
-import programs
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 from replicate.errors import InternalError
 
 CPUS = ["/cpu:1", "/cpu:2", "/cpu:3"]

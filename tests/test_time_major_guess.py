@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import replicate
-from replicate.equivalence import compare
+from replicate.check.equivalence import compare
 
 v1 = tf.compat.v1
 T, D, H, C = 4, 5, 6, 3

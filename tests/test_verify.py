@@ -8,12 +8,13 @@ import os
 import subprocess
 import sys
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from replicate import api, cli, synthetic
+from replicate import api, cli
+from replicate.check import synthetic
 from replicate.errors import InputError
 
 v1 = tf.compat.v1

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
 
 import tensorflow as tf  # noqa: E402
 
-from replicate import show  # noqa: E402
+from replicate.viz import show  # noqa: E402
 
 __all__ = ["PICTURES", "main"]
 

@@ -78,7 +78,7 @@ class Processes:
     """Child processes, all stopped by :meth:`stop` (SIGTERM, then SIGKILL)."""
 
     def __init__(self, work: str):
-        from replicate.cluster_server import shim_path
+        from replicate.runtime.cluster_server import shim_path
 
         self.work = work
         self.env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -112,9 +112,10 @@ class Processes:
 
 
 def run(args) -> int:
-    from replicate.between_driver import largest_difference
-    from replicate.demo import build_cnn
     from worker import local_batch
+
+    from replicate.demo import build_cnn
+    from replicate.runtime.driver import largest_difference
 
     sizes = {"tiny": (4, 8, 32), "small": (16, 32, 256), "full": (32, 64, 1024)}
     work = args.work or tempfile.mkdtemp(prefix="replicate-between-")
@@ -144,7 +145,7 @@ def run(args) -> int:
     shutil.rmtree(ckpt, ignore_errors=True)          # a fresh run, not a resumed one
     try:
         if args.sparse:
-            procs.start("ps-0", [sys.executable, "-m", "replicate.cluster_server", "--cluster", spec,
+            procs.start("ps-0", [sys.executable, "-m", "replicate.runtime.cluster_server", "--cluster", spec,
                                  "--job", "ps", "--task", "0", "--parent", str(os.getpid())])
         def command(t: int, *extra: str) -> list[str]:
             return [sys.executable, os.path.join(HERE, "worker.py"), "--cluster", spec,

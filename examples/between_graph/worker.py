@@ -3,7 +3,7 @@
     python worker.py --cluster cluster.json --task 1 --template model_between.meta \
         --steps 5 --batch 16 --out final_1.npz [--checkpoint-dir DIR --save-steps 2]
 
-The worker starts this task's ``tf.distribute.Server`` (``replicate.task_server.start_server``:
+The worker starts this task's ``tf.distribute.Server`` (``replicate.runtime.task_server.start_server``:
 on 127.0.0.1 only for loopback addresses; collective group leader: worker 0, as
 ``replicate.between.server_config`` says), waits for every task of the cluster (a clear error
 after ``--wait`` seconds instead of a hang), imports the template pinned to its task
@@ -11,11 +11,11 @@ after ``--wait`` seconds instead of a hang), imports the template pinned to its 
 chief (task 0) initializes or restores and saves checkpoints; every worker starts from the
 chief's values (the template's ``local_init_op`` broadcasts them). Each worker feeds its *own*
 batches: batch ``s`` of task ``t`` is ``local_batch(t, s)``, chosen by the global step
-(``replicate.step_feeder.StepFeeder``), so a restarted job replays exactly the batches of the
+(``replicate.runtime.step_feeder.StepFeeder``), so a restarted job replays exactly the batches of the
 steps it lost. At the end it writes its variables to ``--out``.
 
 Losing a task: from the moment its session exists, each worker watches the tasks it depends on
-(``replicate.between_recovery.peer_watch_hook``: the chief watches every worker and ps task, the
+(``replicate.runtime.recovery.peer_watch_hook``: the chief watches every worker and ps task, the
 others watch the chief and every ps task). When one dies or restarts, or a step fails, the
 survivors re-execute themselves in place (same pid and port, a new TensorFlow runtime:
 TensorFlow's collectives refuse a restarted member otherwise) and wait for every task again
@@ -39,11 +39,11 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import tensorflow as tf  # noqa: E402
 
 from replicate.between import import_meta_graph, server_config, wait_for_cluster  # noqa: E402
-from replicate.between_recovery import EXIT_CODE, error_reason, peer_watch_hook, recover  # noqa: E402
-from replicate.cluster import load  # noqa: E402
 from replicate.errors import ReplicateError  # noqa: E402
-from replicate.step_feeder import StepFeeder  # noqa: E402
-from replicate.task_server import start_server  # noqa: E402
+from replicate.runtime.cluster import load  # noqa: E402
+from replicate.runtime.recovery import EXIT_CODE, error_reason, peer_watch_hook, recover  # noqa: E402
+from replicate.runtime.step_feeder import StepFeeder  # noqa: E402
+from replicate.runtime.task_server import start_server  # noqa: E402
 
 v1 = tf.compat.v1
 

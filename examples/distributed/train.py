@@ -29,9 +29,9 @@ import threading
 import tensorflow as tf
 
 import replicate
+from replicate.check.equivalence import Trainer, relative_difference
 from replicate.demo import FULL_SIZE, SMALL_SIZE, batches, build_cnn, load
-from replicate.equivalence import Trainer, relative_difference
-from replicate.step_feeder import StepFeeder
+from replicate.runtime.step_feeder import StepFeeder
 
 __all__ = ["make_feeds", "train_single", "train_in_graph", "StepFeeder", "train_monitored",
            "checkpoint_steps", "checkpoint_values", "largest_difference", "kill_and_restart",
@@ -220,8 +220,8 @@ def _verdict(label: str, a: dict, b: dict, rtol: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Train on the cluster and on one device; print and return whether they agree."""
-    from replicate.cluster import load as load_cluster
-    from replicate.cluster_server import LocalCluster
+    from replicate.runtime.cluster import load as load_cluster
+    from replicate.runtime.cluster_server import LocalCluster
 
     args = _parser().parse_args(argv)
     if args.kill_at is not None and not (args.local and args.checkpoint_dir):

@@ -27,14 +27,14 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
+from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import SHARED, Classes, Fact
-from replicate.batchflow.rules.common import ROWS_CONFLICT
 from replicate.batchflow.loss import Term, decompose
 from replicate.batchflow.plan import Plan, frame_depths, resolve
+from replicate.batchflow.rules.common import ROWS_CONFLICT
 from replicate.batchflow.solver import order, solve
-from replicate.facts import Reason
-from replicate.ops import sparse_role
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.graph.ops import sparse_role
 
 __all__ = ["Flow", "analyze", "MAX_ROUNDS"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from replicate.batchflow.loss import behind
-from replicate.ir import IR, node_of, parse_tensor
+from replicate.graph.ir import IR, node_of, parse_tensor
 
 __all__ = ["Probe", "probe_of", "import_body"]
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from replicate.batchflow import table
 from replicate.batchflow.lattice import Classes, Fact, Sym, mixed, shared
-from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
+from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["Context", "Demand", "Position"]
 

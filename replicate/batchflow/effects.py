@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from replicate import ops
-from replicate.ir import IR, Node
+from replicate.graph import ops
+from replicate.graph.ir import IR, Node
 
 __all__ = ["Effect", "effects", "draws", "writes", "asserts", "called_functions", "describe"]
 

@@ -16,7 +16,7 @@ Every tensor of the tower region gets one :class:`Fact`:
     depends on the batch but has no batch axis: a reduction over examples. ``merge`` says how
     the single-device value follows from the towers' values (``sum``, ``mean``, ``max``,
     ``min``, ``ratio``, ``count``), or ``other`` when it does not; ``spec`` gives the weights of
-    a weighted mean (see :mod:`replicate.combine`).
+    a weighted mean (see :mod:`replicate.passes._combine`).
 ``MIXED``
     depends on the batch in a way no combination of the towers reproduces (an op that selects
     or mixes examples, or one the analysis has no rule for); ``src`` names the op, ``why`` says

@@ -28,11 +28,11 @@ import dataclasses
 
 from tensorflow.core.framework import types_pb2
 
-from replicate import ops
 from replicate.batchflow.context import Context
+from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Sym
-from replicate.facts import Reason
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM", "sync_sources",
            "vanishes_with_count", "positive_shift", "shares_suffice", "behind"]
@@ -55,7 +55,7 @@ class Term:
     Attributes:
         root: the tensor the term's gradient enters through.
         kind: ``sum``, ``mean``, ``ratio`` or ``shared``.
-        spec: tower weights of the term (see :func:`replicate.combine.weight`).
+        spec: tower weights of the term (see :func:`replicate.passes._combine.weight`).
         cls: the batch class it reduces (None for ``shared``).
         sync: for a ``shared`` term computed from batch reductions, those reductions (nodes),
             which every tower must read as the global batch's values.
@@ -82,7 +82,7 @@ _NO_GRADIENT = frozenset({"StopGradient", "PreventGradient", "Shape", "ShapeN", 
 def _trainable_cone(ir: IR, ref: str, limit: int = 2000) -> str | None:
     """A variable that ``ref``'s value is differentiably computed from, if any (a coefficient
     with a gradient). Integer tensors and shape ops carry no gradient."""
-    from replicate.roles import FLOAT_TYPES
+    from replicate.batchflow.roles import FLOAT_TYPES
 
     work, seen = [ref], set()
     while work and len(seen) < limit:

@@ -14,7 +14,7 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.lattice import MIXED, PART, RED, Sym
 from replicate.batchflow.loss import UNNORMALIZED, shares_suffice
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Merge", "merge_kind", "recompute_plan", "batch_multiple"]
 
@@ -22,7 +22,7 @@ __all__ = ["Merge", "merge_kind", "recompute_plan", "batch_multiple"]
 @dataclasses.dataclass(frozen=True)
 class Merge:
     """``kind`` is ``concat``, ``mean``, ``ratio``, ``sum``, ``max``, ``min``, ``other`` (not
-    mergeable) or ``none`` (a handle); ``weights`` as in :func:`replicate.combine.weight`."""
+    mergeable) or ``none`` (a handle); ``weights`` as in :func:`replicate.passes._combine.weight`."""
 
     kind: str
     weights: tuple = ("count",)
@@ -63,7 +63,7 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
         if fact.merge in ("sum", "count") or batch_multiple(fact):
             return Merge("sum", ("ones",))
         if fact.merge in ("mean", "ratio"):
-            from replicate.roles import FLOAT_TYPES
+            from replicate.batchflow.roles import FLOAT_TYPES
 
             if ir.output_dtype(ref) not in FLOAT_TYPES:
                 return Merge("other", note="a mean of a non-float value")
@@ -106,7 +106,7 @@ def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str],
     tensors (``mergeable(t)``), shared values (tower 0's copies) and nodes outside the towers.
     Running them once on those inputs is the single-device computation itself, so the result is
     exact. None when an op on the way is stateful, random, control flow or gradient code."""
-    from replicate import ops
+    from replicate.graph import ops
 
     nodes: list[str] = []
     needs: dict[str, None] = {}

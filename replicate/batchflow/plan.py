@@ -26,14 +26,14 @@ import logging
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
-from replicate import ops
 from replicate.batchflow import table
 from replicate.batchflow.context import Context, Demand, Position
+from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import MIXED, PART, RED, Sym
+from replicate.batchflow.roles import forward_op_of
 from replicate.batchflow.rules.layout import map_reshape
-from replicate.facts import Reason
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.roles import forward_op_of
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Plan", "resolve", "frame_depths"]
 

@@ -16,7 +16,7 @@ from replicate.batchflow import rules
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import SHARED, Classes, Fact, part
 from replicate.errors import AnalysisError
-from replicate.ir import IR
+from replicate.graph.ir import IR
 
 __all__ = ["solve", "MAX_PASSES"]
 

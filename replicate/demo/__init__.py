@@ -1,6 +1,6 @@
 """The demo's pieces: MNIST-like data with fallbacks and the seeds' CNN as a plain TF1 graph.
 
-``replicate demo`` (``replicate.commands.demo``) and ``examples/mnist_towers.py`` use them.
+``replicate demo`` (``replicate.cli.commands.demo``) and ``examples/mnist_towers.py`` use them.
 """
 
 from replicate.demo.data import Dataset, batches, load

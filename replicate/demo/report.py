@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from replicate.certificate import ROUNDING_FACTOR
+from replicate.check.certificate import ROUNDING_FACTOR
 from replicate.demo.data import Dataset
 from replicate.demo.model import CNN
 from replicate.demo.runner import SideBySide

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from replicate.equivalence import Trainer, relative_difference
+from replicate.check.equivalence import Trainer, relative_difference
 
 __all__ = ["Drift", "SideBySide", "train_side_by_side", "global_difference"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from tensorflow.python.framework import dtypes
 
-from replicate import ops
-from replicate.ir import IR, node_of, parse_tensor
-from replicate.kernels import runnable_on
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of, parse_tensor
+from replicate.graph.kernels import runnable_on
 
 __all__ = ["gather_rows", "place_sparse", "WRITES"]
 

@@ -39,7 +39,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
-from replicate.ir import IR, Node, make_attr
+from replicate.graph.ir import IR, Node, make_attr
 
 __all__ = ["rewrite_branches", "rewire_call", "calls_of", "SUFFIX", "FUNCTION_ATTRS"]
 

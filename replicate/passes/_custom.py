@@ -23,11 +23,11 @@ as is any other custom gradient on a batch-dependent path.
 
 from __future__ import annotations
 
+from replicate.batchflow.facts import GradScope, Reason
 from replicate.batchflow.lattice import PART, RED, SHARED
-from replicate.facts import GradScope, Reason
-from replicate.ir import IR
+from replicate.batchflow.roles import FLOAT_TYPES
+from replicate.graph.ir import IR
 from replicate.passes._weights import weigh_in_towers
-from replicate.roles import FLOAT_TYPES
 
 __all__ = ["settle"]
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate import ops
 from replicate.batchflow.lattice import SHARED
-from replicate.combine import combine
-from replicate.ir import IR, Node, parse_tensor, tensor_name
+from replicate.graph import ops
+from replicate.graph.ir import IR, Node, parse_tensor, tensor_name
+from replicate.passes._combine import combine
 
 __all__ = ["GlobalDenominator"]
 

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from replicate import ops
 from replicate.batchflow.effects import draws
+from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import PART, SHARED
 from replicate.batchflow.table import SHAPE_SOURCES
-from replicate.facts import Reason
-from replicate.ir import IR
+from replicate.graph import ops
+from replicate.graph.ir import IR
 from replicate.passes._frames import frames
 
 __all__ = ["Draw", "reproducible"]

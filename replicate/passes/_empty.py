@@ -40,7 +40,7 @@ import math
 from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.lattice import PART, Sym
-from replicate.ir import IR, node_of
+from replicate.graph.ir import IR, node_of
 
 __all__ = ["infer_reshapes", "nonzero_steps", "stack_empty_lists"]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from replicate.batchflow.effects import called_functions, draws, writes
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
 from replicate.batchflow.merge import batch_multiple
-from replicate.ir import IR, node_of
+from replicate.graph.ir import IR, node_of
 
 __all__ = ["evictable"]
 

@@ -15,11 +15,11 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.effects import describe, writes
-from replicate.facts import Analysis, Reason
-from replicate.ir import IR, node_of
-from replicate.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
-from replicate.reductions import FUSED_BATCH_NORM
-from replicate.roles import FLOAT_TYPES
+from replicate.batchflow.facts import Analysis, Reason
+from replicate.batchflow.reductions import FUSED_BATCH_NORM
+from replicate.batchflow.roles import FLOAT_TYPES
+from replicate.graph.ir import IR, node_of
+from replicate.graph.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
 
 __all__ = ["collect", "unmergeable", "size_like", "size_coupling"]
 

@@ -7,7 +7,7 @@ inputs. Walking back from a node over its inputs without crossing an ``Exit`` (w
 nested loop) stays in the node's frame until it meets the ``Enter`` nodes that open it; from
 an ``Enter``'s own input the walk continues in the enclosing frame.
 
-Requires: the graph (:class:`replicate.ir.IR`). Produces: :func:`frames`, the frames around a
+Requires: the graph (:class:`replicate.graph.ir.IR`). Produces: :func:`frames`, the frames around a
 node from the outermost in, with each one's ``parallel_iterations``, and :func:`enter`, which
 brings a tensor from the root frame into the innermost of them.
 """
@@ -18,7 +18,7 @@ import dataclasses
 
 from tensorflow.python.framework import dtypes
 
-from replicate.ir import IR, node_of
+from replicate.graph.ir import IR, node_of
 
 __all__ = ["Frame", "frames", "enter"]
 

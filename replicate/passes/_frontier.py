@@ -12,11 +12,11 @@ from __future__ import annotations
 import collections
 
 from replicate.batchflow.effects import writes
-from replicate.errors import AnalysisError
-from replicate.facts import ApplyOp, Frontier, GradScope
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.batchflow.facts import ApplyOp, Frontier, GradScope
 from replicate.batchflow.merge import merge_kind, recompute_plan
-from replicate.roles import FLOAT_TYPES, sparse_roles
+from replicate.batchflow.roles import FLOAT_TYPES, sparse_roles
+from replicate.errors import AnalysisError
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["classify", "fetch_cone"]
 
@@ -161,7 +161,7 @@ def fetch_cone(ir: IR, stand_ins: list[str], inside: set[str], dependent: set[st
     a conflict: every op downstream of a stand-in up to a state write, an update or gradient
     code; the analysis then puts them in the towers, whose values it merges (or, unmergeable
     in turn, warns of), so they run."""
-    from replicate import ops
+    from replicate.graph import ops
 
     def pure(node) -> bool:
         op_def = ir.op_def(node.op)

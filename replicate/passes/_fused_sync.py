@@ -11,8 +11,8 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
-from replicate.combine import combine, weight
-from replicate.ir import IR, Node, parse_tensor
+from replicate.graph.ir import IR, Node, parse_tensor
+from replicate.passes._combine import combine, weight
 
 __all__ = ["FusedSync"]
 
@@ -162,7 +162,7 @@ class FusedSync:
 
 
 def _attr(value):
-    from replicate.ir import make_attr
+    from replicate.graph.ir import make_attr
 
     return make_attr(value)
 

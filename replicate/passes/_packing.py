@@ -14,9 +14,9 @@ from collections import defaultdict
 import numpy as np
 from tensorflow.python.framework import dtypes
 
-from replicate.combine import combine
-from replicate.facts import Frontier, Towers
-from replicate.ir import IR, parse_tensor
+from replicate.batchflow.facts import Frontier, Towers
+from replicate.graph.ir import IR, parse_tensor
+from replicate.passes._combine import combine
 
 __all__ = ["pack", "MAX_BUFFER_ELEMENTS"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate import ops
-from replicate.ir import IR, node_of
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of
 
 __all__ = ["barriers", "phases", "variable_read"]
 

@@ -23,7 +23,7 @@ import numpy as np
 from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.lattice import MIXED, PART
-from replicate.ir import IR, Node, node_of
+from replicate.graph.ir import IR, Node, node_of
 
 __all__ = ["MARKER", "assert_examples", "PICK_OPS"]
 

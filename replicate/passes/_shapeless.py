@@ -34,11 +34,11 @@ from typing import Callable
 import numpy as np
 from tensorflow.python.framework import dtypes
 
-from replicate import registry
 from replicate.batchflow import table
 from replicate.batchflow.bodies import import_body
 from replicate.errors import InputError
-from replicate.ir import IR, node_of, tensor_name
+from replicate.graph import registry
+from replicate.graph.ir import IR, node_of, tensor_name
 
 __all__ = ["candidates", "view_as_vectors", "warning"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tensorflow.python.framework import dtypes
 
 from replicate.errors import AnalysisError
-from replicate.ir import IR, parse_tensor
+from replicate.graph.ir import IR, parse_tensor
 
 __all__ = ["split", "batch_size"]
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import networkx as nx
 
-from replicate import ops
+from replicate.batchflow.facts import ApplyOp
+from replicate.batchflow.roles import variable_of
 from replicate.errors import AnalysisError
-from replicate.facts import ApplyOp
-from replicate.ir import IR, node_of
-from replicate.roles import variable_of
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of
 
 __all__ = ["find_train_ops", "descendants"]
 

@@ -1,6 +1,6 @@
 """Helper of the analyze pass: the gradient computations, their losses and their weights.
 
-Every ``tf.gradients`` call the train ops depend on is a :class:`~replicate.facts.GradScope`
+Every ``tf.gradients`` call the train ops depend on is a :class:`~replicate.batchflow.facts.GradScope`
 with one seed per differentiated output. Each seed's loss is decomposed by the batch dataflow
 (:mod:`replicate.batchflow.loss`); the terms of all of a scope's seeds decide its primary
 weights and per-term corrections. A loss the dataflow cannot decompose gives a reason and the
@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import networkx as nx
 
+from replicate.batchflow.facts import GradScope, Reason
 from replicate.batchflow.lattice import Sym
-from replicate.batchflow.loss import (ONES, UNIFORM, Term, behind, positive_shift, shares_suffice,
-                                      sync_sources, weigh)
+from replicate.batchflow.loss import (
+    ONES,
+    UNIFORM,
+    Term,
+    behind,
+    positive_shift,
+    shares_suffice,
+    sync_sources,
+    weigh,
+)
+from replicate.batchflow.roles import scope_seeds
 from replicate.errors import AnalysisError
-from replicate.facts import GradScope, Reason
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.roles import scope_seeds
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["scopes", "losses", "assign", "weigh_in_towers", "prefer_in_towers", "DATA_SHARES"]
 

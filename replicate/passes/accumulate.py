@@ -4,7 +4,7 @@ Gradient accumulation (``transform(..., accumulate=k)``) is built from *virtual 
 split pass cuts the global batch into (devices x k) slices and gives each device k consecutive
 towers, one per micro-batch; the clone, rebatch and weigh passes treat them like any other
 tower, and the aggregate pass adds each device's micro-batch gradients as a running sum on
-that device before combining the devices (:mod:`replicate.combine`). Exactness is that of
+that device before combining the devices (:mod:`replicate.passes._combine`). Exactness is that of
 towers: each micro-batch is weighted by its share of the global batch, counted in the graph,
 and an empty micro-batch contributes zero.
 
@@ -43,10 +43,10 @@ import logging
 import networkx as nx
 from tensorflow.python.framework import dtypes
 
-from replicate import ops
 from replicate.batchflow.effects import writes as state_writes
-from replicate.ir import IR, node_of, parse_tensor
-from replicate.pipeline import PassResult
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of, parse_tensor
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Accumulate", "SCOPE"]
 

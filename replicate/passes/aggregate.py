@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 
-from replicate.combine import combine
+from replicate.graph.ir import IR, parse_tensor
+from replicate.passes._combine import combine
 from replicate.passes._packing import pack
-from replicate.ir import IR, parse_tensor
-from replicate.pipeline import PassResult
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Aggregate", "SCOPE", "STRATEGIES"]
 

@@ -4,7 +4,7 @@ Requires: an IR of a single-device training graph with static shapes loaded; the
 optimizer's gradients computed by ``tf.gradients`` (``minimize`` or
 ``compute_gradients``), so they live under a ``gradients`` name scope.
 
-Produces: ``ir.facts["analysis"]``, an :class:`~replicate.facts.Analysis`: the train ops,
+Produces: ``ir.facts["analysis"]``, an :class:`~replicate.batchflow.facts.Analysis`: the train ops,
 variables, batch inputs (decided by the batch dataflow, :mod:`replicate.batchflow`), the
 losses and how each is weighted across towers, optimizer updates, the tower region
 (ancestors of the gradient frontier and the losses, minus variables and input sources,
@@ -23,20 +23,21 @@ import math
 
 import networkx as nx
 
-from replicate import ops
+from replicate.batchflow import inputs as _inputs
 from replicate.batchflow.analysis import analyze as settle
 from replicate.batchflow.context import Demand
 from replicate.batchflow.effects import draws, writes
+from replicate.batchflow.facts import Analysis, BatchInput, Reason
 from replicate.batchflow.loss import sync_sources
+from replicate.batchflow.roles import gradient_scopes
 from replicate.batchflow.rules.functional import INSIDE
 from replicate.errors import AnalysisError
-from replicate.facts import Analysis, BatchInput, Reason
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _custom, _draws, _evict, _exactness, _inputs, _phases, _shapeless, _weights
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.passes import _custom, _draws, _evict, _exactness, _phases, _shapeless, _weights
 from replicate.passes._frontier import classify, fetch_cone
 from replicate.passes._updates import find_train_ops
-from replicate.pipeline import PassResult
-from replicate.roles import gradient_scopes
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Analyze"]
 

@@ -20,12 +20,12 @@ Produces, for a cluster of ``W`` workers with ``T`` towers each:
   section (and their data descendants) are marked chief-only (``_replicate_role``), and a
   barrier all-reduce that waits for them ends every train op, so no worker reads a ps variable
   before the chief's update of the previous step is done;
-- ``replicate/between/broadcast``: every per-worker variable takes the chief's value (an
+- ``replicate/runtime/between/broadcast``: every per-worker variable takes the chief's value (an
   all-reduce where the other workers contribute zeros), registered as the graph's
   ``local_init_op`` (with the local-variable and table initializers) so that
   ``MonitoredTrainingSession`` on every worker starts from the chief's initial or restored values.
 
-The result is a *template*: :func:`replicate.between.for_task` pins it to one task (adds the
+The result is a *template*: :func:`replicate.runtime.between.for_task` pins it to one task (adds the
 task to worker devices, keeps chief-only ops on task 0 only, makes other tasks contribute zeros
 to the broadcast). ``ir.facts["between"]`` describes what was done.
 """
@@ -38,14 +38,14 @@ import logging
 import numpy as np
 from tensorflow.python.framework import dtypes
 
-from replicate import ops
-from replicate.combine import WEIGHTS
+from replicate.batchflow.facts import Reason
 from replicate.errors import AnalysisError
-from replicate.facts import Reason
-from replicate.ir import IR, node_of
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of
 from replicate.passes._between_sparse import WRITES as _WRITES
 from replicate.passes._between_sparse import gather_rows, place_sparse
-from replicate.pipeline import PassResult
+from replicate.passes._combine import WEIGHTS
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Between", "ROLE_ATTR", "CHIEF_ONLY", "BROADCAST_VALUE", "SCOPE", "BROADCAST_OP",
            "BARRIER", "LOCAL_INIT", "READY_FOR_LOCAL_INIT"]
@@ -53,7 +53,7 @@ __all__ = ["Between", "ROLE_ATTR", "CHIEF_ONLY", "BROADCAST_VALUE", "SCOPE", "BR
 log = logging.getLogger(__name__)
 
 SCOPE = "replicate/between"
-#: Node attribute marking what :func:`replicate.between.for_task` changes per task.
+#: Node attribute marking what :func:`replicate.runtime.between.for_task` changes per task.
 ROLE_ATTR = "_replicate_role"
 CHIEF_ONLY = "chief_only"
 BROADCAST_VALUE = "broadcast_value"
@@ -301,7 +301,7 @@ class Between:
 
     # ------------------------------------------------------------------ initial values
     def _broadcast(self, ir: IR, on_ps: set[str]) -> list[str]:
-        """``replicate/between/broadcast``: each per-worker variable := the chief's value."""
+        """``replicate/runtime/between/broadcast``: each per-worker variable := the chief's value."""
         group = []
         names = []
         for var in [n for n in ir if n.op in ops.REF_VARIABLE_OPS | ops.RESOURCE_VARIABLE_OPS]:
@@ -348,7 +348,7 @@ class Between:
 
 
     def _init_ops(self, ir: IR) -> None:
-        """``replicate/between/local_init`` (broadcast, local variables, tables) and an always-
+        """``replicate/runtime/between/local_init`` (broadcast, local variables, tables) and an always-
         ready ``ready_for_local_init`` for ``MonitoredTrainingSession``'s Scaffold: a worker does
         not wait for its own variables, which only its local init (the broadcast) sets."""
         from tensorflow.core.framework import variable_pb2

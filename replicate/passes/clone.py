@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 
+import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-import tensorflow as tf
-
-from replicate import ops
-from replicate.kernels import has_kernel, host_of
-from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
-from replicate.pipeline import PassResult
+from replicate.graph import ops
+from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
+from replicate.graph.kernels import has_kernel, host_of
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Clone", "SEED_STRIDE"]
 

@@ -38,10 +38,10 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
-from replicate.ir import IR, Node, node_of
+from replicate.graph.ir import IR, Node, node_of
 from replicate.passes._body_draws import rewire_call, rewrite_branches
 from replicate.passes._frames import enter, frames
-from replicate.pipeline import PassResult
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Draw", "SCOPE"]
 

@@ -40,10 +40,10 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
-from replicate.ir import IR
-from replicate.passes._picks import assert_examples
+from replicate.graph.ir import IR
 from replicate.passes._empty import infer_reshapes, nonzero_steps, stack_empty_lists
-from replicate.pipeline import PassResult
+from replicate.passes._picks import assert_examples
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Guard", "GUARDED_OPS"]
 

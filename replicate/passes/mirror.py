@@ -28,11 +28,11 @@ import logging
 import networkx as nx
 from tensorflow.core.framework import attr_value_pb2
 
-from replicate import ops
 from replicate.errors import AnalysisError
-from replicate.ir import IR, Node, node_of, parse_tensor
-from replicate.kernels import runnable_on
-from replicate.pipeline import PassResult
+from replicate.graph import ops
+from replicate.graph.ir import IR, Node, node_of, parse_tensor
+from replicate.graph.kernels import runnable_on
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Mirror", "MIRRORED", "SYNC_OP"]
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import logging
 
-
-from replicate.ir import IR, node_of
-from replicate.kernels import runnable_on
-from replicate.pipeline import PassResult
-from replicate.roles import variable_of
+from replicate.batchflow.roles import variable_of
+from replicate.graph.ir import IR, node_of
+from replicate.graph.kernels import runnable_on
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Place"]
 

@@ -37,8 +37,8 @@ from tensorflow.python.framework import dtypes
 
 from replicate.batchflow import table
 from replicate.errors import AnalysisError
-from replicate.ir import IR, node_of, parse_tensor
-from replicate.pipeline import PassResult
+from replicate.graph.ir import IR, node_of, parse_tensor
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Rebatch", "RELAXED_SHAPE_ATTRS"]
 

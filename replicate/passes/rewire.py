@@ -21,9 +21,9 @@ from collections import defaultdict
 
 from tensorflow.python.framework import dtypes
 
-from replicate.combine import combine
-from replicate.ir import IR, Node, node_of, parse_tensor, tensor_name
-from replicate.pipeline import PassResult
+from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
+from replicate.passes._combine import combine
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Rewire"]
 

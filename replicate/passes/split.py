@@ -6,7 +6,7 @@ tower devices.
 Produces: for each batch input a ``SplitV`` on the controller under ``replicate/split/``,
 per-tower example counts of each batch class (balanced: the first ``B mod N`` towers get one
 more example; a second class, such as a GAN's noise, under ``replicate/split/class_<i>/``),
-and ``ir.facts["towers"]``, a :class:`~replicate.facts.Towers` holding the tower
+and ``ir.facts["towers"]``, a :class:`~replicate.batchflow.facts.Towers` holding the tower
 prefixes, each tower's input tensors and the count tensors. With a static batch size the
 counts are constants; otherwise they are computed from the class's first input's shape,
 so uneven and tiny batches (even fewer examples than towers) split correctly. A batch input
@@ -21,11 +21,11 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
+from replicate.batchflow.facts import Towers
 from replicate.errors import AnalysisError
-from replicate.facts import Towers
-from replicate.ir import IR, parse_tensor, tensor_name
+from replicate.graph.ir import IR, parse_tensor, tensor_name
 from replicate.passes import _sparse
-from replicate.pipeline import PassResult
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Split", "tower_prefixes", "SCOPE"]
 

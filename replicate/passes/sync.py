@@ -39,12 +39,12 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
-from replicate.combine import combine, weight
-from replicate.facts import Reason
-from replicate.ir import IR, node_of, parse_tensor
-from replicate.pipeline import PassResult
-from replicate.reductions import FUSED_BATCH_NORM
-from replicate.roles import forward_op_of
+from replicate.batchflow.facts import Reason
+from replicate.batchflow.reductions import FUSED_BATCH_NORM
+from replicate.batchflow.roles import forward_op_of
+from replicate.graph.ir import IR, node_of, parse_tensor
+from replicate.passes._combine import combine, weight
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Sync"]
 
@@ -249,5 +249,5 @@ def _drop_covered_update_reasons(ir: IR, analysis, synced: set[str]) -> None:
 
 
 from replicate.passes._denominator import GlobalDenominator as _GlobalDenominator  # noqa: E402
-from replicate.passes._fused_sync import FusedSync as _FusedSync  # noqa: E402
 from replicate.passes._exactness import SIZE_COUPLING, size_coupling  # noqa: E402
+from replicate.passes._fused_sync import FusedSync as _FusedSync  # noqa: E402

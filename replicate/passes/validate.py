@@ -15,9 +15,9 @@ import logging
 
 import networkx as nx
 
-from replicate import ops
-from replicate.ir import IR, node_of, parse_tensor
-from replicate.pipeline import PassResult
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of, parse_tensor
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Validate", "InvariantError"]
 

@@ -19,12 +19,12 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
-from replicate import ops
-from replicate.combine import weight
-from replicate.facts import Reason
-from replicate.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.pipeline import PassResult
-from replicate.roles import FLOAT_TYPES
+from replicate.batchflow.facts import Reason
+from replicate.batchflow.roles import FLOAT_TYPES
+from replicate.graph import ops
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.passes._combine import weight
+from replicate.passes.pipeline import PassResult
 
 __all__ = ["Weigh", "entries"]
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import networkx as nx
 
-from replicate.ir import IR, node_of
+from replicate.graph.ir import IR, node_of
 from replicate.viz.groups import Group, Roles, assign
 from replicate.viz.strays import MORE, absorb
 

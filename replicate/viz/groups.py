@@ -18,8 +18,8 @@ import logging
 import re
 from collections.abc import Iterable, Sequence
 
-from replicate import ops
-from replicate.ir import IR
+from replicate.graph import ops
+from replicate.graph.ir import IR
 from replicate.passes.aggregate import SCOPE as AGGREGATE_SCOPE
 from replicate.passes.split import SCOPE as SPLIT_SCOPE
 from replicate.passes.sync import SCOPE as SYNC_SCOPE
@@ -92,7 +92,7 @@ class Roles:
 
 
 def roles_from_analysis(analysis) -> Roles:
-    """Roles from the analyze pass's :class:`~replicate.facts.Analysis`."""
+    """Roles from the analyze pass's :class:`~replicate.batchflow.facts.Analysis`."""
     inputs = {b.source_op for b in analysis.batch_inputs}
     inputs |= {b.tensor.split(":")[0] for b in analysis.batch_inputs}
     inputs |= {t.split(":")[0] for t in analysis.shared_inputs}

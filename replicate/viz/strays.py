@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 
-from replicate.ir import IR, node_of
+from replicate.graph.ir import IR, node_of
 
 __all__ = ["MORE", "absorb"]
 

@@ -13,9 +13,19 @@ from collections.abc import Callable
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import PART, RED, Fact, shared
-from replicate.batchflow.rules import control, elementwise, functional, index, lists, reduce, shape, sparse, tail
+from replicate.batchflow.rules import (
+    control,
+    elementwise,
+    functional,
+    index,
+    lists,
+    reduce,
+    shape,
+    sparse,
+    tail,
+)
 from replicate.batchflow.rules.common import numbered, passthrough, row_numbers, taint_of
-from replicate.ir import Node
+from replicate.graph.ir import Node
 
 __all__ = ["RULES", "apply", "WAITS_FOR_ALL"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym, mixed, part, red, shared
-from replicate.ir import Node
+from replicate.graph.ir import Node
 
 __all__ = ["taint_of", "first_mixed", "parts", "reds", "couple", "data_refs", "shift", "combine_parts",
            "passthrough", "value_or_none"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, SHARED, Fact, join, mixed, shared
 from replicate.batchflow.rules.common import condition, taint_of
-from replicate.ir import Node
+from replicate.graph.ir import Node
 
 __all__ = ["merge", "switch", "array_new", "array_write", "array_read", "array_gather",
            "array_concat", "array_scatter", "array_split", "array_grad", "array_size",

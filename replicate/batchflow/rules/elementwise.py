@@ -11,9 +11,21 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, LIST, PART, RED, SHARED, Fact, Sym, join
-from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, mixed, numbered, parts,
-                                              red, reds, row_numbers, shared, size_fact, taint_of)
-from replicate.ir import Node
+from replicate.batchflow.rules.common import (
+    combine_parts,
+    couple,
+    first_mixed,
+    mixed,
+    numbered,
+    parts,
+    red,
+    reds,
+    row_numbers,
+    shared,
+    size_fact,
+    taint_of,
+)
+from replicate.graph.ir import Node
 
 __all__ = ["unary", "broadcast", "select", "matmul", "batch_matmul", "arith"]
 
@@ -173,7 +185,7 @@ def _counted(ctx: Context, node: Node, ins: list[Fact]) -> bool:
     the sum): each tower would use its own count (it was claimed exact, 0.24 to 0.99 off).
     Gradient code is exempt: a mean's gradient divides by the count the loss weighting
     accounts for."""
-    from replicate.roles import FLOAT_TYPES
+    from replicate.batchflow.roles import FLOAT_TYPES
 
     if ctx.in_gradient(node) or ctx.ir.output_dtype(f"{node.name}:0") not in FLOAT_TYPES:
         return False
@@ -289,7 +301,7 @@ def _shifted(ctx: Context, ref: str) -> tuple[str, str, str] | None:
 
 
 def _ref(ref: str) -> str:
-    from replicate.ir import parse_tensor, tensor_name
+    from replicate.graph.ir import parse_tensor, tensor_name
 
     return tensor_name(*parse_tensor(ref))
 

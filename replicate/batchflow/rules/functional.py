@@ -17,10 +17,10 @@ import logging
 from replicate.batchflow.bodies import import_body, probe_of
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, join, mixed
-from replicate.batchflow.rules.common import condition, taint_of
 from replicate.batchflow.loss import IDENTITIES, behind
+from replicate.batchflow.rules.common import condition, taint_of
 from replicate.batchflow.rules.rowloop import rows_loop
-from replicate.ir import IR, Node, parse_tensor, tensor_name
+from replicate.graph.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call"]
 

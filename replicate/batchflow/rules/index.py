@@ -13,9 +13,19 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, red, row_numbers, rows,
-                                              shared, size_fact, taint_of)
-from replicate.ir import Node
+from replicate.batchflow.rules.common import (
+    couple,
+    first_mixed,
+    mixed,
+    part,
+    red,
+    row_numbers,
+    rows,
+    shared,
+    size_fact,
+    taint_of,
+)
+from replicate.graph.ir import Node
 
 __all__ = ["gather", "gather_nd", "where", "unique", "dynamic_partition", "segment", "sparse_to_dense",
            "scatter_nd", "broadcast_gradient_args", "broadcast_args", "concat_offset",

@@ -9,9 +9,23 @@ when that axis is the batch.
 from __future__ import annotations
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import EMPTY_LIST, LIST, MIXED, PART, RED, ROWS, SHARED, Fact, Sym, join, mixed, red, shared
+from replicate.batchflow.lattice import (
+    EMPTY_LIST,
+    LIST,
+    MIXED,
+    PART,
+    RED,
+    ROWS,
+    SHARED,
+    Fact,
+    Sym,
+    join,
+    mixed,
+    red,
+    shared,
+)
 from replicate.batchflow.rules.common import taint_of
-from replicate.ir import Node
+from replicate.graph.ir import Node
 
 #: Why an element of a list of the batch's rows, read outside a loop over them, is mixed.
 PICKED = "an example of the batch picked by its position in a list of the batch's rows"

@@ -15,11 +15,23 @@ import numpy as np
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import (MISALIGNED, couple, first_mixed, misaligned, mixed,
-                                              part, prologue, red, rows as _rows, shared, size_fact,
-                                              taint_of, unite)
+from replicate.batchflow.rules.common import (
+    MISALIGNED,
+    couple,
+    first_mixed,
+    misaligned,
+    mixed,
+    part,
+    prologue,
+    red,
+    shared,
+    size_fact,
+    taint_of,
+    unite,
+)
+from replicate.batchflow.rules.common import rows as _rows
 from replicate.batchflow.rules.index import ENTRIES
-from replicate.ir import Node, parse_tensor, tensor_name
+from replicate.graph.ir import Node, parse_tensor, tensor_name
 
 __all__ = ["reduction", "l2loss", "arg_reduction", "scan", "last_axis", "rowwise", "contraction",
            "shape", "shape_n", "size", "rank", "einsum"]

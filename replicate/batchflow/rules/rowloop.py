@@ -28,9 +28,21 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.effects import draws
+from replicate.batchflow.lattice import (
+    LIST,
+    PART,
+    RED,
+    ROWS,
+    SHARED,
+    Fact,
+    Sym,
+    join,
+    mixed,
+    red,
+    shared,
+)
 from replicate.batchflow.loss import IDENTITIES, behind
-from replicate.batchflow.lattice import LIST, PART, RED, ROWS, SHARED, Fact, Sym, join, mixed, red, shared
-from replicate.ir import IR, Node, parse_tensor, tensor_name
+from replicate.graph.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["rows_loop", "ROW"]
 

@@ -13,11 +13,21 @@ import math
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
-from replicate.batchflow.rules.common import (combine_parts, couple, first_mixed, forward_of, mixed, part, rows,
-                                              shared, size_fact, taint_of)
 from replicate.batchflow.rules import tail
+from replicate.batchflow.rules.common import (
+    combine_parts,
+    couple,
+    first_mixed,
+    forward_of,
+    mixed,
+    part,
+    rows,
+    shared,
+    size_fact,
+    taint_of,
+)
 from replicate.batchflow.rules.layout import map_reshape, sized_rows, strided_entries
-from replicate.ir import Node, node_of, parse_tensor, tensor_name
+from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["reshape", "expand_dims", "squeeze", "transpose", "concat", "pack", "unpack", "split",
            "slice_", "strided_slice", "strided_slice_grad", "tile", "broadcast_to", "shape_source",

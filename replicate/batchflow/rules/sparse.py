@@ -23,10 +23,18 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, Fact, Sym
-from replicate.batchflow.rules.common import (couple, first_mixed, mixed, part, prologue, red,
-                                              shared, size_fact)
+from replicate.batchflow.rules.common import (
+    couple,
+    first_mixed,
+    mixed,
+    part,
+    prologue,
+    red,
+    shared,
+    size_fact,
+)
 from replicate.batchflow.rules.index import ENTRIES, FILLED, UNIQUE, uncounted_rows
-from replicate.ir import Node
+from replicate.graph.ir import Node
 
 __all__ = ["source", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
            "ENTRIES"]

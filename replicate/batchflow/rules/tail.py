@@ -11,7 +11,7 @@ With the sampler run once for the whole batch (see :mod:`replicate.passes._evict
 ``k`` computes exactly the single-device rows of its own examples, and its gradient with
 respect to the shared rows is its share of the single-device gradient: the aggregate takes
 every tower's batch rows in order and then the shared rows once, summed over the towers
-(:func:`replicate.combine.combine`), the single-device rows in the single-device order. The fact for such a tensor is a partitioned
+(:func:`replicate.passes._combine.combine`), the single-device rows in the single-device order. The fact for such a tensor is a partitioned
 fact with a ``tail`` (:mod:`replicate.batchflow.lattice`). These rules are the only ones that
 accept it: every other op makes the result mixed, so a reduction over all rows, a merge or a
 branch can never treat the shared rows as examples.
@@ -30,7 +30,7 @@ from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import forward_of, mixed, red, rows, shared, taint_of
-from replicate.ir import Node, node_of
+from replicate.graph.ir import Node, node_of
 
 __all__ = ["carries", "apply", "concat", "slice_grad"]
 

@@ -1,0 +1,203 @@
+"""What passes learn about a graph and hand to later passes (stored in ``ir.facts``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+__all__ = ["BatchInput", "GradScope", "Frontier", "ApplyOp", "VarInfo", "Reason", "Analysis",
+           "Towers"]
+
+
+@dataclasses.dataclass
+class BatchInput:
+    """A tensor that carries examples along ``axis``; split across towers.
+
+    ``cls`` is its batch class: inputs of one class hold the same examples (an image and its
+    label) and are split alike; a second class (the noise of a GAN) is split on its own.
+    """
+
+    tensor: str
+    axis: int
+    static_size: int | None
+    source_op: str
+    cls: int = 0
+    #: For a part of a SparseTensor: its (indices, values, dense shape) tensors (None where
+    #: one is not fed); the split pass divides its entries by the examples column 0 names.
+    sparse: tuple | None = None
+
+
+@dataclasses.dataclass
+class GradScope:
+    """One ``tf.gradients`` call: its name scope, its loss and how that loss reduces the batch.
+
+    ``weights`` apply to every aggregated gradient of the scope; ``corrections`` are (tensor,
+    weights) pairs: the gradient entering ``tensor`` in tower ``k`` is scaled by its own weight
+    over the primary one (a loss adding a mean and a sum, or several losses in one call).
+    """
+
+    prefix: str
+    loss: str | None
+    kind: str
+    weights: tuple = ("count",)
+    seeds: list = dataclasses.field(default_factory=list)
+    losses: list = dataclasses.field(default_factory=list)
+    corrections: list = dataclasses.field(default_factory=list)
+    #: Gradients a driver fetches, applied by no train op.
+    fetched: bool = False
+
+
+@dataclasses.dataclass
+class Frontier:
+    """A tensor computed in every tower and read by shared nodes.
+
+    ``role`` is ``dense``, ``sparse_values`` or ``sparse_indices`` for gradients (aggregated), and
+    ``concat``, ``mean``, ``sum``, ``ratio``, ``max``, ``min``, ``recompute``, ``first`` or ``global`` for
+    forward tensors (merged). ``weights`` says how towers are weighted (see
+    :func:`replicate.passes._combine.weight`); ``recompute`` lists, for a tensor no combination of the
+    towers' copies gives, the ops to run once on merged inputs instead (a loss adding a sum and a
+    shared regularizer, the top-k of a per-example vector).
+    """
+
+    tensor: str
+    role: str
+    gradient: bool
+    variable: str | None = None
+    weights: tuple = ("count",)
+    axis: int = 0
+    recompute: tuple = ()
+    #: shared rows after the batch rows along ``axis`` (a sampled loss's rows): the towers'
+    #: copies of those rows are summed (a gradient) or taken from tower 0 (shared values).
+    tail: int = 0
+    #: ``concat`` of tensors holding ``outer`` copies of the batch one after the other along
+    #: ``axis`` (time-major rows flattened): the towers' rows of each copy are joined in turn.
+    outer: int | str = 1
+
+
+@dataclasses.dataclass
+class ApplyOp:
+    """An optimizer update and the (gradient, variable) pair it consumes."""
+
+    name: str
+    op: str
+    optimizer: str
+    variable: str
+    grad: str
+    indices: str | None
+
+
+@dataclasses.dataclass
+class VarInfo:
+    """A variable of the graph."""
+
+    name: str
+    op: str
+    kind: str
+    dtype: str
+    shape: list[int | None] | None
+    bytes: int
+    trainable: bool
+
+
+@dataclasses.dataclass
+class Reason:
+    """Why the result is not exactly single-device training: the op, what, and what to do."""
+
+    node: str
+    what: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.what} ({self.fix})"
+
+
+@dataclasses.dataclass
+class Analysis:
+    """Roles of the nodes of a training graph, as found by the analyze pass."""
+
+    train_op: str
+    variables: dict[str, VarInfo]
+    batch_inputs: list[BatchInput]
+    shared_inputs: list[str]
+    scopes: list[GradScope]
+    loss: str | None
+    apply_ops: list[ApplyOp]
+    optimizers: list[str]
+    global_step: str | None
+    region: list[str]
+    needed: set[str]
+    batch_dependent: set[str]
+    keep: set[str]
+    update_ops: list[str]
+    random_ops: list[str]
+    frontier: list[Frontier]
+    outputs: list[Frontier]
+    external_controls: dict[str, list[str]]
+    static_batch: int | None
+    couplings: list[str] = dataclasses.field(default_factory=list)
+    plan: Any = None
+    dead: set[str] = dataclasses.field(default_factory=set)
+    reasons: list[Reason] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    #: Tensors a driver may fetch by their original names that hold tower 0's value only.
+    tower0_values: list[str] = dataclasses.field(default_factory=list)
+    train_ops: list[str] = dataclasses.field(default_factory=list)
+    classes: dict[int, int | None] = dataclasses.field(default_factory=dict)
+    #: The multiple of examples each tower's share of every batch class must be (an op groups
+    #: them; 1 when none does).
+    granule: int = 1
+    demoted: dict[str, str] = dataclasses.field(default_factory=dict)
+    auto_sync: list[str] = dataclasses.field(default_factory=list)
+    #: Loss denominators (tensor -> the batch reductions it is computed from) that the
+    #: gradient code reads as the global batch's values (sync pass); the forward pass keeps
+    #: each tower's own.
+    denominators: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    flow: Any = None
+    draws: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Ops outside the towers that tower gradient code waits for by a control edge: the
+    #: train op of an earlier phase of the step (a GAN's discriminator update, pix2pix), applied
+    #: once from the merged gradients before the towers compute the next phase's gradients.
+    phases: list[str] = dataclasses.field(default_factory=list)
+    #: Reads of reference variables an earlier phase updates, by region consumers that wait
+    #: for it: consumer -> {input position: (variable, barriers)}; each tower reads again
+    #: after the barriers (on one device the consumer sees the buffer updated in place).
+    phase_reads: dict[str, dict[int, tuple[str, tuple[str, ...]]]] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def region_set(self) -> frozenset[str]:
+        """The region as a set, for membership tests."""
+        return frozenset(self.region)
+
+
+@dataclasses.dataclass
+class Towers:
+    """What the split pass made: per-tower input tensors, example counts and weights.
+
+    ``counts``/``static_counts``/``batch_size`` are those of the first batch class; every class
+    has its own in ``class_counts`` (count tensors), ``class_static`` (static counts or None),
+    ``class_batch`` (the global size tensor) and ``class_offsets`` (where each tower's examples
+    start, as tensors). With gradient accumulation (``micro`` > 1) every device holds ``micro``
+    consecutive virtual towers, one per micro-batch: ``devices`` repeats each device ``micro``
+    times and :meth:`chains` groups the towers by device; ``running`` lists the running-sum
+    ops (op name, the tower whose part it adds) for the accumulate pass.
+    """
+
+    devices: list[str]
+    prefixes: list[str]
+    inputs: list[dict[str, str]]
+    counts: list[str]
+    static_counts: list[int] | None
+    weights: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+    batch_size: str = ""
+    class_counts: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    class_static: dict[int, list[int] | None] = dataclasses.field(default_factory=dict)
+    class_batch: dict[int, str] = dataclasses.field(default_factory=dict)
+    class_offsets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    micro: int = 1
+    running: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+    def chains(self) -> list[list[int]]:
+        """Tower indices per physical device, in order (one per tower without accumulation)."""
+        m = self.micro
+        return [list(range(i, i + m)) for i in range(0, len(self.devices), m)]
