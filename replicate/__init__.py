@@ -24,13 +24,14 @@ from replicate.errors import (
 
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-__all__ = ["transform", "analyze_only", "normalize_device", "Result", "Report", "ReplicateError",
+__all__ = ["transform", "Options", "analyze_only", "normalize_device", "Result", "Report", "ReplicateError",
            "InputError", "AnalysisError", "DeviceError", "OutputError", "PassError", "StepFeeder"]
 __version__ = "0.1.0"
 
 _LAZY = {"transform": "replicate.api", "analyze_only": "replicate.api",
          "normalize_device": "replicate.api", "Result": "replicate.api",
-         "Report": "replicate.report", "StepFeeder": "replicate.runtime.step_feeder"}
+         "Report": "replicate.report", "StepFeeder": "replicate.runtime.step_feeder",
+         "Options": "replicate.options"}
 
 
 def __getattr__(name: str):

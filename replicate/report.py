@@ -63,6 +63,7 @@ class Report:
     check: dict[str, Any] = dataclasses.field(default_factory=dict)
     tower0_values: list[str] = dataclasses.field(default_factory=list)
     phases: list[str] = dataclasses.field(default_factory=list)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict of the report."""

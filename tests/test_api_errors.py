@@ -132,13 +132,13 @@ def _bad_output(name: str):
 def test_an_output_that_does_not_import_is_an_internal_error_naming_node_and_pass(name, maker):
     """Nothing fails after transform returns: the output is imported with TensorFlow's shape
     inference first, and a failure is labelled internal, naming the node and its pass."""
-    from replicate import api
+    from replicate import rewrite
     from replicate.errors import InternalError
 
     with pytest.raises(InternalError, match=rf"node '{name}' \(made by the {maker} pass\)"):
-        api._import_result(_bad_output(name), v1.MetaGraphDef())
+        rewrite._import_result(_bad_output(name), v1.MetaGraphDef())
     with pytest.raises(InternalError, match="internal error|report"):
-        api._import_result(_bad_output(name), v1.MetaGraphDef())
+        rewrite._import_result(_bad_output(name), v1.MetaGraphDef())
 
 
 def test_a_batch_chosen_by_a_v2_cond_between_iterators_is_refused_with_the_fix():

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import replicate
 from replicate import DeviceError, cli
-from replicate.api import MAX_DEVICE_INDEX, normalize_device
+from replicate.rewrite import MAX_DEVICE_INDEX, normalize_device
 from replicate.viz import show
 
 v1 = tf.compat.v1

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from replicate import api, cli
+from replicate import api, cli, rewrite
 from replicate.check import synthetic
 from replicate.errors import InputError
 
@@ -94,7 +94,7 @@ def test_verify_finds_the_seed_mistakes(tmp_path, capsys):
 
 def test_verify_detects_a_wrong_conversion(tmp_path, capsys, monkeypatch):
     path = _save(models.mlp("sgd").graph, tmp_path / "mlp.meta")
-    real = api.transform
+    real = rewrite.rewrite
 
     def doubled_learning_rate(*args, **kwargs):
         res = real(*args, **kwargs)
@@ -102,7 +102,7 @@ def test_verify_detects_a_wrong_conversion(tmp_path, capsys, monkeypatch):
             if node.name == "train/learning_rate":
                 node.attr["value"].tensor.float_val[:] = [0.2]
         return res
-    monkeypatch.setattr(api, "transform", doubled_learning_rate)
+    monkeypatch.setattr(rewrite, "rewrite", doubled_learning_rate)
     code, out, _ = _verify(capsys, path, "--devices", DEVICES)
     assert code == 1 and "verdict: DIFFERS" in out
 

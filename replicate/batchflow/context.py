@@ -86,6 +86,13 @@ class Context:
         self.seeds = seeds or {}
         self.all_gradient = all_gradient
         self.functions = functions if functions is not None else {}
+        #: Set by the solver, which owns the rules (so that neither this module nor a rule
+        #: imports the solver or the rules): ``solve(ir, region, ...)`` analyses a function
+        #: body (:func:`replicate.batchflow.solver.solve`), ``sparse_source(ctx, tensor,
+        #: cls)`` gives the fact of one part of a sparse batch input
+        #: (:func:`replicate.batchflow.rules.sparse.source`).
+        self.solve = None
+        self.sparse_source = None
         self.notes: list[tuple[str, str]] = []
         #: Placeholders without a static rank that left an op's layout unknown.
         self.shapeless: set[str] = set()
@@ -117,9 +124,7 @@ class Context:
         if key in self.inputs:
             axis, cls = self.inputs[key]
             if key in self.sparse:
-                from replicate.batchflow.rules.sparse import source
-
-                return source(self, key, cls)
+                return self.sparse_source(self, key, cls)
             from replicate.batchflow.lattice import part
 
             return part(axis, cls)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from replicate.batchflow.context import Demand, Position
 
 __all__ = ["BatchInput", "GradScope", "Frontier", "ApplyOp", "VarInfo", "Reason", "Analysis",
-           "Towers"]
+           "Towers", "Plan"]
 
 
 @dataclasses.dataclass
@@ -201,3 +204,47 @@ class Towers:
         """Tower indices per physical device, in order (one per tower without accumulation)."""
         m = self.micro
         return [list(range(i, i + m)) for i in range(0, len(self.devices), m)]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the rewrite must do per tower so that every tower computes its own examples."""
+
+    splits: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    consts: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    slices: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    elements: dict[tuple[str, int | None], list[Position]] = dataclasses.field(default_factory=dict)
+    substitutes: dict[str, Position] = dataclasses.field(default_factory=dict)
+    attrs: dict[tuple[str, str], tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    factors: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    promote: dict[str, Demand] = dataclasses.field(default_factory=dict)
+    resized: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    #: Reshapes that keep rows part batch, part shared: node -> the row shape after them
+    #: (the rewrite gives them ``-1`` rows).
+    row_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: Gradient ``Pad`` ops of slices of such rows: node -> forward ``Slice`` (the rewrite
+    #: computes their paddings from the tower's own slice).
+    slice_pads: dict[str, str] = dataclasses.field(default_factory=dict)
+    reasons: list[Reason] = dataclasses.field(default_factory=list)
+    #: Reasons that rule out any split (a variable with one row per example of the batch):
+    #: one tower still runs the single-device step, two or more are refused.
+    unsplittable: list[Reason] = dataclasses.field(default_factory=list)
+
+    def absorb(self, other: Plan) -> None:
+        """Add what an earlier round planned (later rounds see those tensors resized and do
+        not plan them again)."""
+        for field in ("splits", "consts", "slices", "elements", "substitutes", "attrs", "factors",
+                      "promote", "resized", "row_shapes", "slice_pads"):
+            mine = getattr(self, field)
+            for key, value in getattr(other, field).items():
+                if field == "elements" and key in mine:
+                    mine[key].extend(p for p in value if all(q.via != p.via for q in mine[key]))
+                else:
+                    mine.setdefault(key, value)
+        for mine, theirs in ((self.reasons, other.reasons), (self.unsplittable, other.unsplittable)):
+            mine.extend(r for r in theirs if r not in mine)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.splits or self.consts or self.slices or self.elements or self.substitutes
+                    or self.attrs or self.factors or self.row_shapes or self.slice_pads)

@@ -41,7 +41,7 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["Fact", "Sym", "SHARED", "PART", "RED", "MIXED", "shared", "part", "red", "mixed",
+__all__ = ["INSIDE", "Fact", "Sym", "SHARED", "PART", "RED", "MIXED", "shared", "part", "red", "mixed",
            "join", "MERGES", "Classes", "LIST", "EMPTY_LIST", "ROWS"]
 
 SHARED = "shared"
@@ -60,6 +60,10 @@ ROWS = "list:rows"
 
 #: How a RED value combines across towers: linear (sum/mean/ratio/count) or extreme (max/min).
 MERGES = ("sum", "mean", "ratio", "count", "size", "max", "min", "other")
+
+#: Joins a function call node's name and the name of a node inside the called function in a
+#: taint or a source (``<call>>inner``), so an inner node is never mistaken for the caller's.
+INSIDE = ">"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,7 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.facts import Reason
-from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Sym
+from replicate.batchflow.lattice import INSIDE, MIXED, PART, RED, SHARED, Sym
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
@@ -143,8 +143,6 @@ def _fix_for(why: str) -> str:
 def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
     """The terms of ``loss``, or the first reason it is not a linear combination of batch
     reductions."""
-    from replicate.batchflow.rules.functional import INSIDE
-
     terms: list[Term] = []
     failure: list[Reason] = []
     ir = ctx.ir
@@ -271,7 +269,6 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
     under ``batch_norm='sync'``), and the per-example values they flow into, are the batch's
     already."""
     from replicate.batchflow.effects import effects
-    from replicate.batchflow.rules.functional import INSIDE
 
     ir = ctx.ir
     work, seen, sources, cls = [ref], set(), [], None

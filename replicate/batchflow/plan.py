@@ -28,7 +28,7 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow import table
 from replicate.batchflow.context import Context, Demand, Position
-from replicate.batchflow.facts import Reason
+from replicate.batchflow.facts import Plan, Reason
 from replicate.batchflow.lattice import MIXED, PART, RED, Sym
 from replicate.batchflow.roles import forward_op_of
 from replicate.batchflow.rules.layout import map_reshape
@@ -38,56 +38,6 @@ from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 __all__ = ["Plan", "resolve", "frame_depths"]
 
 log = logging.getLogger(__name__)
-
-_PASS = frozenset({"Identity", "Snapshot", "StopGradient", "Cast", "Neg", "ZerosLike", "OnesLike",
-                   "Enter", "RefEnter", "Exit", "RefExit", "NextIteration", "RefNextIteration",
-                   "Switch", "RefSwitch", "CheckNumerics", "EnsureShape"}) | table.UNARY
-_VALUE_PASS = frozenset({"Identity", "Snapshot", "Cast", "StopGradient"})
-
-
-@dataclasses.dataclass
-class Plan:
-    """What the rewrite must do per tower so that every tower computes its own examples."""
-
-    splits: dict[str, Demand] = dataclasses.field(default_factory=dict)
-    consts: dict[str, Demand] = dataclasses.field(default_factory=dict)
-    slices: dict[str, Demand] = dataclasses.field(default_factory=dict)
-    elements: dict[tuple[str, int | None], list[Position]] = dataclasses.field(default_factory=dict)
-    substitutes: dict[str, Position] = dataclasses.field(default_factory=dict)
-    attrs: dict[tuple[str, str], tuple[int, int, int]] = dataclasses.field(default_factory=dict)
-    factors: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
-    promote: dict[str, Demand] = dataclasses.field(default_factory=dict)
-    resized: dict[str, tuple] = dataclasses.field(default_factory=dict)
-    #: Reshapes that keep rows part batch, part shared: node -> the row shape after them
-    #: (the rewrite gives them ``-1`` rows).
-    row_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    #: Gradient ``Pad`` ops of slices of such rows: node -> forward ``Slice`` (the rewrite
-    #: computes their paddings from the tower's own slice).
-    slice_pads: dict[str, str] = dataclasses.field(default_factory=dict)
-    reasons: list[Reason] = dataclasses.field(default_factory=list)
-    #: Reasons that rule out any split (a variable with one row per example of the batch):
-    #: one tower still runs the single-device step, two or more are refused.
-    unsplittable: list[Reason] = dataclasses.field(default_factory=list)
-
-    def absorb(self, other: Plan) -> None:
-        """Add what an earlier round planned (later rounds see those tensors resized and do
-        not plan them again)."""
-        for field in ("splits", "consts", "slices", "elements", "substitutes", "attrs", "factors",
-                      "promote", "resized", "row_shapes", "slice_pads"):
-            mine = getattr(self, field)
-            for key, value in getattr(other, field).items():
-                if field == "elements" and key in mine:
-                    mine[key].extend(p for p in value if all(q.via != p.via for q in mine[key]))
-                else:
-                    mine.setdefault(key, value)
-        for mine, theirs in ((self.reasons, other.reasons), (self.unsplittable, other.unsplittable)):
-            mine.extend(r for r in theirs if r not in mine)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.splits or self.consts or self.slices or self.elements or self.substitutes
-                    or self.attrs or self.factors or self.row_shapes or self.slice_pads)
-
 
 def frame_depths(ir: IR, order: list[str]) -> dict[str, int]:
     """How many TF1 loop frames each region node is inside (0 outside every loop)."""
@@ -323,7 +273,7 @@ class _Resolver:
                 self.plan.slices[d.tensor] = d
             else:
                 sub(node.inputs[0], mapped)
-        elif op in _PASS or op in table.PASS_THROUGH:
+        elif op in table.DEMAND_PASS or op in table.PASS_THROUGH:
             sub(node.inputs[idx if op in ("IdentityN",) else 0], d.dim)
         elif op in ("Merge", "RefMerge"):
             for ref in node.inputs:
@@ -420,7 +370,7 @@ class _Resolver:
             return
         down = lambda ref, **kw: dataclasses.replace(  # noqa: E731
             p, tensor=tensor_name(*parse_tensor(ref)), via=name, **kw)
-        if node.op in _VALUE_PASS:
+        if node.op in table.VALUE_PASS:
             self.position(down(node.inputs[0]))
         elif node.op in ("ExpandDims", "Reshape") and ctx.rank(node.inputs[0]) == 0 and elem == 0:
             self.position(down(node.inputs[0], element=None))

@@ -147,6 +147,16 @@ PASS_THROUGH = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "
                           "CheckNumerics", "DebugIdentity", "Print", "RefIdentity",
                           "EnsureShape", "PlaceholderWithDefault"})
 
+#: Ops a demand for a tower-sized tensor passes through to their inputs (the rewrite plan,
+#: :mod:`replicate.batchflow.plan`): identities, casts, loop and cond plumbing, unary math.
+DEMAND_PASS = frozenset({"Identity", "Snapshot", "StopGradient", "Cast", "Neg", "ZerosLike",
+                         "OnesLike", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+                         "RefNextIteration", "Switch", "RefSwitch", "CheckNumerics",
+                         "EnsureShape"}) | UNARY
+
+#: Ops whose output holds their input's value (a batch-size position moves through them to it).
+VALUE_PASS = frozenset({"Identity", "Snapshot", "Cast", "StopGradient"})
+
 #: Ops that produce values with no data inputs: constants, variables, variable reads.
 SOURCES = frozenset({"Const", "HostConst", "VariableV2", "Variable", "VarHandleOp",
                      "ReadVariableOp", "_VarHandlesOp", "VarIsInitializedOp", "IsVariableInitialized",

@@ -29,9 +29,11 @@ import logging
 import time
 from typing import Any
 
+from replicate.batchflow.facts import Reason
 from replicate.errors import ReplicateError, RewriteError
+from replicate.options import Options
 
-__all__ = ["Certificate", "certify", "STEPS", "RTOL"]
+__all__ = ["Certificate", "certify", "attach", "STEPS", "RTOL"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,7 @@ class Certificate:
 
 
 def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
-            strategy: dict[str, Any], yardstick: bool = True, steps: int = STEPS) -> Certificate:
+            strategy: Options, yardstick: bool = True, steps: int = STEPS) -> Certificate:
     """Run the original ``source`` and its rewrite for ``towers`` towers with ``strategy``
     (the transform's options) side by side; see the module docstring. ``yardstick``: measure
     the graph's rounding sensitivity when a run differs (False for graphs with random draws,
@@ -115,11 +117,11 @@ def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
 
     Raises:
         RewriteError: the rewrite fails where the original runs."""
-    from replicate.cli.commands.verify import default_batch, verify
+    from replicate.check.verify import default_batch, verify
     from replicate.passes._picks import MARKER
 
     start = time.perf_counter()
-    micro = strategy.get("accumulate", 1)
+    micro = strategy.accumulate
     uneven = default_batch(towers * micro)
     batches = [(None, steps)]                              # 4N-1, or the graph's static batch
     if towers * micro > 1:
@@ -162,6 +164,52 @@ def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
     cert.seconds = time.perf_counter() - start
     log.info("certificate: %s", cert.describe())
     return cert
+
+
+def attach(report, graph: Any, towers: int, options: Options) -> None:
+    """Run the numeric certificate for ``transform(graph, <towers devices>, options)`` and
+    record it in ``report`` (a :class:`~replicate.report.Report`); a claimed exact that fails
+    becomes inexact, naming the first variable that differs."""
+    distributed = options.between_graph or options.cluster is not None
+    if distributed:
+        cert = Certificate(False, "devices of a cluster: run replicate verify on the single-machine graph")
+    else:
+        # An inexact rewrite runs one step per batch size: it must still run where the original
+        # does (the differences are the reasons'; replicate verify measures them over more steps).
+        try:
+            strategy = Options(aggregation=options.aggregation, batch_norm=options.batch_norm,
+                               accumulate=options.accumulate, batch_inputs=options.batch_inputs,
+                               shared_inputs=options.shared_inputs,
+                               param_devices="mirrored" if options.mirrored else None)
+            cert = certify(graph, towers, train_op=report.train_op, loss=options.loss,
+                           strategy=strategy,
+                           yardstick=report.exact and not report.random.get("ops"),
+                           steps=STEPS if report.exact else 1)
+        except RewriteError as exc:
+            raise RewriteError(f"{exc}; the split the analysis chose cannot run (the inputs named "
+                               "with batch_inputs= or shared_inputs=, or an op it could not "
+                               "prove, pairs a whole tensor with a tower's slice): name other "
+                               "inputs, or train this graph on one device") from None
+        if not report.exact and cert.ran:
+            cert.notes.insert(0, "the report is inexact already (its reasons say why): one step "
+                              "checked that the rewrite runs")
+    report.check = cert.to_dict()
+    report.check["summary"] = cert.describe()
+    if cert.empty_tower:
+        report.warnings.append(f"a step whose batch leaves a tower without examples (fewer than "
+                               f"{towers} in a step) fails: {cert.empty_tower[:300]} (on CPU "
+                               "builds this is usually oneDNN's kernels on an empty batch: set "
+                               "TF_ENABLE_ONEDNN_OPTS=0; on GPUs they run)")
+    if report.exact and cert.ran and not cert.ok:
+        worst = cert.worst
+        report.exact = False
+        report.check["contradicted"] = True
+        report.reasons.append(Reason(worst["worst"], f"the numeric check found '{worst['worst']}' "
+                                     f"{worst['max_rel']:.2e} off one device after "
+                                     f"{worst['steps']} steps at a global batch of {worst['batch']}, "
+                                     "although the analysis found no reason",
+                                     "please report the graph: the analysis missed what breaks "
+                                     "exactness"))
 
 
 def _rounding(source: Any, train_op: str, found, steps: int) -> float:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 
 from replicate.graph.ir import IR, parse_tensor
+from replicate.options import AGGREGATIONS
 from replicate.passes._combine import combine
 from replicate.passes._packing import pack
 from replicate.passes.pipeline import PassResult
@@ -36,7 +37,7 @@ SCOPE = "replicate/aggregate"
 
 #: Aggregation strategies: each gradient summed on its variable's device, small gradients
 #: packed into buffers first, and either of those all-reduced among the towers instead.
-STRATEGIES = ("add_n", "packed", "allreduce", "packed_allreduce")
+STRATEGIES = AGGREGATIONS
 
 
 class Aggregate:

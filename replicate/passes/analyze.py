@@ -30,11 +30,11 @@ from replicate.batchflow.effects import draws, writes
 from replicate.batchflow.facts import Analysis, BatchInput, Reason
 from replicate.batchflow.loss import sync_sources
 from replicate.batchflow.roles import gradient_scopes
-from replicate.batchflow.rules.functional import INSIDE
+from replicate.batchflow.lattice import INSIDE
 from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _custom, _draws, _evict, _exactness, _phases, _shapeless, _weights
+from replicate.passes import _custom, _draws, _evict, _exactness, _phases, _refusals, _shapeless, _weights
 from replicate.passes._frontier import classify, fetch_cone
 from replicate.passes._updates import find_train_ops
 from replicate.passes.pipeline import PassResult
@@ -78,7 +78,7 @@ class Analyze:
         self.sync = sync
 
     def run(self, ir: IR) -> PassResult:
-        _refuse_replicated(ir)
+        _refusals.refuse_replicated(ir)
         self._settle(ir)
         first = ir.facts["analysis"]
         shapeless = _shapeless.candidates(ir, first)
@@ -149,9 +149,9 @@ class Analyze:
             candidates = []
         flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced,
                       sparse=triples)
-        _refuse_batch_arithmetic_ranges(ir, flow, region)
+        _refusals.refuse_batch_arithmetic_ranges(ir, flow, region)
         if forced:
-            _refuse_inconsistent_override(ir, graph, flow, apply_ops, forced)
+            _refusals.refuse_inconsistent_override(ir, graph, flow, apply_ops, forced)
         classes = flow.classes
         roles = flow.ctx.sparse
         whole = {part_: triple for triple in triples for part_ in triple if part_ in roles}
@@ -213,7 +213,7 @@ class Analyze:
                                           "tf.maximum(count, 1.0)"))
         _weights.prefer_in_towers(ir, flow, grad_scopes, region, in_grad, synced)
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
-        _state_written_per_tower(ir, flow, region, evicted)
+        _refusals.state_written_per_tower(ir, flow, region, evicted)
         if evicted:
             region = [n for n in region if n not in evicted]
             _split_outputs(ir, flow, evicted, set(region))
@@ -232,7 +232,7 @@ class Analyze:
         frontier, outputs, unmergeable, doubtful, forward_only = classify(
             ir, region, dependent, in_grad, grad_scopes, apply_ops, flow, losses, self.outputs,
             self.merge_forward, dead)
-        reasons += _unaggregated_updates(ir, apply_ops, inside, frontier, dependent)
+        reasons += _refusals.unaggregated_updates(ir, apply_ops, inside, frontier, dependent)
         syncs = loss_syncs | synced
         if syncs:
             outputs = [_global_after_sync(flow, f, syncs) for f in outputs]
@@ -428,36 +428,6 @@ def _split_outputs(ir: IR, flow, evicted: set[str], region: set[str]) -> None:
                 flow.plan.splits[tensor] = Demand(tensor, fact.axis, fact.cls, fact.block, fact.outer, name)
 
 
-def _state_written_per_tower(ir: IR, flow, region: list[str], evicted: set[str]) -> None:
-    """A variable with one row per example that towers read by rows (a stateful RNN's state)
-    must be written once, from merged rows: a write left in the towers (of gradient rows, of
-    row numbers) would write one tower's rows over the whole variable. Such a graph cannot
-    be split."""
-    inside = set(region)
-    for tensor, d in flow.plan.splits.items():
-        read = ir.nodes[node_of(tensor)]
-        if read.op != "ReadVariableOp":
-            continue
-        variable = node_of(read.inputs[0])
-        writers = [c.name for c in ir.consumers(variable) if c.op in ops.MUTATING_OPS
-                   and c.name in inside and c.name not in evicted]
-        if writers:
-            reason = Reason(writers[0], f"'{writers[0]}' writes variable '{variable}', which holds "
-                            "one row per example, from values that are not the batch's rows in "
-                            "order (gradient rows, row numbers, one tower's values)",
-                            "store per-example state from forward values of the batch")
-            flow.plan.unsplittable.append(reason)
-            flow.plan.reasons.append(reason)
-
-
-def _refuse_replicated(ir: IR) -> None:
-    """A graph replicate already rewrote cannot be rewritten again (its towers would nest)."""
-    marks = [n for n in ir.nodes if n.startswith(("replicate/split/", "replicate/aggregate/"))]
-    if marks:
-        raise AnalysisError(f"the graph is already replicated ('{marks[0]}'); transform the "
-                            "single-device graph instead")
-
-
 def _static(ir: IR, tensor: str, axis: int) -> int | None:
     shape = ir.static_shape(tensor)
     return shape[axis] if shape and axis < len(shape) else None
@@ -480,31 +450,6 @@ def _dead_gradient_code(ir: IR, candidates: set[str]) -> set[str]:
                 dead.discard(name)
                 changed = True
     return dead
-
-
-def _unaggregated_updates(ir: IR, apply_ops, inside: set[str], frontier, dependent: set[str]) -> list[Reason]:
-    """An optimizer update must read an aggregated gradient: a tensor of the towers that it
-    reads otherwise (through a TF1 cond's switch, which was taken for a forward value and
-    merged by a mean: claimed exact, 1.2 off) is a reason, never silently merged."""
-    grads = {f.tensor for f in frontier}
-    out = []
-    for a in apply_ops:
-        ref = tensor_name(*parse_tensor(a.grad)) if a.grad else None
-        if ref is not None and node_of(ref) in inside and ref not in grads and node_of(ref) not in dependent:
-            # the same in every tower: a generator fed noise of a fed size (review 11 was told
-            # to apply the gradients outside control flow, with no control flow in sight)
-            out.append(Reason(a.name, f"the gradient '{ref}' that optimizer update '{a.name}' "
-                              "reads does not depend on the batch (its variable is trained only "
-                              "through values every tower computes whole, such as noise of a fed "
-                              "size); replicate aggregates only gradients of the towers' examples",
-                              "size what the variable computes by the batch (tf.shape(x)[0], not "
-                              "a fed size), or train this graph on one device"))
-        elif ref is not None and node_of(ref) in inside and ref not in grads:
-            out.append(Reason(a.name, f"optimizer update '{a.name}' reads '{ref}', a value of the "
-                              "towers that is not one of the gradients they aggregate",
-                              "apply the gradients outside control flow, or train this graph on "
-                              "one device"))
-    return out
 
 
 def _of_a_loop(ir: IR, node, seen: set[str], frames: set) -> bool:
@@ -533,7 +478,6 @@ def _large_const(ir: IR, node) -> bool:
     return value is not None and value.ByteSize() > LARGE_CONST_BYTES
 
 
-
 def _global_after_sync(flow, f, syncs: set[str]):
     """A forward value computed only from synchronized reductions is the single-device value
     in every tower: read tower 0's copy (role ``global``; a merge by example shares would
@@ -555,37 +499,6 @@ def _global_value(flow, tensor: str, syncs: set[str]) -> bool:
     return found is not None and set(found[0]) <= syncs
 
 
-def _minus_constant(ir: IR, flow, ref: str) -> bool:
-    """``ref`` is a batch-dependent integer minus a positive constant (``n - 1``), whatever
-    the analysis made of ``n`` (a size, or a value mixed by an op upstream)."""
-    node = ir.nodes.get(node_of(ref))
-    if node is None or node.op not in ("Sub", "Add", "AddV2") or len(node.inputs) != 2:
-        return False
-    value = flow.ctx.const(node.inputs[1])
-    first = flow.fact(node.inputs[0])
-    if value is None or value.size != 1 or first is None or first.kind == "shared":
-        return False
-    c = float(value.reshape(-1)[0])
-    return c > 0 if node.op == "Sub" else c < 0
-
-
-def _refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
-    """``tf.range(tf.shape(x)[0] - 1)`` runs on one device with any batch, but a tower with no
-    example computes ``Range(0, -1)`` and fails at run time: refused, since every rewrite must
-    run (an uneven last batch smaller than the towers would stop training)."""
-    for name in region:
-        node = ir.nodes[name]
-        if node.op != "Range" or len(node.inputs) < 2:
-            continue
-        limit = flow.fact(node.inputs[1])
-        if limit is not None and limit.kind == "red" and limit.src is None and limit.merge == "other" \
-                or _minus_constant(ir, flow, node.inputs[1]):
-            raise AnalysisError(f"'{name}' counts up to the batch size minus a constant "
-                                f"('{node_of(node.inputs[1])}'): a tower with fewer examples than "
-                                "that constant (the last, uneven batch) cannot run it. Slice the "
-                                "tensor instead (x[:-1] runs on any tower), or train on one device")
-
-
 def _synchronized_statistics(ir: IR, outputs: list, couplings: list[str]) -> list:
     """A synchronized fused batch norm's statistics under its original name are the sync
     pass's (the global mean and variance the towers normalized with), not a batch norm
@@ -598,20 +511,3 @@ def _synchronized_statistics(ir: IR, outputs: list, couplings: list[str]) -> lis
     return [f for f in outputs if not (node_of(f.tensor) in merged and parse_tensor(f.tensor)[1] > 0)]
 
 
-def _refuse_inconsistent_override(ir: IR, graph: nx.DiGraph, flow, apply_ops, forced) -> None:
-    """Named batch inputs that pair row by row with a value the model computes from its
-    trained variables over the whole graph (a full-batch GCN's node outputs beside its
-    labels): the towers would have to cut that value to their rows, and its gradient code
-    expects every row, so the rewrite could not run. Refused, naming the value."""
-    trained = {a.variable for a in apply_ops}
-    for tensor in sorted(set(flow.plan.splits) | set(flow.plan.slices)):
-        name = node_of(tensor)
-        if trained & ir.ancestors([name], graph):
-            named = ", ".join(sorted(forced))
-            raise AnalysisError(
-                f"batch_inputs ({named}): '{tensor}' has no batch axis (it is computed from the "
-                "trained variables over the whole input, every row from every other) but is "
-                "paired row by row with the named batch inputs, so each tower would need its "
-                "rows of a value whose gradient needs all of them; there is no batch to split "
-                "here: name inputs whose rows are examples (the features the rows are computed "
-                "from), or train this graph on one device")

@@ -31,6 +31,7 @@ from tensorflow.core.framework import attr_value_pb2
 from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, Node, node_of, parse_tensor
+from replicate.options import MIRRORED
 from replicate.graph.kernels import runnable_on
 from replicate.passes.pipeline import PassResult
 
@@ -39,7 +40,6 @@ __all__ = ["Mirror", "MIRRORED", "SYNC_OP"]
 log = logging.getLogger(__name__)
 
 #: The ``param_devices`` value that asks for mirrored variables.
-MIRRORED = "mirrored"
 
 #: Scope of device ``k``'s copies: ``replicate/mirror_<k>/<original name>``.
 COPY_SCOPE = "replicate/mirror"

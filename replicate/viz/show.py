@@ -155,7 +155,7 @@ def show(source: Any, devices: Sequence[str], output: str, *, fmt: str | None = 
             written then.
     """
     import replicate
-    from replicate.api import _devices
+    from replicate.rewrite import _devices
     from replicate.graph import io
 
     _devices(devices, options.get("controller", "/cpu:0"))     # bad devices before the output

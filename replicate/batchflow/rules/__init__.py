@@ -21,6 +21,7 @@ from replicate.batchflow.rules import (
     lists,
     reduce,
     shape,
+    slicing,
     sparse,
     tail,
 )
@@ -71,8 +72,8 @@ RULES.update({
     "Reshape": shape.reshape, "ExpandDims": shape.expand_dims, "Squeeze": shape.squeeze,
     "Transpose": shape.transpose, "ConjugateTranspose": shape.transpose,
     "ConcatV2": shape.concat, "Concat": shape.concat, "Pack": shape.pack, "Unpack": shape.unpack,
-    "Split": shape.split, "SplitV": shape.split, "Slice": shape.slice_,
-    "StridedSlice": shape.strided_slice, "StridedSliceGrad": shape.strided_slice_grad,
+    "Split": shape.split, "SplitV": shape.split, "Slice": slicing.slice_,
+    "StridedSlice": slicing.strided_slice, "StridedSliceGrad": slicing.strided_slice_grad,
     "Tile": shape.tile, "BroadcastTo": shape.broadcast_to, "Pad": shape.pad, "PadV2": shape.pad,
     "MirrorPad": shape.pad, "ReverseV2": shape.reverse, "OneHot": shape.one_hot,
     "RandomShuffle": shape.shuffle,

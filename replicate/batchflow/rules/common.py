@@ -258,5 +258,17 @@ def numbered(node: Node, taint: frozenset) -> Fact:
                  "at 0 in every tower)", taint)
 
 
-__all__ += ["prologue", "is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
+__all__ += ["unless_partitioned", "prologue", "is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
             "row_numbers", "numbered", "unite", "ROWS_CONFLICT"]
+
+
+def unless_partitioned(ctx: Context, node: Node, ins: list[Fact], n: int = 1) -> list[Fact] | None:
+    """Outputs for inputs that are not partitioned on the data operand (None if it is)."""
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad] * n
+    if ins[0].kind == PART:
+        return None
+    if ins[0].kind == RED:
+        return [ins[0].with_(value=None)] * n
+    return [shared(taint=taint_of(ins))] * n

@@ -16,7 +16,7 @@ import logging
 
 from replicate.batchflow.bodies import import_body, probe_of
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import EMPTY_LIST, MIXED, PART, SHARED, Fact, join, mixed
+from replicate.batchflow.lattice import EMPTY_LIST, INSIDE, MIXED, PART, SHARED, Fact, join, mixed
 from replicate.batchflow.loss import IDENTITIES, behind
 from replicate.batchflow.rules.common import condition, taint_of
 from replicate.batchflow.rules.rowloop import rows_loop
@@ -73,8 +73,6 @@ def _library_only(ir: IR):
 
 def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]) -> list[Fact | None] | None:
     """The facts of function ``name``'s results when called with ``facts`` (None: not analysable)."""
-    from replicate.batchflow.solver import solve
-
     key = ("call", name, tuple(facts), ctx.in_gradient(node))
     if key in ctx.functions:
         for ref in ctx.functions.get(("shapeless",) + key, ()):
@@ -87,7 +85,7 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     seeds = {tensor_name(*parse_tensor(a)): f for a, f in zip(args, facts)}
     arg_nodes = {parse_tensor(a)[0] for a in args}
     region = [n for n in body.nodes if n not in arg_nodes]
-    inner = solve(body, region, {}, set(), ctx.classes, seeds=seeds,
+    inner = ctx.solve(body, region, {}, set(), ctx.classes, seeds=seeds,
                   all_gradient=ctx.in_gradient(node), functions=ctx.functions)
     ctx.functions[("inner", name)] = inner      # the body's facts, for the draw pass
     index = {tensor_name(*parse_tensor(a)): i for i, a in enumerate(args)}
@@ -112,10 +110,6 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     result = [_outer(ctx, node, inner.fact(o), passed, body) for o in outs]
     ctx.functions[key] = result
     return result
-
-
-#: Joins the call node's name and the name of a node inside the called function in a taint.
-INSIDE = ">"
 
 
 def _outer(ctx: Context, node: Node, fact: Fact | None, passed: frozenset = frozenset(),

@@ -25,25 +25,15 @@ from replicate.batchflow.rules.common import (
     shared,
     size_fact,
     taint_of,
+    unless_partitioned,
 )
-from replicate.batchflow.rules.layout import map_reshape, sized_rows, strided_entries
+from replicate.batchflow.rules.layout import map_reshape, sized_rows
+from replicate.batchflow.rules.slicing import element
 from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["reshape", "expand_dims", "squeeze", "transpose", "concat", "pack", "unpack", "split",
-           "slice_", "strided_slice", "strided_slice_grad", "tile", "broadcast_to", "shape_source",
+           "tile", "broadcast_to", "shape_source",
            "pad", "reverse", "one_hot", "range_"]
-
-
-def _other(ctx: Context, node: Node, ins: list[Fact], n: int = 1) -> list[Fact] | None:
-    """Outputs for inputs that are not partitioned on the data operand (None if it is)."""
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad] * n
-    if ins[0].kind == PART:
-        return None
-    if ins[0].kind == RED:
-        return [ins[0].with_(value=None)] * n
-    return [shared(taint=taint_of(ins))] * n
 
 
 def _sized_by(ctx: Context, node: Node, ref: str, ins: list[Fact]) -> Fact | None:
@@ -76,7 +66,7 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         sized = _sized_by(ctx, node, node.inputs[1], ins)
         if sized is not None:
             return [sized]
-        out = _other(ctx, node, ins)
+        out = unless_partitioned(ctx, node, ins)
         if f.kind == SHARED and f.value is not None and ins[1].kind == SHARED:
             return [shared(f.value, taint_of(ins))]
         return out
@@ -205,7 +195,7 @@ def expand_dims(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [shared(f.value, f.taint)] if len(f.value) == 1 else [shared(taint=f.taint)]
         if f.kind == RED and f.merge == "size":
             return [f]
-        return _other(ctx, node, ins)
+        return unless_partitioned(ctx, node, ins)
     dim = ctx.axes(node.inputs[1], (ctx.rank(node.inputs[0]) or 0) + 1)
     if dim is None:
         return [mixed(node.name, "ExpandDims at an axis known only at run time", f.taint)]
@@ -215,7 +205,7 @@ def expand_dims(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def squeeze(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return _other(ctx, node, ins)
+        return unless_partitioned(ctx, node, ins)
     dims = node.attr("squeeze_dims", []) or []
     shape = ctx.shape(node.inputs[0])
     if shape is None:
@@ -234,7 +224,7 @@ def squeeze(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def transpose(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return _other(ctx, node, ins)
+        return unless_partitioned(ctx, node, ins)
     perm = ctx.int_value(node.inputs[1])
     if perm is None or any(not isinstance(p, int) for p in perm):
         return [mixed(node.name, "Transpose by a permutation known only at run time", f.taint)]
@@ -349,7 +339,7 @@ def _pack_index(ins: list[Fact], axis: int) -> tuple | None:
 
 def unpack(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     n = ctx.n_outputs(node)
-    out = _other(ctx, node, ins, n)
+    out = unless_partitioned(ctx, node, ins, n)
     if out is not None:
         return out
     f = ins[0]
@@ -365,7 +355,7 @@ def split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     n = ctx.n_outputs(node)
     data, axis_ref = (1, node.inputs[0]) if node.op == "Split" else (0, node.inputs[2])
     f = ins[data]
-    out = _other(ctx, node, [f] + [x for i, x in enumerate(ins) if i != data], n)
+    out = unless_partitioned(ctx, node, [f] + [x for i, x in enumerate(ins) if i != data], n)
     if out is not None:
         return out
     axis = ctx.axes(axis_ref, ctx.rank(node.inputs[data]))
@@ -382,193 +372,14 @@ def split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return [f.with_(value=None, index=None)] * n
 
 
-def _value_slice(value: tuple, begin: int, end: int | None, stride: int = 1) -> tuple:
-    return tuple(value[begin:end:stride])
-
-
-def _element(ctx: Context, ref: str, value: tuple | None, i: int, depth: int = 0):
-    """Element ``i`` of integer vector ``ref``: from its value, else from how the vector is
-    built at run time, where the batch axis's bound is known though a time step's is not:
-    the scalar packed there (``tf.stack([t, 0, 0])``), the piece concatenated there
-    (``tf.concat([[0], [t], [0]], 0)``), a zero of a constant scaled at run time
-    (``[0, 1, 0] * t``), through identities."""
-    if value is not None:
-        return value[i] if 0 <= i < len(value) else None
-    node = ctx.ir.nodes.get(node_of(ref))
-    if node is None or depth > 8 or i < 0:
-        return None
-    if node.op in ("Identity", "Cast") and node.inputs:
-        return _element(ctx, node.inputs[0], ctx.int_value(node.inputs[0]), i, depth + 1)
-    if node.op == "Pack":
-        if i >= len(node.inputs) or int(node.attr("axis", 0)):
-            return None
-        scalar = ctx.int_value(node.inputs[i])
-        return scalar[0] if scalar is not None and len(scalar) == 1 else None
-    if node.op == "ConcatV2" and ctx.int_value(node.inputs[-1]) in ((0,), (-1,)):
-        for piece in node.inputs[:-1]:
-            shape = ctx.shape(piece)
-            if shape is None or len(shape) != 1 or not isinstance(shape[0], int):
-                return None
-            if i < shape[0]:
-                return _element(ctx, piece, ctx.int_value(piece), i, depth + 1)
-            i -= shape[0]
-        return None
-    if node.op == "Mul" and len(node.inputs) == 2:
-        for a, b in (node.inputs, node.inputs[::-1]):
-            known = ctx.int_value(a)
-            if known is not None and len(known) > i and known[i] == 0 \
-                    and ctx.rank(b) in (0, 1) and ctx.rank(a) == 1:
-                return 0
-    return None
-
-
-def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    f = ins[0]
-    begin, size = ctx.int_value(node.inputs[1]), ctx.int_value(node.inputs[2])
-    if f.kind != PART:
-        if f.value is not None and begin and size and isinstance(begin[0], int) and isinstance(size[0], int):
-            end = None if size[0] == -1 else begin[0] + size[0]
-            return [size_fact(_value_slice(f.value, begin[0], end), taint_of(ins))]
-        return _other(ctx, node, ins)
-    b, s = _element(ctx, node.inputs[1], begin, f.axis), _element(ctx, node.inputs[2], size, f.axis)
-    if b is None or s is None:
-        return [mixed(node.name, "Slice by bounds known only at run time", f.taint)]
-    full = ctx.batch_dim(f)
-    if b == 0 and (s == -1 or isinstance(s, Sym) or (full is not None and s == full)):
-        if isinstance(s, int) and s != -1:
-            ctx.position(node.inputs[2], f.axis, f.cls, rows(f), node)
-        _refine_slice(ctx, node, begin, size)
-        return [f.with_(value=None, index=None, taint=f.taint | ins[1].taint | ins[2].taint)]
-    return [mixed(node.name, "Slice keeps only some of the examples", f.taint)]
-
-
-def _refine_slice(ctx: Context, node: Node, begin, size) -> None:
-    """The static shape of a ``Slice`` whose bounds are built at run time: a dimension whose
-    begin and size elements are known (a size of -1 takes the rest) though inference, not
-    seeing the vector's value, left it unknown (a reshape reading it needs it)."""
-    shape, rank = ctx.shape(node.inputs[0]), ctx.rank(node.inputs[0])
-    if shape is None or rank is None:
-        return
-    out = []
-    for j in range(rank):
-        b, s = _element(ctx, node.inputs[1], begin, j), _element(ctx, node.inputs[2], size, j)
-        if isinstance(s, int) and s >= 0:
-            out.append(s)
-        elif s == -1 and isinstance(b, int) and isinstance(shape[j], int) and 0 <= b <= shape[j]:
-            out.append(shape[j] - b)
-        else:
-            out.append(None)
-    ctx.refine(f"{node.name}:0", out)
-
-
-def _masks(node: Node) -> tuple[int, int, int, int, int]:
-    return tuple(int(node.attr(k, 0)) for k in ("begin_mask", "end_mask", "ellipsis_mask",
-                                                  "new_axis_mask", "shrink_axis_mask"))
-
-
-def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    f = ins[0]
-    begin, end, strides = (ctx.int_value(r) for r in node.inputs[1:4])
-    bm, em, ell, new, shrink = _masks(node)
-    if f.kind != PART:
-        out = _other(ctx, node, ins)
-        if f.value is not None and begin and end and strides and not ell and not new \
-                and all(isinstance(v, int) for v in begin + end + strides):
-            lo = None if bm & 1 else begin[0]
-            hi = None if em & 1 else end[0]
-            if shrink & 1:
-                picked = f.value[begin[0]:begin[0] + 1] if begin[0] >= 0 else f.value[begin[0]:][:1]
-            else:
-                picked = f.value[lo:hi:strides[0]]
-            return [size_fact(tuple(picked), taint_of(ins))]
-        return out
-    rank = ctx.rank(node.inputs[0])
-    if rank is None:
-        return [mixed(node.name, "StridedSlice of unknown rank", f.taint)]
-    if begin is None or end is None or strides is None:
-        return [_runtime_bounds(ctx, node, f, rank, strides)]
-    for din, dout, i in strided_entries(rank, len(begin), ell, new, shrink):
-        if din != f.axis:
-            continue
-        if i is None:
-            return [f.with_(axis=dout, value=None, index=None)]
-        if dout is None:
-            return [mixed(node.name, "StridedSlice picks one example", f.taint)]
-        full_begin = (bm >> i) & 1 or begin[i] == 0
-        full = ctx.batch_dim(f)
-        full_end = (em >> i) & 1 or (isinstance(end[i], Sym)) or (
-            full is not None and isinstance(end[i], int) and end[i] >= full)
-        if full_begin and full_end and strides[i] == 1:
-            return [f.with_(axis=dout, value=None, index=_column(f, rank, begin, ell, new, shrink))]
-        return [mixed(node.name, "StridedSlice keeps only some of the examples", f.taint)]
-    return [mixed(node.name, "StridedSlice with an unexpected layout", f.taint)]
-
-
-def _spec_length(ctx: Context, node: Node) -> int | None:
-    """How many entries a strided slice's spec has (the static length of ``begin``)."""
-    shape = ctx.shape(node.inputs[1])
-    return shape[0] if shape is not None and len(shape) == 1 and isinstance(shape[0], int) else None
-
-
-def _runtime_bounds(ctx: Context, node: Node, f: Fact, rank: int, strides) -> Fact:
-    """A strided slice whose bounds are computed at run time (``xs[t]`` of a time-major batch
-    in a loop over time steps): the batch's rows stay whole when the spec does not reach the
-    batch axis, or takes all of it by its masks; the spec's length and masks say so without
-    the bounds' values."""
-    n = _spec_length(ctx, node)
-    bm, em, ell, new, shrink = _masks(node)
-    if n is not None:
-        for din, dout, i in strided_entries(rank, n, ell, new, shrink):
-            if din != f.axis:
-                continue
-            whole = i is None or ((bm >> i) & 1 and (em >> i) & 1 and strides is not None
-                                  and strides[i] == 1)
-            if whole and dout is not None:
-                return f.with_(axis=dout, value=None, index=None)
-            break
-    return mixed(node.name, "StridedSlice by bounds known only at run time", f.taint)
-
-
-def _column(f: Fact, rank: int, begin: list, ell: int, new: int, shrink: int) -> tuple | None:
-    """``coords[:, c]`` of index tuples whose column ``c`` holds local rows (the indices of a
-    sparse batch input, ``tf.where``'s coordinates): the row numbers themselves."""
-    if f.index is None or f.index[0] != "cols" or rank != 2 or f.axis != 0 or ell or new \
-            or shrink != 2 or len(begin) != 2 or begin[1] != f.index[1]:
-        return None
-    return ("rows",) + f.index[2:]
-
-
-def strided_slice_grad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    """``StridedSliceGrad(shape, begin, end, strides, dy)``: dy scattered into ``shape``."""
-    dy = ins[4]
-    if dy.kind != PART:
-        shape = ctx.int_value(node.inputs[0])
-        if dy.kind != MIXED and shape and any(isinstance(v, Sym) for v in shape):
-            # the gradient of an example picked by position (``loss[-1]``): each tower puts
-            # it at that position of its own rows (it was taken for a shared value of the
-            # global batch's size, and cut into the towers' rows: the rewrite did not run)
-            return [mixed(node.name, "StridedSliceGrad puts the gradient of an example picked "
-                          "by position into each tower's own rows", taint_of(ins))]
-        return _other(ctx, node, [dy] + ins[:4])
-    shape = ctx.int_value(node.inputs[0])
-    begin = ctx.int_value(node.inputs[1])
-    n = len(begin) if begin is not None else _spec_length(ctx, node)
-    if shape is None or n is None:
-        return [mixed(node.name, "StridedSliceGrad of unknown shape", dy.taint)]
-    bm, em, ell, new, shrink = _masks(node)
-    for din, dout, _ in strided_entries(len(shape), n, ell, new, shrink):
-        if dout == dy.axis and din is not None:
-            ctx.position(node.inputs[0], din, dy.cls, rows(dy), node)
-            return [dy.with_(axis=din, value=None)]
-    return [mixed(node.name, "StridedSliceGrad with an unexpected layout", dy.taint)]
 
 
 def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return [_sized_by(ctx, node, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
+        return [_sized_by(ctx, node, node.inputs[1], ins) or unless_partitioned(ctx, node, ins)[0]]
     multiples = ctx.int_value(node.inputs[1])
-    if multiples is None and _element(ctx, node.inputs[1], None, f.axis) == 1:
+    if multiples is None and element(ctx, node.inputs[1], None, f.axis) == 1:
         # once along the batch, other axes a number known at run time (labels tiled to the
         # batch's longest sequence, ``tf.tile(y[:, None], [1, tf.reduce_max(lengths)])``)
         return [f.with_(value=None, index=None, taint=couple(ctx, node, ins))]
@@ -587,7 +398,7 @@ def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def broadcast_to(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return [_sized_by(ctx, node, node.inputs[1], ins) or _other(ctx, node, ins)[0]]
+        return [_sized_by(ctx, node, node.inputs[1], ins) or unless_partitioned(ctx, node, ins)[0]]
     out_rank, rank = ctx.rank(f"{node.name}:0"), ctx.rank(node.inputs[0])
     if out_rank is None or rank is None:
         return [mixed(node.name, "BroadcastTo of unknown rank", f.taint)]
@@ -639,7 +450,7 @@ def pad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             # values land at positions of each tower's own rows
             return [mixed(node.name, f"{node.op} puts values at positions of each tower's rows",
                           taint_of(ins))]
-        return _other(ctx, node, ins)
+        return unless_partitioned(ctx, node, ins)
     pads = ctx.const(node.inputs[1])
     if pads is None or pads.shape[0] <= f.axis or pads[f.axis].tolist() != [0, 0]:
         return [mixed(node.name, f"{node.op} adds rows to the batch", f.taint)]
@@ -649,7 +460,7 @@ def pad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def reverse(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return _other(ctx, node, ins)
+        return unless_partitioned(ctx, node, ins)
     axes = ctx.axes(node.inputs[1], ctx.rank(node.inputs[0]))
     if axes is None:
         return [mixed(node.name, "ReverseV2 along axes known only at run time", f.taint)]
@@ -665,7 +476,7 @@ def shuffle(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     """``RandomShuffle`` permutes its first axis."""
     f = ins[0]
     if f.kind != PART:
-        return _other(ctx, node, ins)
+        return unless_partitioned(ctx, node, ins)
     if f.axis == 0:
         return [mixed(node.name, "random_shuffle permutes the examples of the batch (each tower "
                       "shuffles its own slice)", f.taint)]
@@ -676,7 +487,7 @@ def shuffle(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def one_hot(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return _other(ctx, node, ins)
+        return unless_partitioned(ctx, node, ins)
     rank = ctx.rank(node.inputs[0])
     axis = int(node.attr("axis", -1))
     axis = rank if axis < 0 and rank is not None else axis

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from replicate.errors import DeviceError, InputError, ReplicateError
+from replicate.options import AGGREGATIONS, BATCH_NORM_MODES
 
 __all__ = ["add_device_arguments", "add_graph_arguments", "device_list", "parse_devices",
            "name_list", "check_input", "relabel", "train_op_hint", "Progress", "table",
@@ -38,10 +39,10 @@ def add_graph_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     """``--batch-norm``, ``--aggregation`` and ``--param-devices``: how the towers share work."""
-    parser.add_argument("--batch-norm", choices=("tower0", "sync"), default="tower0",
+    parser.add_argument("--batch-norm", choices=BATCH_NORM_MODES, default="tower0",
                         help="tower0: each tower normalizes by its slice, moving averages from "
                              "tower 0; sync: statistics over the global batch (exact)")
-    parser.add_argument("--aggregation", choices=("add_n", "packed", "allreduce", "packed_allreduce"),
+    parser.add_argument("--aggregation", choices=AGGREGATIONS,
                         default="add_n", help="how gradients are summed (default add_n on each "
                                               "variable's device)")
     parser.add_argument("--param-devices", metavar="DEV[,DEV...]|mirrored", default="",

@@ -57,7 +57,7 @@ def _positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``replicate show``."""
-    from replicate.api import BATCH_NORM_MODES
+    from replicate.options import BATCH_NORM_MODES
     from replicate.viz.collapse import DEFAULT_MAX_NODES, DEFAULT_SHARED_MAX_NODES
     from replicate.viz.render import FORMATS
 
