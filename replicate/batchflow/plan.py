@@ -235,7 +235,7 @@ class _Resolver:
         return False
 
     def _producer(self, d: Demand, node, idx: int) -> None:
-        ctx, ir, op = self.ctx, self.ir, node.op
+        ctx, op = self.ctx, node.op
         sub = lambda ref, dim: self.demand(dataclasses.replace(d, tensor=tensor_name(*parse_tensor(ref)), dim=dim))  # noqa: E731
         rows = d.rows
         if op == "Const":

@@ -44,7 +44,6 @@ import networkx as nx
 from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.effects import writes as state_writes
-from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor
 from replicate.passes.pipeline import PassResult
 

@@ -267,8 +267,6 @@ class LocalCluster:
             ReplicateError: a task failed for another reason than a taken port, the ports
                 stayed taken for ``attempts`` start-ups, or the servers were not up in time.
         """
-        from replicate.runtime.cluster import Cluster
-
         self._shim = None if self.bind_all else shim_path()
         try:
             return self._start()

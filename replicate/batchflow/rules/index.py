@@ -289,32 +289,29 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return [mixed(node.name, f"{node.op} of per-example values by shared segment ids", taint)]
 
 
-def sparse_to_dense(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+def _placed(ctx: Context, node: Node, ins: list[Fact], shape_at: int) -> list[Fact]:
+    """Values placed at indices whose column 0 names the example (``SparseToDense``,
+    ``ScatterNd``): partitioned like the indices, the dense shape operand (input
+    ``shape_at``) holding the batch size at axis 0."""
     idx = ins[0]
     taint = couple(ctx, node, ins)
     bad = first_mixed(ins)
     if bad is not None:
         return [bad]
     if idx.kind == PART and idx.index is not None and idx.index[0] == "cols" and idx.index[1] == 0:
-        ctx.position(node.inputs[1], 0, idx.index[2], idx.index[3] or 1, node)
+        ctx.position(node.inputs[shape_at], 0, idx.index[2], idx.index[3] or 1, node)
         return [part(0, idx.index[2], idx.index[3], taint=taint)]
     if any(f.dependent for f in ins):
         return [mixed(node.name, f"{node.op} places values at batch-dependent positions", taint)]
     return [shared(taint=taint)]
 
 
+def sparse_to_dense(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    return _placed(ctx, node, ins, 1)
+
+
 def scatter_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    idx, upd = ins[0], ins[1]
-    taint = couple(ctx, node, ins)
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad]
-    if idx.kind == PART and idx.index is not None and idx.index[0] == "cols" and idx.index[1] == 0:
-        ctx.position(node.inputs[2], 0, idx.index[2], idx.index[3] or 1, node)
-        return [part(0, idx.index[2], idx.index[3], taint=taint)]
-    if any(f.dependent for f in ins):
-        return [mixed(node.name, "ScatterNd places values at batch-dependent positions", taint)]
-    return [shared(taint=taint)]
+    return _placed(ctx, node, ins, 2)
 
 
 def uncounted_rows(ctx: Context, node: Node, taint: frozenset, fix: str = "") -> Fact:
@@ -394,7 +391,7 @@ def broadcast_args(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 
 
 def concat_offset(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    dim, shapes = ins[0], ins[1:]
+    shapes = ins[1:]
     n = ctx.n_outputs(node)
     values = _values(shapes)
     axis = ctx.int_value(node.inputs[0])
@@ -471,7 +468,7 @@ def reverse_sequence(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     bad = first_mixed(ins)
     if bad is not None:
         return [bad]
-    batch_dim, seq_dim = int(node.attr("batch_dim", 0)), int(node.attr("seq_dim", 1))
+    batch_dim = int(node.attr("batch_dim", 0))
     if data.kind != PART:
         return [mixed(node.name, "ReverseSequence by per-example lengths of a shared value",
                       taint_of(ins))] if lengths.dependent else [shared(taint=taint_of(ins))]
