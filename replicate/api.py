@@ -55,7 +55,7 @@ def transform(graph: Any, devices: Sequence[str], options: Options | None = None
         progress: called with (pass name, index, total) before each pass.
         between_graph: between-graph replication over ``cluster``: ``devices`` are the towers
             inside each worker task; the result is one template every worker imports through
-            :func:`replicate.runtime.between.for_task` (see :mod:`replicate.passes.between`).
+            :func:`replicate.between.for_task` (see :mod:`replicate.passes.between`).
         task_index: with ``between_graph``, pin the result to this worker task.
         sparse_on_ps: with ``between_graph`` and ps tasks, keep sparsely trained variables on
             the ps tasks (else every worker keeps a copy, updated from all-gathered gradients).

@@ -60,6 +60,9 @@ class Options:
 
     def __post_init__(self) -> None:
         fix = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen
+        for name in ("merge_forward", "verify_each", "between_graph", "sparse_on_ps", "check"):
+            if getattr(self, name) not in (True, False):    # 0 and 1 too, not "no"
+                raise ReplicateError(f"{name}={getattr(self, name)!r}: give True or False")
         for name in ("train_op", "loss", "dump_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -86,3 +86,12 @@ def test_the_transform_loads_no_runtime_no_pictures_and_no_command_line():
 def test_no_module_is_longer_than_a_reader_can_hold():
     long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these by what they do: {long}"
+
+
+def test_the_public_between_module_names_the_op_the_pass_makes():
+    """A worker runs ``replicate.between.BROADCAST_OP`` after a restore: it must name the node
+    the between pass makes (the layout change once rewrote it as a module path)."""
+    from replicate import between
+    from replicate.passes import between as between_pass
+
+    assert between.BROADCAST_OP == between_pass.BROADCAST_OP == "replicate/between/broadcast"

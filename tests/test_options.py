@@ -23,7 +23,8 @@ def test_options_are_frozen_and_validated_when_built():
                        ({"accumulate": True}, "accumulate=True"),
                        ({"param_devices": "everywhere"}, "param_devices='everywhere'"),
                        ({"between_graph": True, "accumulate": 2}, "not supported yet"),
-                       ({"train_op": 3}, "train_op=3: give a name")):
+                       ({"train_op": 3}, "train_op=3: give a name"),
+                       ({"check": "no"}, "check='no': give True or False")):
         with pytest.raises(ReplicateError, match=words):
             Options(**bad)
 

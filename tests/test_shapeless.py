@@ -190,3 +190,50 @@ def test_a_single_weight_beside_tokens_of_a_dynamic_length_is_not_refused():
     feeds = [{"x:0": rng.random((b, 4, D), dtype=np.float32), "y:0": rng.integers(0, C, (b, 4)).astype(np.int32),
               "p:0": 0.5} for b in BATCHES]
     compare(g, res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
+
+
+def _masked(kind: str) -> tf.Graph:
+    """A mask without a shape that reaches the loss through another op first: a cast of an
+    integer mask, scalar arithmetic whose gradient reads the intermediate's shape, or
+    ``tf.where``'s condition."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        dtype = {"cast": tf.int32, "where": tf.bool}.get(kind, tf.float32)
+        p = v1.placeholder(dtype, name="p")
+        logits = tf.identity(_dense(tf.nn.relu(_dense(x, H, "w1", D)), C, "w2", H), name="out")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        if kind == "cast":
+            loss = tf.reduce_mean(xent * tf.cast(p, tf.float32))
+        elif kind == "arithmetic":
+            loss = tf.reduce_mean(xent * (1.0 + 2.0 * p))
+        else:
+            loss = tf.reduce_mean(tf.where(p, xent, tf.zeros_like(xent)))
+        tf.identity(loss, name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("per_example", [True, False], ids=["one per example", "one value"])
+@pytest.mark.parametrize("kind", ["cast", "arithmetic", "where"])
+def test_a_mask_that_reaches_the_loss_through_other_ops_is_exact_fed_either_way(kind, per_example, accumulate):
+    """Fed one value per example, these were inexact and stopped at step 1 where one device
+    runs (review 12): the view stopped at the first op that was not a broadcasting one. A
+    cast or other one-operand op, scalar arithmetic read by a gradient's shape, and
+    ``tf.where``'s condition read a one-entry vector as they read a scalar, so the mask is
+    read as a vector through them, and each tower takes its rows of what they compute from
+    it, broadcast to the batch (one value) or not (one per example)."""
+    rng = np.random.default_rng(11)
+    dtype = {"cast": np.int32, "where": bool}.get(kind, np.float32)
+    feeds = [{"x:0": rng.random((b, D), dtype=np.float32), "y:0": rng.integers(0, C, b).astype(np.int32),
+              "p:0": (rng.random(b) > 0.3).astype(dtype) if per_example else np.asarray(1, dtype)}
+             for b in BATCHES]
+    res = replicate.transform(_masked(kind), DEVICES, accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    r = compare(_masked(kind), res.graph, "train", feeds, fetch=("loss:0", "out:0"), cpus=4)
+    assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
+    for one, towers in r.fetched:
+        for a, b in zip(one, towers):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

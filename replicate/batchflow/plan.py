@@ -98,7 +98,8 @@ class _Resolver:
                         "batch-sized shape is needed", "compute it per example")
             return
         node = ir.nodes[name]
-        if table.is_vector_view(node):
+        view = table.vector_view_of(ir, name)
+        if view is not None:
             # fed without a shape, it lines up with the batch: a mask fed per example must be
             # split, a weight fed as one number must not, and only the feed tells. Each tower
             # reads its rows of the view broadcast to the batch (rebatch): right for both,
@@ -108,7 +109,7 @@ class _Resolver:
                 self.plan.splits[d.tensor] = d
                 self.resized(d.tensor, d)
             else:
-                fed = node_of(node.inputs[0])
+                fed = node_of(ir.nodes[view].inputs[0])
                 self.reason(fed, f"'{fed}' has no static shape and lines up with rows of the "
                             f"batch in '{d.by}' whose number per example is known only at run "
                             "time: fed one value per row it must be split, fed a single value "

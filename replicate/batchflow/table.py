@@ -14,6 +14,8 @@ __all__ = ["UNARY", "BROADCAST", "SAME_SHAPE", "REDUCTIONS", "ARG_REDUCTIONS", "
 
 import dataclasses
 
+from replicate.graph.ir import node_of, parse_tensor, tensor_name
+
 #: Elementwise ops of one data input; the output has the input's shape.
 UNARY = frozenset({
     "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Cos", "Cosh", "Digamma",
@@ -36,6 +38,25 @@ VECTOR_VIEW = "replicate_vector"
 def is_vector_view(node) -> bool:
     """``node`` reads a shapeless placeholder as a vector (rank at most 1, checked)."""
     return node.op == "Reshape" and node.name.endswith("/" + VECTOR_VIEW)
+
+
+def vector_view_of(ir, name: str, depth: int = 0) -> str | None:
+    """The view behind node ``name``: the node itself, or the view that elementwise arithmetic
+    with scalars reads (``1 + 2 * view``, ``cast(view)``), which is like the view one value or
+    one per row, as fed. None if there is none."""
+    node = ir.nodes[name]
+    if is_vector_view(node):
+        return name
+    if depth >= 4 or (node.op not in UNARY and node.op not in BROADCAST):
+        return None
+    found = None
+    for ref in node.inputs:
+        view = vector_view_of(ir, node_of(ref), depth + 1)
+        if view is not None:
+            found = found or view
+        elif ir.static_shape(tensor_name(*parse_tensor(ref))) != []:
+            return None
+    return found
 
 
 #: Elementwise ops whose data inputs broadcast against each other (numpy rules).

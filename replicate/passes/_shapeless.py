@@ -36,6 +36,7 @@ from tensorflow.python.framework import dtypes
 
 from replicate.batchflow import table
 from replicate.batchflow.bodies import import_body
+from replicate.batchflow.roles import forward_op_of
 from replicate.errors import InputError
 from replicate.graph import registry
 from replicate.graph.ir import IR, node_of, tensor_name
@@ -51,8 +52,12 @@ BROADCASTING = frozenset({
     "Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "DivNoNan", "RealDiv", "FloorDiv",
     "TruncateDiv", "FloorMod", "Maximum", "Minimum", "Pow", "SquaredDifference", "Equal",
     "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr",
+    "SelectV2",     # (``tf.where`` broadcasts its condition too; v1 ``Select`` does not)
 })
 
+#: Elementwise ops of one operand (``Cast``, ``Square``, ...): their result is a scalar or a
+#: one-entry vector as their input is, so they read a view alike when their readers do.
+ONE_OPERAND = frozenset(op for op in table.UNARY if op not in ("ClipByValue",))
 
 def candidates(ir: IR, analysis) -> list[str]:
     """Shared placeholders without a static rank that left an op's layout unknown, when the
@@ -68,14 +73,25 @@ def _readers(ir: IR, name: str) -> list[str]:
     """The ops that read ``name``'s output and may read it as a vector instead, and the shape
     reads of broadcasting gradients (``BroadcastGradientArgs`` must see the shape the view
     has in each tower; only the placeholder's own gradient, which nothing reads, changes)."""
-    out = []
-    for c, pos in ir.data_consumers(tensor_name(name)):
-        if _widens_alike(ir, c, pos, name):
-            out.append(c.name)
-        elif c.op == "Shape" and all(r.op in _GRADIENT_SHAPE_READERS
-                                     for r, _ in ir.data_consumers(f"{c.name}:0")):
-            out.append(c.name)
+    out = [c.name for c, pos in ir.data_consumers(tensor_name(name))
+           if _widens_alike(ir, c, pos, name) or _shape_read(ir, c)]
     return list(dict.fromkeys(out))
+
+
+def _shape_read(ir: IR, node) -> bool:
+    """A ``Shape`` read only by a broadcasting op's gradient (``BroadcastGradientArgs`` and the
+    ``Reshape`` back to the operand's shape), which gives a variable's gradient the same values
+    whether the operand is a scalar or its one-entry vector."""
+    return node.op == "Shape" and all(r.op in _GRADIENT_SHAPE_READERS
+                                      for r, _ in ir.data_consumers(f"{node.name}:0"))
+
+
+def _readers_alike(ir: IR, ref: str, name: str, depth: int) -> bool:
+    """Every reader of ``ref`` (a value that is a scalar, or a one-entry vector under the
+    view) gives the same values either way."""
+    readers = ir.data_consumers(ref)
+    return bool(readers) and all(
+        _widens_alike(ir, c, i, name, depth + 1) or _shape_read(ir, c) for c, i in readers)
 
 
 #: Readers of a shape in a broadcasting op's gradient.
@@ -97,6 +113,8 @@ def _widens_alike(ir: IR, node, pos: int, name: str, depth: int = 0) -> bool:
         return depth < 4 and _calls_widen_alike(ir, node, pos, depth)
     if node.op == "OptionalFromValue":
         return True     # a branch's value kept for its gradient, whose ops broadcast it alike
+    if node.op in ONE_OPERAND:
+        return depth < 4 and _readers_alike(ir, f"{node.name}:0", name, depth)
     if node.op not in BROADCASTING:
         return False
     others = [r for i, r in enumerate(node.inputs) if i != pos]
@@ -105,10 +123,29 @@ def _widens_alike(ir: IR, node, pos: int, name: str, depth: int = 0) -> bool:
     ranks = [len(s) if s is not None else None for s in map(ir.static_shape, others)]
     if any(r is not None and r >= 1 for r in ranks):
         return True
+    if None in ranks and _in_gradient_of_alike(ir, node, pos):
+        return True
     if depth >= 4 or None in ranks:
         return False
-    readers = ir.data_consumers(f"{node.name}:0")
-    return bool(readers) and all(_widens_alike(ir, c, i, name, depth + 1) for c, i in readers)
+    return _readers_alike(ir, f"{node.name}:0", name, depth)
+
+
+def _in_gradient_of_alike(ir: IR, node, pos: int) -> bool:
+    """``node`` belongs to the gradient code of a forward op that broadcasts the same input
+    against an operand of rank 1 or more (``grad * w`` in ``c * w``'s gradient): the operand
+    of unknown rank beside it is that op's output gradient, of the op's output shape, so of
+    rank 1 or more too."""
+    parts = node.name.split("/")
+    for j in range(1, len(parts) - 1):
+        forward = forward_op_of(ir, "/".join(parts[:j]), node.name)
+        if forward is None:
+            continue
+        op = ir.nodes[forward]
+        if op.op not in BROADCASTING or node.inputs[pos] not in op.inputs:
+            return False
+        return any(r != node.inputs[pos] and (s := ir.static_shape(r)) is not None and len(s) >= 1
+                   for r in op.inputs)
+    return False
 
 
 def _calls_widen_alike(ir: IR, node, pos: int, depth: int) -> bool:

@@ -20,7 +20,7 @@ Produces, for a cluster of ``W`` workers with ``T`` towers each:
   section (and their data descendants) are marked chief-only (``_replicate_role``), and a
   barrier all-reduce that waits for them ends every train op, so no worker reads a ps variable
   before the chief's update of the previous step is done;
-- ``replicate/runtime/between/broadcast``: every per-worker variable takes the chief's value (an
+- ``replicate/between/broadcast``: every per-worker variable takes the chief's value (an
   all-reduce where the other workers contribute zeros), registered as the graph's
   ``local_init_op`` (with the local-variable and table initializers) so that
   ``MonitoredTrainingSession`` on every worker starts from the chief's initial or restored values.
@@ -301,7 +301,7 @@ class Between:
 
     # ------------------------------------------------------------------ initial values
     def _broadcast(self, ir: IR, on_ps: set[str]) -> list[str]:
-        """``replicate/runtime/between/broadcast``: each per-worker variable := the chief's value."""
+        """``replicate/between/broadcast``: each per-worker variable := the chief's value."""
         group = []
         names = []
         for var in [n for n in ir if n.op in ops.REF_VARIABLE_OPS | ops.RESOURCE_VARIABLE_OPS]:
@@ -348,7 +348,7 @@ class Between:
 
 
     def _init_ops(self, ir: IR) -> None:
-        """``replicate/runtime/between/local_init`` (broadcast, local variables, tables) and an always-
+        """``replicate/between/local_init`` (broadcast, local variables, tables) and an always-
         ready ``ready_for_local_init`` for ``MonitoredTrainingSession``'s Scaffold: a worker does
         not wait for its own variables, which only its local init (the broadcast) sets."""
         from tensorflow.core.framework import variable_pb2

@@ -166,7 +166,7 @@ class Rebatch:
         n = len(self.towers.devices)
         shared = None
         whole = None
-        if not per_tower and table.is_vector_view(ir.nodes[name]):
+        if not per_tower and table.vector_view_of(ir, name) is not None:
             # a single value or one per example (row), which only the feed tells: as many rows
             # as all the towers' together either way, each tower its own
             scope = ir.unique_name(f"{SCOPE}/{name}_{idx}/as_rows")

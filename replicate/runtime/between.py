@@ -28,6 +28,7 @@ from typing import Any
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from replicate.errors import DeviceError, InputError, ReplicateError
+from replicate.passes.between import BROADCAST_OP  # the op each worker runs after a restore
 
 __all__ = ["for_task", "import_meta_graph", "task_index_from_env", "server_config",
            "wait_for_cluster", "CHIEF", "BROADCAST_OP"]
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 #: Index of the worker task that initializes, restores, saves and updates ps variables.
 CHIEF = 0
-BROADCAST_OP = "replicate/runtime/between/broadcast"
 _ROLE = "_replicate_role"
 
 
@@ -251,8 +251,8 @@ def notes(facts: dict[str, Any]) -> list[str]:
     """Report lines of a between-graph transform (what each worker must know)."""
     info = facts["between"]
     out = [f"between-graph: {info['workers']} workers x {info['towers_per_worker']} towers, one "
-           "template for every worker (pin it with replicate.runtime.between.for_task or --task-index); "
-           "every server needs collective_group_leader set (replicate.runtime.between.server_config)"]
+           "template for every worker (pin it with replicate.between.for_task or --task-index); "
+           "every server needs collective_group_leader set (replicate.between.server_config)"]
     if info["on_ps"]:
         out.append(f"between-graph: {len(info['on_ps'])} variables on ps tasks, updated by the "
                    f"chief: {', '.join(info['on_ps'][:4])}{' ...' if len(info['on_ps']) > 4 else ''}")

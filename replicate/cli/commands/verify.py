@@ -124,7 +124,7 @@ def verdict_line(ok: bool, max_rel: float, worst: str | None, rtol: float) -> st
 
 
 def render(result, requested: list[str]) -> str:
-    """The text report of a :class:`replicate.check.equivalence.Verification`."""
+    """The text report of a :class:`replicate.check.verify.Verification`."""
     c = result.comparison
     counts = [result.batch // len(result.devices) + (k < result.batch % len(result.devices))
               for k in range(len(result.devices))]
