@@ -44,4 +44,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (and the subpackages imported so far), not this module's helpers."""
+    return sorted(set(__all__) | {"__version__"} | {k for k, v in globals().items()
+                                                    if type(v) is type(_os)
+                                                    and v.__name__.startswith("replicate.")})

@@ -95,3 +95,15 @@ def test_the_public_between_module_names_the_op_the_pass_makes():
     from replicate.passes import between as between_pass
 
     assert between.BROADCAST_OP == between_pass.BROADCAST_OP == "replicate/between/broadcast"
+
+
+def test_dir_of_the_package_shows_its_public_names_not_its_helpers():
+    names = _loaded_dir()
+    assert {"transform", "Options", "ReplicateError", "StepFeeder"} <= names
+    assert not names & {"annotations", "importlib", "_os"}
+
+
+def _loaded_dir() -> set[str]:
+    code = "import replicate\nprint('\\n'.join(dir(replicate)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    return set(out.stdout.split())
