@@ -237,3 +237,31 @@ def test_a_mask_that_reaches_the_loss_through_other_ops_is_exact_fed_either_way(
     for one, towers in r.fetched:
         for a, b in zip(one, towers):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("through", ["itself", "cast"])
+def test_a_shape_the_model_reads_is_the_placeholders_not_the_views(through):
+    """``tf.reshape(t, tf.shape(w))`` in the model takes ``w``'s rank: read of the view it had
+    rank 1 where one device's has rank 0, and a loss that depends on it differed under an exact
+    claim (review 15). Only the shapes a broadcasting op's gradient reads go through the view."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        p = v1.placeholder(tf.int32 if through == "cast" else tf.float32, name="p")
+        w = tf.cast(p, tf.float32) if through == "cast" else p
+        logits = tf.identity(_dense(tf.nn.relu(_dense(x, H, "w1", D)), C, "w2", H), name="out")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        z = tf.reshape(tf.reduce_mean(xent), tf.shape(w))
+        loss = tf.identity(tf.reduce_mean(xent * w) + 0.1 * tf.cast(tf.rank(z), tf.float32), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    rng = np.random.default_rng(12)
+    value = np.int32(2) if through == "cast" else np.float32(0.7)
+    feeds = [{"x:0": rng.random((b, D), dtype=np.float32), "y:0": rng.integers(0, C, b).astype(np.int32),
+              "p:0": value} for b in BATCHES]
+    res = replicate.transform(g, DEVICES)
+    r = compare(g, res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
+    if res.report.exact:
+        assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
+    for one, towers in r.fetched:
+        np.testing.assert_allclose(towers[0], one[0], rtol=1e-5)

@@ -79,11 +79,13 @@ def _readers(ir: IR, name: str) -> list[str]:
 
 
 def _shape_read(ir: IR, node) -> bool:
-    """A ``Shape`` read only by a broadcasting op's gradient (``BroadcastGradientArgs`` and the
-    ``Reshape`` back to the operand's shape), which gives a variable's gradient the same values
-    whether the operand is a scalar or its one-entry vector."""
-    return node.op == "Shape" and all(r.op in _GRADIENT_SHAPE_READERS
-                                      for r, _ in ir.data_consumers(f"{node.name}:0"))
+    """A ``Shape`` in the gradient code of a broadcasting op that reads the same value, read
+    only by ``BroadcastGradientArgs`` and the ``Reshape`` back to the operand's shape: a
+    variable's gradient gets the same values whether the operand is a scalar or its one-entry
+    vector. (A user's ``tf.reshape(t, tf.shape(w))`` is no such read: it takes the view's
+    rank, review 15.)"""
+    return node.op == "Shape" and _in_gradient_of_alike(ir, node, 0) and all(
+        r.op in _GRADIENT_SHAPE_READERS for r, _ in ir.data_consumers(f"{node.name}:0"))
 
 
 def _readers_alike(ir: IR, ref: str, name: str, depth: int) -> bool:
