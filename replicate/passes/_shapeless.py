@@ -112,7 +112,8 @@ def _widens_alike(ir: IR, node, pos: int, name: str, depth: int = 0) -> bool:
     it is a call whose functions all read that argument so (a dropout's ``keep_prob`` in a
     ``tf.cond`` branch)."""
     if node.op in CALLS:
-        return depth < 4 and _calls_widen_alike(ir, node, pos, depth)
+        return depth < 4 and (_calls_widen_alike(ir, node, pos, depth)
+                              or _gradient_of_alike_call(ir, node, pos, depth))
     if node.op == "OptionalFromValue":
         return True     # a branch's value kept for its gradient, whose ops broadcast it alike
     if node.op in ONE_OPERAND:
@@ -132,22 +133,39 @@ def _widens_alike(ir: IR, node, pos: int, name: str, depth: int = 0) -> bool:
     return _readers_alike(ir, f"{node.name}:0", name, depth)
 
 
+def _forward(ir: IR, node) -> str | None:
+    """The forward op whose gradient code holds ``node`` (``.../<op>_grad/...``), if any."""
+    parts = node.name.split("/")
+    for j in range(1, len(parts) - 1):
+        forward = forward_op_of(ir, "/".join(parts[:j]), node.name)
+        if forward is not None:
+            return forward
+    return None
+
+
+def _gradient_of_alike_call(ir: IR, node, pos: int, depth: int) -> bool:
+    """``node`` is the gradient call of a call that reads the same value as its functions
+    read it alike (a ``tf.cond`` branch's ``c * p``): the gradient functions are those ops'
+    gradients, which multiply it by gradients of the forward ops' output shapes and read its
+    shape only to reduce its own gradient, which nothing reads."""
+    forward = _forward(ir, node)
+    op = ir.nodes.get(forward) if forward else None
+    if op is None or op.op not in CALLS or node.inputs[pos] not in op.inputs:
+        return False
+    return _calls_widen_alike(ir, op, op.inputs.index(node.inputs[pos]), depth)
+
+
 def _in_gradient_of_alike(ir: IR, node, pos: int) -> bool:
     """``node`` belongs to the gradient code of a forward op that broadcasts the same input
     against an operand of rank 1 or more (``grad * w`` in ``c * w``'s gradient): the operand
     of unknown rank beside it is that op's output gradient, of the op's output shape, so of
     rank 1 or more too."""
-    parts = node.name.split("/")
-    for j in range(1, len(parts) - 1):
-        forward = forward_op_of(ir, "/".join(parts[:j]), node.name)
-        if forward is None:
-            continue
-        op = ir.nodes[forward]
-        if op.op not in BROADCASTING or node.inputs[pos] not in op.inputs:
-            return False
-        return any(r != node.inputs[pos] and (s := ir.static_shape(r)) is not None and len(s) >= 1
-                   for r in op.inputs)
-    return False
+    forward = _forward(ir, node)
+    op = ir.nodes[forward] if forward else None
+    if op is None or op.op not in BROADCASTING or node.inputs[pos] not in op.inputs:
+        return False
+    return any(r != node.inputs[pos] and (s := ir.static_shape(r)) is not None and len(s) >= 1
+               for r in op.inputs)
 
 
 def _calls_widen_alike(ir: IR, node, pos: int, depth: int) -> bool:

@@ -101,6 +101,11 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         values = [f.value for f in ins]
         value = arith(node.op, values) if all(v is not None for v in values) else None
         return [size_fact(value, taint_of(ins)) if value is not None else shared(None, taint_of(ins))]
+    if any(f.kind == SHARED and ctx.rank(ref) is None for ref, f in zip(refs, ins)):
+        # a shared operand of unknown rank may line up with the batch (a mask fed one value
+        # per example): nothing proves it does not, whatever the output's rank (v1 Select's
+        # is its values', review 15)
+        return [mixed(node.name, ctx.unknown_rank(node), taint_of(ins))]
     out_rank = ctx.rank(f"{node.name}:0")
     if out_rank is None:
         out_rank = _bounded_rank(ctx, node, refs)
