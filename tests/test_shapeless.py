@@ -200,12 +200,15 @@ def _masked(kind: str) -> tf.Graph:
     with g.as_default():
         x = v1.placeholder(tf.float32, [None, D], name="x")
         y = v1.placeholder(tf.int32, [None], name="y")
-        dtype = {"cast": tf.int32, "where": tf.bool}.get(kind, tf.float32)
+        dtype = {"cast": tf.int32, "count": tf.int32, "where": tf.bool}.get(kind, tf.float32)
         p = v1.placeholder(dtype, name="p")
         logits = tf.identity(_dense(tf.nn.relu(_dense(x, H, "w1", D)), C, "w2", H), name="out")
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         if kind == "cast":
             loss = tf.reduce_mean(xent * tf.cast(p, tf.float32))
+        elif kind == "count":   # the cast is also counted: that reader keeps the placeholder's
+            w = tf.cast(p, tf.float32)
+            loss = tf.reduce_sum(xent * w) / tf.maximum(tf.reduce_sum(w), 1.0)
         elif kind == "arithmetic":
             loss = tf.reduce_mean(xent * (1.0 + 2.0 * p))
         else:
@@ -217,16 +220,18 @@ def _masked(kind: str) -> tf.Graph:
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("per_example", [True, False], ids=["one per example", "one value"])
-@pytest.mark.parametrize("kind", ["cast", "arithmetic", "where"])
+@pytest.mark.parametrize("kind", ["cast", "count", "arithmetic", "where"])
 def test_a_mask_that_reaches_the_loss_through_other_ops_is_exact_fed_either_way(kind, per_example, accumulate):
     """Fed one value per example, these were inexact and stopped at step 1 where one device
     runs (review 12): the view stopped at the first op that was not a broadcasting one. A
     cast or other one-operand op, scalar arithmetic read by a gradient's shape, and
     ``tf.where``'s condition read a one-entry vector as they read a scalar, so the mask is
     read as a vector through them, and each tower takes its rows of what they compute from
-    it, broadcast to the batch (one value) or not (one per example)."""
+    it, broadcast to the batch (one value) or not (one per example). A cast that is also
+    counted (``reduce_sum(w)``) is copied for the readers that read it alike; the count
+    keeps reading the placeholder, whole in every tower: the global count either way."""
     rng = np.random.default_rng(11)
-    dtype = {"cast": np.int32, "where": bool}.get(kind, np.float32)
+    dtype = {"cast": np.int32, "count": np.int32, "where": bool}.get(kind, np.float32)
     feeds = [{"x:0": rng.random((b, D), dtype=np.float32), "y:0": rng.integers(0, C, b).astype(np.int32),
               "p:0": (rng.random(b) > 0.3).astype(dtype) if per_example else np.asarray(1, dtype)}
              for b in BATCHES]

@@ -39,7 +39,7 @@ from replicate.batchflow.bodies import import_body
 from replicate.batchflow.roles import forward_op_of
 from replicate.errors import InputError
 from replicate.graph import registry
-from replicate.graph.ir import IR, node_of, tensor_name
+from replicate.graph.ir import IR, Node, node_of, tensor_name
 
 __all__ = ["candidates", "view_as_vectors", "warning"]
 
@@ -193,8 +193,12 @@ def view_as_vectors(ir: IR, names: list[str]) -> tuple[dict[str, str], Callable[
     changed, when no placeholder has such readers or the graph does not import so."""
     saved_shapes, saved_graph = dict(ir.static_shapes), ir.tf_graph
     views: dict[str, tuple[str, list[str]]] = {}
+    copies: list[tuple[str, str]] = []
 
     def undo() -> None:
+        for copy, original in copies:
+            ir.replace_uses(tensor_name(copy), tensor_name(original))
+        ir.remove_many([copy for copy, _ in copies])
         for name, (view, added) in views.items():
             ir.replace_uses(tensor_name(view), tensor_name(name))
             ir.remove_many(added)
@@ -202,14 +206,15 @@ def view_as_vectors(ir: IR, names: list[str]) -> tuple[dict[str, str], Callable[
         ir.tf_graph = saved_graph
 
     for _ in range(8):  # a view gives its readers a rank, which may qualify more: (x - mu) / (mu + 1)
-        ready = [(n, r) for n in names for r in [_readers(ir, n)] if r]
+        ready = [(n, r, s) for n in names for r, s in [(_readers(ir, n), _shared_steps(ir, n))] if r or s]
         if not ready:
             break
-        for name, readers in ready:
+        for name, readers, steps in ready:
             if name in views:
                 ir.replace_uses(tensor_name(name), tensor_name(views[name][0]), only=readers)
             else:
                 views[name] = _view(ir, name, readers)
+            copies.extend(_copy_for(ir, step, name, views[name][0], alike) for step, alike in steps)
         try:
             graph = registry.import_checked(ir.to_graph_def(), "shapeless inputs read as vectors")
         except InputError:
@@ -220,6 +225,38 @@ def view_as_vectors(ir: IR, names: list[str]) -> tuple[dict[str, str], Callable[
     if not views:
         return None
     return {name: view for name, (view, _) in views.items()}, undo
+
+
+def _shared_steps(ir: IR, name: str) -> list[tuple[str, list[str]]]:
+    """Casts and scalar arithmetic of ``name`` (``w = tf.cast(mask)``) that some readers read
+    alike (``xent * w``) and others do not (a count ``tf.reduce_sum(w)``): (the op, the readers
+    that may read it of the view). Those readers get a copy of the op that reads the view; the
+    others keep reading it of the placeholder, whole in every tower, as before."""
+    out = []
+    for node, pos in ir.data_consumers(tensor_name(name)):
+        if node.op in ONE_OPERAND:
+            pass
+        elif node.op in BROADCASTING:
+            others = [r for i, r in enumerate(node.inputs) if i != pos]
+            if any(node_of(r) == name or ir.static_shape(r) != [] for r in others):
+                continue
+        else:
+            continue
+        readers = ir.data_consumers(f"{node.name}:0")
+        alike = [r.name for r, i in readers if _widens_alike(ir, r, i, name, 1) or _shape_read(ir, r)]
+        if alike and len(alike) < len(readers):
+            out.append((node.name, list(dict.fromkeys(alike))))
+    return out
+
+
+def _copy_for(ir: IR, step: str, name: str, view: str, readers: list[str]) -> tuple[str, str]:
+    """A copy of op ``step`` that reads ``view`` where it read ``name``, for ``readers``."""
+    node = ir.nodes[step]
+    copy = ir.unique_name(f"{step}/{SUFFIX}_copy")
+    inputs = [tensor_name(view) if node_of(r) == name else r for r in node.inputs]
+    ir.add_node(Node(copy, node.op, inputs, list(node.control), node.device, dict(node.attrs)))
+    ir.replace_uses(f"{step}:0", f"{copy}:0", only=readers)
+    return copy, step
 
 
 def _view(ir: IR, name: str, readers: list[str]) -> tuple[str, list[str]]:
