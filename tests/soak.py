@@ -111,22 +111,14 @@ def check_importable(graph_def, origin: str) -> None:
     inference) without building Python objects: as strict as ``registry.import_checked``
     and several times faster, which matters for thousands of fuzz cases."""
     import tensorflow as tf
-    from tensorflow.python.client import pywrap_tf_session as c_api
-    from tensorflow.python.framework import c_api_util
 
     from replicate.graph import registry
 
     registry.check_graph_def(graph_def, origin)
-    options = c_api_util.ScopedTFImportGraphDefOptions()
-    buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
     try:
-        with tf.Graph()._c_graph.get() as c_graph:  # noqa: SLF001 - what TF's importer fills
-            results = c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, options.options)
-        c_api_util.ScopedTFImportGraphDefResults(results)
+        registry.cpp_import(graph_def)
     except (ValueError, tf.errors.OpError) as exc:
         raise registry.import_error(origin, exc) from None
-    finally:
-        c_api.TF_DeleteBuffer(buffer)
 
 
 def transform_cleanly(source, devices, **options):

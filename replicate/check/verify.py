@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from replicate.check.equivalence import Comparison
 from replicate.errors import InputError
-
-if TYPE_CHECKING:
-    from replicate.options import Options
+from replicate.options import Options
 
 __all__ = ["Verification", "verify", "default_batch"]
 
@@ -105,7 +103,6 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     from replicate import rewrite
     from replicate.check import synthetic
     from replicate.check.equivalence import compare
-    from replicate.options import Options
     from replicate.graph import io
     from replicate.graph import meta as replicate_meta
     from replicate.graph.ir import IR, node_of

@@ -172,9 +172,10 @@ def _upper_rank(ctx: Context, ref: str, depth: int = 0) -> int | None:
 
 
 def _bounded_rank(ctx: Context, node: Node, refs: list[str]) -> int | None:
-    """The output rank of a broadcast whose static rank is unknown (an operand fed without a
-    shape, such as a ``keep_prob`` placeholder): at least every known operand's rank, at most
-    what its readers accept; known when the two meet."""
+    """The output rank of a broadcast whose static rank is unknown (a reduced operand of
+    unknown rank; a shared one of unknown rank is a reason before this is asked, since it may
+    line up with the batch): at least every known operand's rank, at most what its readers
+    accept; known when the two meet."""
     known = [ctx.rank(r) for r in refs if ctx.rank(r) is not None]
     if not known:
         return None
