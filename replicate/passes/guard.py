@@ -13,7 +13,9 @@ Also: every tower copy of an op that picks examples by position checks first tha
 holds enough examples, with a message that says so (:mod:`replicate.passes._picks`); and a
 tower's run-time reshape target gets the ``-1`` the analysis proved, a gradient range a
 nonzero step, and a stack of an empty list a full element shape, where an empty tower would
-fail (:mod:`replicate.passes._empty`).
+fail (:mod:`replicate.passes._empty`); and every tower gather of a flattened batch by offsets
+``range(batch) * stride + offset`` checks that each offset stays inside its own example
+(:mod:`replicate.passes._strided`).
 
 When the gradient's ``orig_output`` is the forward pooling op's output (``MaxPool``,
 ``MaxPoolV2``, ``MaxPool3D`` in the same tower, reading the same ``orig_input``) -- the usual
@@ -43,6 +45,7 @@ from tensorflow.python.framework import dtypes
 from replicate.graph.ir import IR
 from replicate.passes._empty import infer_reshapes, nonzero_steps, stack_empty_lists
 from replicate.passes._picks import assert_examples
+from replicate.passes._strided import check_offsets
 from replicate.passes.pipeline import PassResult
 
 __all__ = ["Guard", "GUARDED_OPS"]
@@ -72,6 +75,10 @@ class Guard:
             log.info("guard: %d tower ops that pick examples by position check their tower's count",
                      picks)
             done += picks
+        offsets = check_offsets(ir)
+        if offsets:
+            log.info("guard: %d tower gathers check their offsets into the flattened batch", offsets)
+            done += offsets
         pinned, steps, stacks = infer_reshapes(ir), nonzero_steps(ir), stack_empty_lists(ir)
         if pinned or steps or stacks:
             log.info("guard: %d tower reshapes get their inferred dimension from the analysis, "

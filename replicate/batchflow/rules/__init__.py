@@ -23,6 +23,7 @@ from replicate.batchflow.rules import (
     shape,
     slicing,
     sparse,
+    strided,
     tail,
 )
 from replicate.batchflow.rules.common import numbered, passthrough, row_numbers, taint_of
@@ -77,7 +78,7 @@ RULES.update({
     "Tile": shape.tile, "BroadcastTo": shape.broadcast_to, "Pad": shape.pad, "PadV2": shape.pad,
     "MirrorPad": shape.pad, "ReverseV2": shape.reverse, "OneHot": shape.one_hot,
     "RandomShuffle": shape.shuffle,
-    "Range": shape.range_,
+    "Range": strided.range_,
     "Gather": index.gather, "GatherV2": index.gather, "ResourceGather": index.gather,
     "LookupTableFindV2": index.lookup, "LookupTableFind": index.lookup,
     "GatherNd": index.gather_nd, "ResourceGatherNd": index.gather_nd, "Where": index.where,
@@ -147,7 +148,7 @@ def apply(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]
     out = list(rule(ctx, node, ins))
     if len(out) < n:
         out += [out[-1] if out else shared()] * (n - len(out))
-    return _row_numbers_kept(node, ins, out[:n])
+    return _row_numbers_kept(ctx, node, ins, out[:n])
 
 
 #: Operand positions where a tower's row numbers are used as row numbers (to gather, scatter
@@ -166,12 +167,16 @@ ROW_NUMBER_OPERANDS = {
 }
 
 
-def _row_numbers_kept(node: Node, ins: list[Fact | None], out: list[Fact | None]) -> list[Fact | None]:
+def _row_numbers_kept(ctx: Context, node: Node, ins: list[Fact | None],
+                      out: list[Fact | None]) -> list[Fact | None]:
     """A tower numbers its rows from 0 (``tf.range`` over the batch, ``tf.where``): those numbers
     are not values of its examples. A result computed from them as values must still say so
     (carry the row-number tag), or it is mixed: every rule that drops the tag falls here."""
     lookups = ROW_NUMBER_OPERANDS.get(node.op, ())
     if not any(row_numbers(f) for i, f in enumerate(ins) if i not in lookups):
         return out
+    offsets = strided.kept(ctx, node, ins, out)
+    if offsets is not None:
+        return offsets
     dropped = [f is not None and (f.kind == RED or (f.kind == PART and not row_numbers(f))) for f in out]
     return [numbered(node, f.taint) if lost else f for f, lost in zip(out, dropped)]

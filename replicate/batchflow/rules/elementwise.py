@@ -30,6 +30,7 @@ from replicate.graph.ir import Node
 __all__ = ["unary", "broadcast", "select", "matmul", "batch_matmul", "arith"]
 
 from replicate.batchflow import table as _table  # noqa: E402
+from replicate.batchflow.rules import strided as _strided  # noqa: E402
 
 UNARY_OR_BROADCAST = _table.UNARY | _table.BROADCAST | _table.SAME_SHAPE | {"Select", "SelectV2"}
 
@@ -91,7 +92,11 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [bad.with_(handle="unique") if keep else bad]
     ps = parts(ins)
     if any(row_numbers(f) for f in ps):
-        return [numbered(node, taint_of(ins))]
+        tag = _strided.arithmetic(ctx, node, ins)
+        if tag is None:
+            return [numbered(node, taint_of(ins))]
+        out = broadcast(ctx, node, [f.with_(index=None) if row_numbers(f) else f for f in ins])
+        return [f.with_(index=tag) if f.kind == PART else numbered(node, taint_of(ins)) for f in out]
     if ps and _counted(ctx, node, ins):
         return [mixed(node.name, "the batch size used as a value in per-example arithmetic: each "
                       "tower reads its own count", taint_of(ins))]

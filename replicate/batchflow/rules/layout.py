@@ -22,7 +22,9 @@ __all__ = ["Prod", "map_reshape", "sized_rows", "strided_entries"]
 
 class Prod:
     """A product of known integers and symbols: named unknown dimensions (a token such as
-    ``"rnn/concat:0#1"`` is the same dimension wherever it appears) or anonymous ones."""
+    ``"rnn/concat:0#1"`` is the same dimension wherever it appears) or anonymous ones. A
+    product of named dimensions and an integer is written ``"a#1*b#2*4"`` (names sorted), and
+    read back into its factors (node names never hold a ``*``)."""
 
     def __init__(self, value: int = 1, symbols: Iterable[str] = ()):
         self.value = value
@@ -34,18 +36,23 @@ class Prod:
         for i, d in enumerate(dims):
             if d is None:
                 out.symbols[f"?{tag}{i}"] += 1
-            elif isinstance(d, str):
-                out.symbols[d] += 1
             else:
-                out.value *= int(d)
+                out._multiply(d)
         return out
+
+    def _multiply(self, factor) -> None:
+        if isinstance(factor, str):
+            for piece in factor.split("*"):
+                if piece.isdigit():
+                    self.value *= int(piece)
+                else:
+                    self.symbols[piece] += 1
+        else:
+            self.value *= int(factor)
 
     def times(self, factor) -> Prod:
         out = Prod(self.value, self.symbols.elements())
-        if isinstance(factor, str):
-            out.symbols[factor] += 1
-        else:
-            out.value *= int(factor)
+        out._multiply(factor)
         return out
 
     def divides(self, other: Prod) -> Prod | None:
@@ -69,6 +76,14 @@ class Prod:
         if self.value == 1 and len(names) == 1 and not names[0].startswith("?"):
             return names[0]
         return None
+
+    @property
+    def written(self) -> int | str | None:
+        """As :attr:`known`, and a product of named dimensions written out (``"a#1*4"``)."""
+        names = sorted(self.symbols.elements())
+        if not names or any(n.startswith("?") for n in names):
+            return self.known
+        return "*".join(names + ([str(self.value)] if self.value != 1 else []))
 
 
 def map_reshape(in_dims: list, axis: int, outer, inner, batch: int | None,
@@ -98,7 +113,7 @@ def map_reshape(in_dims: list, axis: int, outer, inner, batch: int | None,
         outer_out = prefix.divides(pre) if inner_out is not None else None
         if inner_out is not None and outer_out is not None:
             d = out_dims[j]
-            io, oo = inner_out.known, outer_out.known
+            io, oo = inner_out.written, outer_out.known
             if io is not None and oo is not None and (d is None or (
                     batch is not None and isinstance(io, int) and isinstance(oo, int)
                     and d == oo * batch * io)):

@@ -33,7 +33,7 @@ from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["reshape", "expand_dims", "squeeze", "transpose", "concat", "pack", "unpack", "split",
            "tile", "broadcast_to", "shape_source",
-           "pad", "reverse", "one_hot", "range_"]
+           "pad", "reverse", "one_hot"]
 
 
 def _sized_by(ctx: Context, node: Node, ref: str, ins: list[Fact]) -> Fact | None:
@@ -493,24 +493,3 @@ def one_hot(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     axis = rank if axis < 0 and rank is not None else axis
     return [f.with_(axis=f.axis + (axis <= f.axis), value=None, index=None,
                     taint=couple(ctx, node, ins))]
-
-
-def range_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    """``Range(0, n, 1)`` over a batch size numbers the tower's own rows."""
-    start, limit, delta = (ctx.int_value(r) for r in node.inputs[:3])
-    if limit is not None and isinstance(limit[0], Sym) and start == (0,) and delta == (1,):
-        sym = limit[0]
-        return [part(0, sym.cls, sym.coef, index=("rows", sym.cls, sym.coef))]
-    if any(f.kind in (PART, MIXED) for f in ins):
-        return [mixed(node.name, "Range over values that depend on the batch", taint_of(ins))]
-    reds = [f for f in ins if f.kind == RED]
-    if any(f.src is None and f.merge == "other" for f in reds):
-        return [mixed(node.name, "Range up to a length computed from the tower's own batch size "
-                      "(the batch size minus a constant)", taint_of(ins))]
-    if reds:        # a length computed from the batch (the longest sequence): a coupling
-        taint = taint_of(ins) | ({f.src for f in reds if f.src} if not ctx.in_gradient(node) else set())
-        return [shared(taint=taint)]
-    if start and limit and delta and all(isinstance(v[0], int) for v in (start, limit, delta)) \
-            and delta[0] != 0 and 0 <= (limit[0] - start[0]) // delta[0] <= 64:
-        return [shared(tuple(range(start[0], limit[0], delta[0])), taint_of(ins))]
-    return [shared(taint=taint_of(ins))]

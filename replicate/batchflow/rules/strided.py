@@ -1,0 +1,174 @@
+"""Row numbers and offsets into a flattened batch: ``range(batch) * stride + offset``.
+
+``Range(0, B)`` over a batch size numbers the tower's own rows (``index = ("rows", cls, 1)``),
+``Range(0, B * T, T)`` gives each example its first offset (the tag below).
+
+Legacy programs pick one entry per example out of a tensor they flattened first:
+
+- the last relevant RNN output, ``tf.gather(tf.reshape(out, [-1, H]), tf.range(B) * T + (length - 1))``;
+- contrib's CRF sequence score, ``tf.gather(tf.reshape(scores, [-1]), reshape(offsets + tags, [-1]))``
+  with ``offsets = range(B)[:, None] * T * C + range(T)[None, :] * C``.
+
+Each tower numbers its rows from 0, and its flattened tensor holds only its own examples, so
+the tower computes ``b' * stride + offset`` where one device computes ``b * stride + offset``:
+the same entry, *provided* every offset stays inside its example's ``stride`` entries and the
+flattened tensor holds ``stride`` entries per example. Nothing in the graph proves that (the
+offsets are data: tags, lengths), so the rewrite checks it in every tower at run time
+(:mod:`replicate.passes._strided`), and the analysis accepts the gather only in that form.
+
+The fact: ``index = ("strided", cls, strides, rows, axis)`` on an integer tensor each of whose
+entries is its own example's local row number times the product of the scalar tensors
+``strides``, plus a value of that example (or one the same in every tower). ``rows`` is the
+tensor of row numbers it started from (``tf.range`` over the batch, one per example) and
+``axis`` its batch axis: its length there is the tower's number of examples.
+
+Requires: row-number facts (``("rows", cls, 1)``, from ``Range`` over a batch size).
+Produces: that tag through ``Mul`` by shared integer scalars, ``Add``/``Sub`` of per-example or
+shared values, and the layout ops in :data:`KEEPS`; a partitioned result for ``Gather`` of a
+flattened batch by such offsets, and for the segment sum of its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+from replicate.batchflow.context import Context
+from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
+from replicate.batchflow.rules.common import mixed, part, shared, taint_of
+from replicate.graph.frames import opening
+from replicate.graph.ir import Node
+
+__all__ = ["TAG", "range_", "strided", "arithmetic", "KEEPS", "kept", "gather_ok", "unchecked"]
+
+TAG = "strided"
+
+#: Ops that move or relabel entries without changing their values: each entry still belongs
+#: to the example it belonged to, so the tag stays.
+KEEPS = frozenset({"ExpandDims", "Reshape", "Squeeze", "Identity", "Snapshot", "StopGradient",
+                   "BroadcastTo", "Cast"})
+
+_INTS = frozenset({"int32", "int64"})
+
+
+def strided(f: Fact | None) -> bool:
+    """True for offsets into a flattened batch (see the module docstring)."""
+    return f is not None and f.kind == PART and f.index is not None and f.index[0] == TAG
+
+
+def _rows(f: Fact) -> bool:
+    """Row numbers of a whole batch, one per example (``tf.range(B)``, not ``tf.where``'s)."""
+    return (f.kind == PART and f.index is not None and f.index[0] == "rows" and f.index[2] == 1
+            and not f.filtered and f.ordered and f.outer == 1)
+
+
+def _int_dtype(ctx: Context, ref: str) -> bool:
+    from tensorflow.python.framework import dtypes
+
+    try:
+        return dtypes.as_dtype(ctx.ir.output_dtype(ref)).name in _INTS
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _scalar_shared(ctx: Context, ref: str, f: Fact) -> bool:
+    """A shared integer scalar that no batch size decides (a stride)."""
+    return (f.kind == SHARED and ctx.rank(ref) == 0 and _int_dtype(ctx, ref)
+            and not (f.value is not None and any(isinstance(v, Sym) for v in f.value)))
+
+
+def _plain(f: Fact) -> bool:
+    """A value of the example (or of every tower alike) that is no row number."""
+    return f.kind == SHARED or (f.kind == PART and f.index is None)
+
+
+def arithmetic(ctx: Context, node: Node, ins: list[Fact]) -> tuple | None:
+    """The tag of ``node``'s output when it keeps the form ``rows * stride + offset``, else
+    None (the caller then says the op computes with row numbers)."""
+    if len(ins) != 2 or not _int_dtype(ctx, f"{node.name}:0"):
+        return None
+    refs = node.inputs[:2]
+    a, b = ins
+    if node.op == "Mul":
+        for (r, f), (sref, s) in (((refs[0], a), (refs[1], b)), ((refs[1], b), (refs[0], a))):
+            if not _scalar_shared(ctx, sref, s):
+                continue
+            if _rows(f):
+                return (TAG, f.index[1], (sref,), r, f.axis)
+            if strided(f):
+                return f.index[:2] + (f.index[2] + (sref,),) + f.index[3:]
+        return None
+    if node.op in ("Add", "AddV2"):
+        for f, other in ((a, b), (b, a)):
+            if strided(f) and _plain(other):
+                return f.index
+        return None
+    if node.op == "Sub" and strided(a) and _plain(b):
+        return a.index
+    return None
+
+
+def kept(ctx: Context, node: Node, ins: list[Fact], out: list[Fact | None]) -> list[Fact | None] | None:
+    """The outputs of a layout op of offsets, tag kept; None when ``node`` is no such op."""
+    if node.op not in KEEPS or not ins or not strided(ins[0]):
+        return None
+    if node.op == "Cast" and not _int_dtype(ctx, f"{node.name}:0"):
+        return None
+    first = out[0] if out else None
+    if first is None or first.kind != PART or not ctx.classes.same(first.cls, ins[0].cls):
+        return None
+    return [first.with_(index=ins[0].index)] + list(out[1:])
+
+
+def gather_ok(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
+    """``Gather(p, i)`` along ``axis`` picks, for every entry of ``i``, an entry of its own
+    example, once the run-time check holds: ``p`` is flattened with its examples one after
+    the other along the gathered axis, ``i`` has its examples one after the other along axis 0."""
+    if not (strided(i) and p.kind == PART and p.axis == axis == 0 and p.outer == 1 and p.ordered
+            and not p.filtered and i.axis == 0 and i.outer == 1 and i.ordered
+            and ctx.classes.same(i.index[1], p.cls) and ctx.classes.same(i.cls, p.cls)):
+        return False
+    # a stride known here must be the flattened tensor's entries per example (else the
+    # run-time check would stop every step: the offsets are no such offsets)
+    values = [ctx.int_value(ref) for ref in i.index[2]]
+    if isinstance(p.block, int) and all(v is not None and len(v) == 1 and isinstance(v[0], int) for v in values):
+        return math.prod(v[0] for v in values) == p.block
+    return True
+
+
+def unchecked(ctx: Context, node: Node) -> str:
+    """Where ``node`` runs if the run-time check cannot be added there (a function body, a
+    TF1 loop frame: its constants would need the frame's plumbing), else ``""``."""
+    if ctx.seeds:
+        return "inside a function body (a tf.cond branch, a while loop, a defun)"
+    if opening(ctx.ir, node.name) is not None:
+        return "inside a TF1 while loop"
+    return ""
+
+
+def range_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``Range(0, n, 1)`` over a batch size numbers the tower's own rows."""
+    start, limit, delta = (ctx.int_value(r) for r in node.inputs[:3])
+    if limit is not None and isinstance(limit[0], Sym) and start == (0,) and delta == (1,):
+        sym = limit[0]
+        return [part(0, sym.cls, sym.coef, index=("rows", sym.cls, sym.coef))]
+    if limit is not None and isinstance(limit[0], Sym) and start == (0,) and delta is not None \
+            and isinstance(delta[0], int) and delta[0] > 1 and limit[0].coef == delta[0]:
+        # range(0, B * T, T): one offset per example, its first of T entries
+        sym = limit[0]
+        return [part(0, sym.cls, 1, index=(TAG, sym.cls, (node.inputs[2],), node.name, 0))]
+    if limit is not None and isinstance(limit[0], Sym):
+        return [mixed(node.name, "Range over a multiple of the batch size with another start or "
+                      "step (its length differs from tower to tower)", taint_of(ins))]
+    if any(f.kind in (PART, MIXED) for f in ins):
+        return [mixed(node.name, "Range over values that depend on the batch", taint_of(ins))]
+    reds = [f for f in ins if f.kind == RED]
+    if any(f.src is None and f.merge == "other" for f in reds):
+        return [mixed(node.name, "Range up to a length computed from the tower's own batch size "
+                      "(the batch size minus a constant)", taint_of(ins))]
+    if reds:        # a length computed from the batch (the longest sequence): a coupling
+        taint = taint_of(ins) | ({f.src for f in reds if f.src} if not ctx.in_gradient(node) else set())
+        return [shared(taint=taint)]
+    if start and limit and delta and all(isinstance(v[0], int) for v in (start, limit, delta)) \
+            and delta[0] != 0 and 0 <= (limit[0] - start[0]) // delta[0] <= 64:
+        return [shared(tuple(range(start[0], limit[0], delta[0])), taint_of(ins))]
+    return [shared(taint=taint_of(ins))]

@@ -1,0 +1,67 @@
+"""The TF1 loop frames a node runs in.
+
+A TF1 while loop (``Enter``/``Merge``/``Switch``/``NextIteration``/``Exit``) runs its body in
+a frame that ``Enter`` opens; a tensor from outside the loop reaches the body only through an
+``Enter`` of that frame, and a node with no data inputs runs in the frame of its control
+inputs. Walking back from a node over its inputs without crossing an ``Exit`` (which leaves a
+nested loop) stays in the node's frame until it meets the ``Enter`` nodes that open it; from
+an ``Enter``'s own input the walk continues in the enclosing frame.
+
+Used by the analysis (a check that cannot be added inside a loop) and by the draw passes
+(:mod:`replicate.passes._frames` brings tensors into a frame).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from replicate.graph.ir import IR, node_of
+
+__all__ = ["Frame", "frames", "opening"]
+
+_ENTER = ("Enter", "RefEnter")
+_EXIT = ("Exit", "RefExit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One TF1 loop frame: its ``name`` (the ``Enter`` nodes' ``frame_name``), the
+    ``parallel_iterations`` it allows, and one ``Enter`` node that opens it."""
+
+    name: str
+    parallel: int
+    enter: str
+
+
+def opening(ir: IR, start: str) -> str | None:
+    """An ``Enter`` that opens the frame ``start`` runs in, or None in the root frame."""
+    seen, stack = {start}, [start]
+    while stack:
+        node = ir.nodes[stack.pop()]
+        if node.op in _ENTER and node.name != start:
+            return node.name
+        if node.op in _EXIT and node.name != start:
+            continue
+        for ref in list(node.inputs) + list(node.control):
+            dep = node_of(ref)
+            if dep not in seen and dep in ir.nodes:
+                seen.add(dep)
+                stack.append(dep)
+    return None
+
+
+def frames(ir: IR, name: str) -> list[Frame]:
+    """The TF1 loop frames node ``name`` runs in, outermost first (empty at the root)."""
+    out: list[Frame] = []
+    if not any(node.op in _ENTER for node in ir):
+        return out
+    start = name
+    while True:
+        opener = opening(ir, start)
+        if opener is None:
+            return out[::-1]
+        node = ir.nodes[opener]
+        frame = node.attr("frame_name")
+        frame = frame.decode() if isinstance(frame, bytes) else frame
+        out.append(Frame(frame, int(node.attr("parallel_iterations", 10)), opener))
+        start = node_of(node.inputs[0])
