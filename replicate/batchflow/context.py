@@ -155,11 +155,19 @@ class Context:
 
     def dim_token(self, ref: str, index: int) -> str:
         """A name for unknown dimension ``index`` of ``ref``, the same wherever that dimension
-        is carried unchanged (identities and elementwise ops of one input)."""
+        is carried unchanged (identities and elementwise ops of one input, a reshape to a
+        target that reads it: ``tf.reshape(y, [-1, tf.shape(x)[1], C])``)."""
         from replicate.batchflow import table
 
         for _ in range(32):
             node = self.ir.nodes.get(node_of(ref))
+            if node is not None and node.op == "Reshape" and len(node.inputs) > 1:
+                target = self.ir.nodes.get(node_of(node.inputs[1]))
+                if target is not None and target.op == "Pack" and index < len(target.inputs):
+                    read = self.shape_dimension(target.inputs[index])
+                    if read is not None:
+                        ref, index = read
+                        continue
             if node is not None and node.op == "Transpose" and len(node.inputs) > 1:
                 perm = self.int_value(node.inputs[1])       # the dimension it moved there
                 if perm is None or index >= len(perm) or not isinstance(perm[index], int) \
@@ -173,6 +181,20 @@ class Context:
                 break
             ref = node.inputs[0]
         return f"{tensor_name(*parse_tensor(ref))}#{index}"
+
+    def shape_dimension(self, ref: str) -> tuple[str, int] | None:
+        """``(t, k)`` when scalar ``ref`` is ``tf.shape(t)[k]`` (through casts), else None."""
+        node = self.ir.nodes.get(node_of(ref))
+        while node is not None and node.op in ("Cast", "Identity") and node.inputs:
+            node = self.ir.nodes.get(node_of(node.inputs[0]))
+        if node is None or node.op != "StridedSlice" or len(node.inputs) < 4 \
+                or int(node.attr("shrink_axis_mask", 0)) != 1:
+            return None
+        shape, begin = self.ir.nodes.get(node_of(node.inputs[0])), self.const(node.inputs[1])
+        if shape is None or shape.op != "Shape" or begin is None or begin.size != 1 \
+                or int(begin.reshape(-1)[0]) < 0:
+            return None
+        return shape.inputs[0], int(begin.reshape(-1)[0])
 
     def named_shape(self, ref: str, skip: int | None = None) -> list | None:
         """The static shape of ``ref`` with unknown dimensions named (see :meth:`dim_token`),

@@ -88,6 +88,7 @@ RULES.update({
     "UnsortedSegmentSum": index.segment, "UnsortedSegmentMax": index.segment,
     "UnsortedSegmentMin": index.segment, "UnsortedSegmentProd": index.segment,
     "SegmentSum": index.segment, "SegmentMax": index.segment, "SegmentMin": index.segment,
+    "SegmentMean": index.segment, "SegmentProd": index.segment,
     "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
     "SparseTensorDenseMatMul": sparse.dense_matmul, "SparseReduceSum": sparse.reduce_,
     "SparseReduceMax": sparse.reduce_, "SparseFillEmptyRows": sparse.fill_empty_rows,
@@ -157,7 +158,7 @@ ROW_NUMBER_OPERANDS = {
     "Gather": (1,), "GatherV2": (1,), "ResourceGather": (1,), "GatherNd": (1,),
     "ResourceGatherNd": (1,), "UnsortedSegmentSum": (1,), "UnsortedSegmentMax": (1,),
     "UnsortedSegmentMin": (1,), "UnsortedSegmentProd": (1,), "SegmentSum": (1,), "SegmentMax": (1,),
-    "SegmentMin": (1,), "SparseToDense": (0,), "ScatterNd": (0,),
+    "SegmentMin": (1,), "SegmentMean": (1,), "SegmentProd": (1,), "SparseToDense": (0,), "ScatterNd": (0,),
     "SparseTensorDenseMatMul": (0,), "SparseReduceSum": (0,), "SparseReduceMax": (0,),
     "SparseFillEmptyRows": (0,), "SparseReshape": (0,),
     **{op: (2,) for op in (

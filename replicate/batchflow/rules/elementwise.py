@@ -192,13 +192,12 @@ def _bounded_rank(ctx: Context, node: Node, refs: list[str]) -> int | None:
 
 
 def _counted(ctx: Context, node: Node, ins: list[Fact]) -> bool:
-    """A float per-example value combined with the batch size (``x + B``, ``loss / B`` before
-    the sum): each tower would use its own count (it was claimed exact, 0.24 to 0.99 off).
-    Gradient code is exempt: a mean's gradient divides by the count the loss weighting
-    accounts for."""
-    from replicate.batchflow.roles import FLOAT_TYPES
-
-    if ctx.in_gradient(node) or ctx.ir.output_dtype(f"{node.name}:0") not in FLOAT_TYPES:
+    """A per-example value combined with the batch size (``x + B``, ``loss / B`` before the
+    sum, an integer ``minimum(length - 1, B)`` or ``length + B``): each tower would use its own
+    count (it was claimed exact, 0.24 to 0.99 off; integers were exempt, and ``length + B``
+    used as a weight was claimed exact, 0.56 off, review 16). Gradient code is exempt: a
+    mean's gradient divides by the count the loss weighting accounts for."""
+    if ctx.in_gradient(node):
         return False
     # a batch reduction without a source op to synchronize (a count scaled, 0.1 * B) is one
     return any(f.kind == RED and (f.merge == "size" or not f.src) for f in ins)

@@ -94,15 +94,9 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # that both are one batch, as for an elementwise op, not that ``p`` is a
                 # table (shared, its lookups by each tower's own row numbers failed to run)
                 ctx.classes.union(i.index[1], p.cls, node.name)
-            if strided.gather_ok(ctx, p, i, axis):
-                # offsets into the flattened batch, each inside its own example's entries
-                # (checked in every tower at run time): the result is laid out as the offsets
-                where = strided.unchecked(ctx, node)
-                if where:
-                    return [mixed(node.name, f"{node.op} of a flattened batch at range(batch) * "
-                                  f"stride + offset {where}, where no check that every offset "
-                                  "stays within its own example can be added", taint)]
-                return [i.with_(index=None, value=None, taint=taint)]
+            spread = strided.gather(ctx, node, p, i, axis, taint)
+            if spread is not None:      # by example numbers, or offsets into a flattened batch
+                return spread
             if _local(i, p, ctx):      # a tower's own rows: row numbers among them stay so
                 return [part(axis + i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint,
                              index=p.index if axis == 0 and i.axis == 0 else None)]
@@ -285,11 +279,9 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [shared(taint=taint)]
     merge = {"UnsortedSegmentSum": "sum", "SegmentSum": "sum", "UnsortedSegmentMax": "max",
              "UnsortedSegmentMin": "min", "SegmentMax": "max", "SegmentMin": "min"}.get(node.op, "other")
-    if strided.strided(ids) and data.kind == PART and ctx.in_gradient(node) and len(node.inputs) > 2 \
-            and ctx.classes.same(ids.cls, data.cls):
-        # the gradient of a gather by offsets into the flattened batch: each tower's sums fall
-        # in its own examples' entries (the forward gather's check covers the offsets)
-        return [part(0, ids.index[1], None, taint=taint)]
+    spread = strided.segment(ctx, node, ids, data, taint)
+    if spread is not None:              # by example numbers, or offsets into a flattened batch
+        return spread
     if ids.kind == PART and ids.index is not None and ids.index[0] == "rows" and data.kind == PART:
         cls, per = ids.index[1], ids.index[2]
         if len(node.inputs) > 2:
@@ -298,6 +290,9 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             # rows of selected examples (a SparseTensor's entries, tf.where)
             return [uncounted_rows(ctx, node, taint, ", or pass num_segments (unsorted_segment_sum)")]
         return [part(0, cls, per, taint=taint)]
+    if row_numbers(ids):
+        return [mixed(node.name, f"{node.op} by row numbers local to each tower that do not pair "
+                      "with the data's examples", taint)]
     if ids.kind == PART and data.kind == PART and ids.axis == data.axis == 0:
         ctx.classes.union(ids.cls, data.cls, node.name)
         return [red(data.cls, merge, node.name, taint=taint)]

@@ -22,30 +22,45 @@ entries is its own example's local row number times the product of the scalar te
 tensor of row numbers it started from (``tf.range`` over the batch, one per example) and
 ``axis`` its batch axis: its length there is the tower's number of examples.
 
+The row numbers spread over each example's entries (``tf.repeat(tf.range(B), T)``, tiled or
+broadcast: segment ids of tokens) carry ``("example", cls)``: every entry holds the local
+number of the example it belongs to. Segment ops by such ids over data whose entries pair up
+with theirs give one row per example, and a gather of a per-example tensor by them spreads
+each example's value over its own entries: exact, with nothing to check at run time (the ids
+are the graph's own, not data).
+
 Requires: row-number facts (``("rows", cls, 1)``, from ``Range`` over a batch size).
-Produces: that tag through ``Mul`` by shared integer scalars, ``Add``/``Sub`` of per-example or
-shared values, and the layout ops in :data:`KEEPS`; a partitioned result for ``Gather`` of a
-flattened batch by such offsets, and for the segment sum of its gradient.
+Produces: the offsets' tag through ``Mul`` by shared integer scalars, ``Add``/``Sub`` of
+per-example or shared values, and the layout ops in :data:`KEEPS`; the example tag through
+those layout ops and ``Add`` of zeros; partitioned results for ``Gather`` of a flattened batch
+by offsets (and the segment sum of its gradient), for segment ops by example ids and for a
+gather by them.
 """
 
 from __future__ import annotations
 
-import math
-
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules.common import mixed, part, shared, taint_of
+from replicate.batchflow.rules.layout import Prod
 from replicate.graph.frames import opening
 from replicate.graph.ir import Node
 
-__all__ = ["TAG", "range_", "strided", "arithmetic", "KEEPS", "kept", "gather_ok", "unchecked"]
+__all__ = ["TAG", "EXAMPLE", "range_", "strided", "example_numbers", "arithmetic", "KEEPS", "kept",
+           "gather", "segment", "unchecked"]
 
 TAG = "strided"
 
-#: Ops that move or relabel entries without changing their values: each entry still belongs
-#: to the example it belonged to, so the tag stays.
+#: The tag of an integer tensor each of whose entries is the tower-local number of the example
+#: the entry belongs to: ``tf.range(B)`` tiled, repeated or broadcast over each example's
+#: entries (segment ids of tokens), ``("example", cls)``.
+EXAMPLE = "example"
+
+#: Ops that move, copy or relabel entries without changing their values: each entry still
+#: belongs to the example the output's layout says, which is the one it belonged to, so a tag
+#: about each entry's own example stays.
 KEEPS = frozenset({"ExpandDims", "Reshape", "Squeeze", "Identity", "Snapshot", "StopGradient",
-                   "BroadcastTo", "Cast"})
+                   "BroadcastTo", "Cast", "Tile", "Transpose", "StridedSlice", "Slice"})
 
 _INTS = frozenset({"int32", "int64"})
 
@@ -53,6 +68,21 @@ _INTS = frozenset({"int32", "int64"})
 def strided(f: Fact | None) -> bool:
     """True for offsets into a flattened batch (see the module docstring)."""
     return f is not None and f.kind == PART and f.index is not None and f.index[0] == TAG
+
+
+def example_numbers(f: Fact | None) -> bool:
+    """True for tensors whose entries are their own examples' local numbers (``tf.range(B)``,
+    and that spread over each example's entries), one example after the other."""
+    if f is None or f.kind != PART or f.index is None or f.filtered:
+        return False
+    return f.index[0] == EXAMPLE or _rows(f)
+
+
+def same_entries(a: Fact, b: Fact, ctx: Context) -> bool:
+    """``a`` and ``b`` hold their examples' entries in the same places (their entries pair
+    up example by example)."""
+    return (a.kind == PART and b.kind == PART and a.axis == b.axis and a.block == b.block
+            and a.outer == b.outer and a.ordered and b.ordered and ctx.classes.same(a.cls, b.cls))
 
 
 def _rows(f: Fact) -> bool:
@@ -98,9 +128,12 @@ def arithmetic(ctx: Context, node: Node, ins: list[Fact]) -> tuple | None:
                 return f.index[:2] + (f.index[2] + (sref,),) + f.index[3:]
         return None
     if node.op in ("Add", "AddV2"):
-        for f, other in ((a, b), (b, a)):
+        for (f, other), ref in (((a, b), refs[1]), ((b, a), refs[0])):
             if strided(f) and _plain(other):
                 return f.index
+            zeros = ctx.const(ref) if other.kind == SHARED else None
+            if example_numbers(f) and zeros is not None and not zeros.any():
+                return (EXAMPLE, f.cls)         # broadcast over zeros: spread, values kept
         return None
     if node.op == "Sub" and strided(a) and _plain(b):
         return a.index
@@ -108,31 +141,99 @@ def arithmetic(ctx: Context, node: Node, ins: list[Fact]) -> tuple | None:
 
 
 def kept(ctx: Context, node: Node, ins: list[Fact], out: list[Fact | None]) -> list[Fact | None] | None:
-    """The outputs of a layout op of offsets, tag kept; None when ``node`` is no such op."""
-    if node.op not in KEEPS or not ins or not strided(ins[0]):
+    """The outputs of a layout op of offsets or example numbers, tag kept; None when ``node``
+    is no such op."""
+    if node.op not in KEEPS or not ins:
+        return None
+    if strided(ins[0]):
+        tag = ins[0].index
+    elif example_numbers(ins[0]):
+        tag = (EXAMPLE, ins[0].cls)
+    else:
         return None
     if node.op == "Cast" and not _int_dtype(ctx, f"{node.name}:0"):
         return None
     first = out[0] if out else None
-    if first is None or first.kind != PART or not ctx.classes.same(first.cls, ins[0].cls):
+    if first is None or first.kind != PART or first.filtered or not ctx.classes.same(first.cls, ins[0].cls):
         return None
-    return [first.with_(index=ins[0].index)] + list(out[1:])
+    return [first.with_(index=tag)] + list(out[1:])
 
 
-def gather_ok(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
+def gather(ctx: Context, node: Node, p: Fact, i: Fact, axis: int, taint: frozenset) -> list[Fact] | None:
+    """The fact of ``Gather(p, i)`` by example numbers or by offsets into a flattened batch;
+    None when ``i`` is neither (or ``p`` does not fit it)."""
+    if _by_example(ctx, p, i, axis):
+        # each entry's own example's row (a value per example spread over its tokens)
+        return [i.with_(index=None, value=None, taint=taint)]
+    if not _offsets_fit(ctx, p, i, axis):
+        return None
+    # offsets into the flattened batch, each inside its own example's entries (checked in
+    # every tower at run time): the result is laid out as the offsets
+    where = unchecked(ctx, node)
+    if where:
+        return [mixed(node.name, f"{node.op} of a flattened batch at range(batch) * stride + offset "
+                      f"{where}, where no check that every offset stays within its own example "
+                      "can be added", taint)]
+    return [i.with_(index=None, value=None, taint=taint)]
+
+
+def segment(ctx: Context, node: Node, ids: Fact, data: Fact, taint: frozenset) -> list[Fact] | None:
+    """The fact of a segment op by example numbers or, in gradient code, by offsets; None
+    when ``ids`` are neither."""
+    if example_numbers(ids) and same_entries(ids, data, ctx) and ids.axis == 0:
+        # segment ids naming each entry's own example (tokens summed per example)
+        if len(node.inputs) > 2:
+            ctx.position(node.inputs[2], None, data.cls, 1, node)
+        return [part(0, data.cls, 1, taint=taint)]
+    if strided(ids) and data.kind == PART and ctx.in_gradient(node) and len(node.inputs) > 2 \
+            and ctx.classes.same(ids.cls, data.cls):
+        # the gradient of a gather by offsets into the flattened batch: each tower's sums fall
+        # in its own examples' entries (the forward gather's check covers the offsets)
+        return [part(0, ids.index[1], None, taint=taint)]
+    return None
+
+
+def _offsets_fit(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
     """``Gather(p, i)`` along ``axis`` picks, for every entry of ``i``, an entry of its own
     example, once the run-time check holds: ``p`` is flattened with its examples one after
-    the other along the gathered axis, ``i`` has its examples one after the other along axis 0."""
+    the other along the gathered axis, ``i`` has every example's offsets one after the other
+    along axis 0, as many for each (not filtered by a mask: the check counts them so)."""
     if not (strided(i) and p.kind == PART and p.axis == axis == 0 and p.outer == 1 and p.ordered
-            and not p.filtered and i.axis == 0 and i.outer == 1 and i.ordered
+            and not p.filtered and i.axis == 0 and i.outer == 1 and i.ordered and not i.filtered
             and ctx.classes.same(i.index[1], p.cls) and ctx.classes.same(i.cls, p.cls)):
         return False
     # a stride known here must be the flattened tensor's entries per example (else the
     # run-time check would stop every step: the offsets are no such offsets)
-    values = [ctx.int_value(ref) for ref in i.index[2]]
-    if isinstance(p.block, int) and all(v is not None and len(v) == 1 and isinstance(v[0], int) for v in values):
-        return math.prod(v[0] for v in values) == p.block
-    return True
+    stride = _product(ctx, i.index[2])
+    if stride is None or p.block is None:
+        return True                     # a fed stride: the check compares them at run time
+    # a stride of dimensions must be the flattened tensor's entries per example, proved: T
+    # against the 2 * T rows of a concat of two [B, T] passed the analysis and stopped every
+    # step at the check (review 16)
+    block = Prod.of([p.block], "block")
+    return stride.value == block.value and stride.symbols == block.symbols
+
+
+def _product(ctx: Context, refs: tuple) -> Prod | None:
+    """The stride as integers and named dimensions (``tf.shape(t)[k]``), or None."""
+    out = Prod()
+    for ref in refs:
+        value = ctx.int_value(ref)
+        if value is not None and len(value) == 1 and isinstance(value[0], int):
+            out = out.times(value[0])
+            continue
+        read = ctx.shape_dimension(ref)       # tf.shape(t)[k]: named as reshapes name it
+        if read is None:
+            return None
+        out = out.times(ctx.dim_token(*read))
+    return out
+
+
+def _by_example(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
+    """``Gather(p, i)``: every entry of ``i`` names its own example and ``p`` holds one row
+    per example along ``axis`` (a per-example value spread over the example's tokens)."""
+    return (example_numbers(i) and p.kind == PART and p.axis == axis == 0 and p.block == 1 and p.outer == 1
+            and p.ordered and not p.filtered and ctx.classes.same(i.cls, p.cls))
 
 
 def unchecked(ctx: Context, node: Node) -> str:
