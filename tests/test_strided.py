@@ -218,3 +218,28 @@ def test_example_numbers_that_do_not_pair_with_the_data_stay_inexact(kind, why):
     res = replicate.transform(_tokens(kind), DEVICES)
     assert not res.report.exact
     assert any(why in str(r) for r in res.report.reasons), res.report.reasons
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("kind", ["last", "last_dynamic", "tags"])
+def test_a_gather_per_example_with_batch_dims_is_exact(kind, accumulate):
+    """``tf.gather(out, length - 1, batch_dims=1)`` was "GatherV2 with batch_dims", and the
+    rewrite failed at step 1: the assertion for ops that pick examples took the lengths for
+    positions of examples. Its gradient flattens with ``range(B) * T`` offsets."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, None if kind == "last_dynamic" else T, D], name="x")
+        lengths = v1.placeholder(tf.int32, [None], name="lengths")
+        tags = v1.placeholder(tf.int32, [None, T], name="tags")
+        w = v1.get_variable("w", [D, C], initializer=v1.glorot_uniform_initializer(seed=3))
+        h = tf.tanh(tf.reshape(tf.matmul(tf.reshape(x, [-1, D]), w), [-1, tf.shape(x)[1], C]))
+        if kind == "tags":                  # each step's score of its tag
+            picked = tf.gather(h, tags, batch_dims=2)
+        else:
+            picked = tf.gather(h, lengths - 1, batch_dims=1)
+        loss = tf.reduce_mean(tf.square(picked), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(g, DEVICES, accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    r = compare(g, res.graph, "train", _feeds(), fetch=("loss:0",), cpus=4)
+    assert r.max_rel <= 1e-5, (r.max_rel, r.worst)

@@ -82,6 +82,9 @@ def assert_examples(ir: IR) -> int:
             if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
                     or out.src != name:
                 continue
+            if not _along(ir, copy, picked.axis):
+                continue    # a gather along another axis, or per example (batch_dims): its
+                            # positions are no examples' (an assertion on them misfired)
             if opening(ir, copy.name) is not None:
                 continue    # in a TF1 loop: an assertion there needs the frame's plumbing (its
                             # constants outside the frame failed the step, review 16)
@@ -105,6 +108,20 @@ def assert_examples(ir: IR) -> int:
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
     return done
+
+
+def _along(ir: IR, copy: Node, axis: int) -> bool:
+    """False for a gather whose positions do not index the batch axis ``axis``."""
+    if copy.op != "GatherV2":
+        return True
+    if int(copy.attr("batch_dims", 0) or 0):
+        return False
+    value = _constant(ir, copy.inputs[2]) if len(copy.inputs) > 2 else None
+    if value is None or np.ndim(value) != 0:
+        return True
+    rank = len(ir.static_shape(copy.inputs[0]) or []) or None
+    at = int(value)
+    return (at + rank if at < 0 and rank else at) == axis
 
 
 def _largest_plus_one(ir: IR, copy: Node, indices: str) -> str:

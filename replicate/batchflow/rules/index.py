@@ -76,9 +76,9 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     bad = first_mixed(ins)
     if bad is not None:
         return [bad]
-    if int(node.attr("batch_dims", 0) or 0) and (p.dependent or i.dependent):
-        return [mixed(node.name, f"{node.op} with batch_dims", taint)]
     p_rank, i_rank = ctx.rank(node.inputs[0]), ctx.rank(node.inputs[1])
+    if int(node.attr("batch_dims", 0) or 0) and (p.dependent or i.dependent):
+        return strided.per_example(ctx, node, p, i, i_rank, taint)
     axis = 0
     if node.op == "GatherV2":
         found = ctx.axes(node.inputs[2], p_rank)

@@ -47,7 +47,7 @@ from replicate.graph.frames import opening
 from replicate.graph.ir import Node
 
 __all__ = ["TAG", "EXAMPLE", "range_", "strided", "example_numbers", "arithmetic", "KEEPS", "kept",
-           "gather", "segment", "unchecked"]
+           "gather", "per_example", "segment", "unchecked"]
 
 TAG = "strided"
 
@@ -175,6 +175,24 @@ def gather(ctx: Context, node: Node, p: Fact, i: Fact, axis: int, taint: frozens
                       f"{where}, where no check that every offset stays within its own example "
                       "can be added", taint)]
     return [i.with_(index=None, value=None, taint=taint)]
+
+
+def per_example(ctx: Context, node: Node, p: Fact, i: Fact, i_rank: int | None,
+                taint: frozenset) -> list[Fact]:
+    """``tf.gather(p, i, batch_dims=k)``, the last relevant output without flattening
+    (``tf.gather(out, length - 1, batch_dims=1)``): with the batch on axis 0 of both and in
+    the batch dimensions, each example's indices pick from its own rows. (Its gradient
+    flattens with ``range(B) * T`` offsets, which :func:`segment` follows.)"""
+    dims = int(node.attr("batch_dims", 0) or 0)
+    dims = dims + i_rank if dims < 0 and i_rank is not None else dims
+    found = ctx.axes(node.inputs[2], ctx.rank(node.inputs[0])) if len(node.inputs) > 2 else [dims]
+    if p.kind == PART and i.kind == PART and p.axis == i.axis == 0 and dims >= 1:
+        ctx.classes.union(i.cls, p.cls, node.name)     # batch dimensions of equal sizes
+    if found is not None and dims >= 1 and found[0] >= dims and same_entries(p, i, ctx) \
+            and p.axis == 0 and not p.filtered and not i.filtered:
+        return [i.with_(index=None, value=None, taint=taint)]
+    return [mixed(node.name, f"{node.op} with batch_dims whose batch dimensions are not the "
+                  "examples' of both operands", taint)]
 
 
 def segment(ctx: Context, node: Node, ids: Fact, data: Fact, taint: frozenset) -> list[Fact] | None:
