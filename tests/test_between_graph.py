@@ -67,17 +67,23 @@ def embedding(optimizer: str, resource: bool = True) -> models.Model:
     return models.Model(graph, "train", feed)
 
 
-def _check(local, model, res, local_batches=(5, 3), steps=STEPS, fetch=()):
+def _check(local, model, res, local_batches=(5, 3), steps=STEPS, fetch=(), atol=0.0):
     """Train the template on every worker (threads, one client each) and one device on the
-    concatenated batches from the chief's initial values; return the workers' results."""
+    concatenated batches from the chief's initial values; return the workers' results. A
+    variable within ``atol`` of one device's everywhere passes too (see the chained
+    optimizers' test)."""
     rng = np.random.RandomState(0)
     feeds = [[model.make_feed(rng, b) for _ in range(steps)] for b in local_batches]
     out = drv.train_threads(res.meta_graph_def, _targets(local), feeds, model.train_op,
                             fetch=fetch, timeout_ms=60_000)
     single = drv.train_single(model.graph, model.train_op, out[0]["initial"], drv.concat_feeds(feeds))
     for k, worker in enumerate(out):
-        diff, worst = drv.largest_difference(worker["final"], single)
-        assert diff <= RTOL, f"worker {k}: {worst} differs from one device by {diff:.3g}"
+        far = [n for n in sorted(set(worker["final"]) & set(single))
+               if drv.largest_difference(worker["final"], single, [n])[0] > RTOL
+               and np.max(np.abs(np.asarray(worker["final"][n], np.float64)
+                                 - np.asarray(single[n], np.float64)), initial=0.0) > atol]
+        diff, worst = drv.largest_difference(worker["final"], single, far) if far else (0.0, "")
+        assert not far, f"worker {k}: {worst} differs from one device by {diff:.3g}"
     trained = [n for n in single if not np.array_equal(single[n], out[0]["initial"][n])]
     assert trained, "training changed nothing"
     return out, feeds
@@ -585,4 +591,8 @@ def test_chained_optimizers_run_as_phases_across_workers(local, resource):
     model = models.Model(graph, "train", feed)
     res = replicate.transform(graph, "/cpu:0,/cpu:1", between_graph=True, cluster=local.cluster)
     assert res.report.exact and res.report.phases, str(res.report)
-    _check(local, model, res)
+    # the discriminator's output bias ends near zero (0.006 to 0.08 over six runs, under
+    # 1e-3 in the one that failed): there 1 to 4 float32 rounding steps of the aggregated
+    # gradient (1e-8 to 3e-8, measured) exceed 1e-5 relative. 1e-7 absolute still catches a
+    # phase read out of order (a learning rate of 0.3 moves it by 1e-2)
+    _check(local, model, res, atol=1e-7)
