@@ -183,6 +183,8 @@ def _tokens(kind: str) -> tf.Graph:
         tokens = tf.reshape(xent, [-1])
         if kind == "mean":
             per = tf.math.segment_mean(tokens, ids)
+        elif kind == "fixed_count":     # review 17: the count pinned the batch size
+            per = tf.math.unsorted_segment_sum(tokens, ids, 7)
         elif kind == "spread":          # a value per example gathered back to its tokens
             weight = tf.gather(tf.reduce_sum(tf.nn.softmax(tf.reduce_sum(logits, 2)), 1), ids)
             per = tf.math.unsorted_segment_sum(weight * tokens, ids, batch)
@@ -212,6 +214,7 @@ def test_segment_ids_naming_each_tokens_example_are_exact(kind, accumulate):
 
 @pytest.mark.parametrize("kind,why", [
     ("time_major", "do not pair with the data's examples"),
+    ("fixed_count", "number of segments that is not the batch size"),
     ("as_values", "computes with row numbers local to each tower"),
 ])
 def test_example_numbers_that_do_not_pair_with_the_data_stay_inexact(kind, why):
@@ -243,3 +246,35 @@ def test_a_gather_per_example_with_batch_dims_is_exact(kind, accumulate):
     assert res.report.exact, res.report.reasons
     r = compare(g, res.graph, "train", _feeds(), fetch=("loss:0",), cpus=4)
     assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
+
+
+def test_a_per_example_gather_by_row_numbers_is_inexact():
+    """``tf.gather(h, tf.range(B), batch_dims=1)`` picks ``h[b, b]``: each tower numbers its
+    examples from 0 (claimed exact, 0.018 off; review 17)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, T, D], name="x")
+        w = v1.get_variable("w", [D, C], initializer=v1.glorot_uniform_initializer(seed=3))
+        h = tf.tanh(tf.reshape(tf.matmul(tf.reshape(x, [-1, D]), w), [-1, T, C]))
+        loss = tf.reduce_mean(tf.square(tf.gather(h, tf.range(tf.shape(x)[0]), batch_dims=1)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(g, DEVICES)
+    assert not res.report.exact
+    assert any("batch_dims by row numbers" in str(r) for r in res.report.reasons), res.report.reasons
+
+
+def test_identity_n_names_each_output_like_its_own_input():
+    """A stride read from ``tf.identity_n([h, q])[1]`` (``T - 1`` steps) was named like ``h``'s
+    ``T`` and "proved" equal to the flattened rows: claimed exact, then the check stopped every
+    step (review 17)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, None, D], name="x")
+        w = v1.get_variable("w", [D, C], initializer=v1.glorot_uniform_initializer(seed=3))
+        h = tf.tanh(tf.reshape(tf.matmul(tf.reshape(x, [-1, D]), w), tf.stack([-1, tf.shape(x)[1], C])))
+        _, shorter = tf.identity_n([h, h[:, 1:]])
+        pick = tf.gather(tf.reshape(h, [-1, C]), tf.range(tf.shape(h)[0]) * tf.shape(shorter)[1])
+        loss = tf.add(tf.reduce_mean(tf.square(pick)), tf.reduce_mean(tf.square(h)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(g, DEVICES)
+    assert not res.report.exact

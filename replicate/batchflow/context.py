@@ -62,6 +62,11 @@ class Position:
     via: str | None = None
 
 
+#: Ops whose output dimensions need not be their input 0's: a fed ``placeholder_with_default``,
+#: a ``Merge`` of two cond branches or of a loop's entry and its next iteration.
+_OWN_DIMENSIONS = frozenset({"PlaceholderWithDefault", "Merge", "RefMerge"})
+
+
 class Context:
     """Facts, shapes and recorded obligations of one run of the dataflow.
 
@@ -175,11 +180,14 @@ class Context:
                     break
                 ref, index = node.inputs[0], int(perm[index])
                 continue
-            if node is None or not node.inputs or not (
+            if node is None or not node.inputs or node.op in _OWN_DIMENSIONS or not (
                     node.op in table.UNARY or node.op in table.PASS_THROUGH
-                    or node.op in ("Enter", "Exit", "Identity", "Switch", "Merge")):
+                    or node.op in ("Enter", "Exit", "Identity", "Switch")):
                 break
-            ref = node.inputs[0]
+            # IdentityN's output k is its input k (following input 0 named tf.identity_n's
+            # second output like its first, review 17)
+            out = parse_tensor(ref)[1]
+            ref = node.inputs[out] if node.op == "IdentityN" and out < len(node.inputs) else node.inputs[0]
         return f"{tensor_name(*parse_tensor(ref))}#{index}"
 
     def shape_dimension(self, ref: str) -> tuple[str, int] | None:

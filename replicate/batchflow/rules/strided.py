@@ -165,8 +165,14 @@ def gather(ctx: Context, node: Node, p: Fact, i: Fact, axis: int, taint: frozens
     if _by_example(ctx, p, i, axis):
         # each entry's own example's row (a value per example spread over its tokens)
         return [i.with_(index=None, value=None, taint=taint)]
-    if not _offsets_fit(ctx, p, i, axis):
+    fit = _offsets_fit(ctx, p, i, axis)
+    if fit is False:
         return None
+    if fit is None:
+        return [mixed(node.name, f"{node.op} of a flattened batch at range(batch) * stride + offset "
+                      "whose stride is not proved to be the flattened tensor's entries per "
+                      "example (compute the stride from that tensor's own shape, "
+                      "tf.shape(out)[1], not from another's)", taint)]
     # offsets into the flattened batch, each inside its own example's entries (checked in
     # every tower at run time): the result is laid out as the offsets
     where = unchecked(ctx, node)
@@ -189,8 +195,12 @@ def per_example(ctx: Context, node: Node, p: Fact, i: Fact, i_rank: int | None,
     if p.kind == PART and i.kind == PART and p.axis == i.axis == 0 and dims >= 1:
         ctx.classes.union(i.cls, p.cls, node.name)     # batch dimensions of equal sizes
     if found is not None and dims >= 1 and found[0] >= dims and same_entries(p, i, ctx) \
-            and p.axis == 0 and not p.filtered and not i.filtered:
+            and p.axis == 0 and not p.filtered and not i.filtered and i.index is None:
+        # (indices that are row numbers pick by each tower's own numbering: review 17)
         return [i.with_(index=None, value=None, taint=taint)]
+    if i.index is not None:
+        return [mixed(node.name, f"{node.op} with batch_dims by row numbers local to each tower "
+                      "(they start at 0 in every tower)", taint)]
     return [mixed(node.name, f"{node.op} with batch_dims whose batch dimensions are not the "
                   "examples' of both operands", taint)]
 
@@ -199,9 +209,14 @@ def segment(ctx: Context, node: Node, ids: Fact, data: Fact, taint: frozenset) -
     """The fact of a segment op by example numbers or, in gradient code, by offsets; None
     when ``ids`` are neither."""
     if example_numbers(ids) and same_entries(ids, data, ctx) and ids.axis == 0:
-        # segment ids naming each entry's own example (tokens summed per example)
-        if len(node.inputs) > 2:
-            ctx.position(node.inputs[2], None, data.cls, 1, node)
+        # segment ids naming each entry's own example (tokens summed per example), into as
+        # many segments as the tower has examples: a count fixed in the graph would pin the
+        # batch size where one device runs any (review 17)
+        count = ctx.int_value(node.inputs[2]) if len(node.inputs) > 2 else None
+        if len(node.inputs) > 2 and not (count is not None and len(count) == 1 and isinstance(count[0], Sym)
+                                          and count[0].coef == 1 and ctx.classes.same(count[0].cls, data.cls)):
+            return [mixed(node.name, f"{node.op} by each entry's example into a number of segments "
+                          "that is not the batch size (pass tf.shape(x)[0])", taint)]
         return [part(0, data.cls, 1, taint=taint)]
     if strided(ids) and data.kind == PART and ctx.in_gradient(node) and len(node.inputs) > 2 \
             and ctx.classes.same(ids.cls, data.cls):
@@ -211,11 +226,12 @@ def segment(ctx: Context, node: Node, ids: Fact, data: Fact, taint: frozenset) -
     return None
 
 
-def _offsets_fit(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
+def _offsets_fit(ctx: Context, p: Fact, i: Fact, axis: int) -> bool | None:
     """``Gather(p, i)`` along ``axis`` picks, for every entry of ``i``, an entry of its own
     example, once the run-time check holds: ``p`` is flattened with its examples one after
     the other along the gathered axis, ``i`` has every example's offsets one after the other
-    along axis 0, as many for each (not filtered by a mask: the check counts them so)."""
+    along axis 0, as many for each (not filtered by a mask: the check counts them so). None
+    when only the stride is not proved."""
     if not (strided(i) and p.kind == PART and p.axis == axis == 0 and p.outer == 1 and p.ordered
             and not p.filtered and i.axis == 0 and i.outer == 1 and i.ordered and not i.filtered
             and ctx.classes.same(i.index[1], p.cls) and ctx.classes.same(i.cls, p.cls)):
@@ -229,7 +245,9 @@ def _offsets_fit(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
     # against the 2 * T rows of a concat of two [B, T] passed the analysis and stopped every
     # step at the check (review 16)
     block = Prod.of([p.block], "block")
-    return stride.value == block.value and stride.symbols == block.symbols
+    if not stride.symbols and not block.symbols:
+        return stride.value == block.value      # integers: other offsets, not a gap in the proof
+    return (stride.value == block.value and stride.symbols == block.symbols) or None
 
 
 def _product(ctx: Context, refs: tuple) -> Prod | None:
