@@ -245,9 +245,9 @@ def _offsets_fit(ctx: Context, p: Fact, i: Fact, axis: int) -> bool | None:
     # against the 2 * T rows of a concat of two [B, T] passed the analysis and stopped every
     # step at the check (review 16)
     block = Prod.of([p.block], "block")
-    if not stride.symbols and not block.symbols:
-        return stride.value == block.value      # integers: other offsets, not a gap in the proof
-    return (stride.value == block.value and stride.symbols == block.symbols) or None
+    if stride.symbols == block.symbols:         # T against T * 4: other offsets, no gap in the proof
+        return stride.value == block.value
+    return None
 
 
 def _product(ctx: Context, refs: tuple) -> Prod | None:
