@@ -190,6 +190,13 @@ def _tokens(kind: str) -> tf.Graph:
             per = tf.math.segment_mean(tokens, ids)
         elif kind == "fixed_count":     # review 17: the count pinned the batch size
             per = tf.math.unsorted_segment_sum(tokens, ids, 7)
+        elif kind == "sentences":       # ids of [B * S] sentences of T // S words, softmax per sentence
+            sentence = tf.repeat(tf.range(batch * 5), T // 5)
+            scores = tf.reshape(tf.reduce_sum(logits, 2), [-1])
+            top = tf.gather(tf.math.unsorted_segment_max(scores, sentence, batch * 5), sentence)
+            e = tf.exp(scores - top)
+            attention = e / tf.gather(tf.math.unsorted_segment_sum(e, sentence, batch * 5), sentence)
+            per = tf.reduce_sum(tf.reshape(attention * tokens, [-1, T]), 1)
         elif kind == "spread":          # a value per example gathered back to its tokens
             weight = tf.gather(tf.reduce_sum(tf.nn.softmax(tf.reduce_sum(logits, 2)), 1), ids)
             per = tf.math.unsorted_segment_sum(weight * tokens, ids, batch)
@@ -205,7 +212,7 @@ def _tokens(kind: str) -> tf.Graph:
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-@pytest.mark.parametrize("kind", ["tile", "repeat", "broadcast", "mean", "spread"])
+@pytest.mark.parametrize("kind", ["tile", "repeat", "broadcast", "mean", "spread", "sentences"])
 def test_segment_ids_naming_each_tokens_example_are_exact(kind, accumulate):
     """They were "computes with row numbers local to each tower" (the tag was lost at the
     first ExpandDims or Tile), and SegmentMean had no rule."""

@@ -23,9 +23,10 @@ tensor of row numbers it started from (``tf.range`` over the batch, one per exam
 ``axis`` its batch axis: its length there is the tower's number of examples.
 
 The row numbers spread over each example's entries (``tf.repeat(tf.range(B), T)``, tiled or
-broadcast: segment ids of tokens) carry ``("example", cls)``: every entry holds the local
-number of the example it belongs to. Segment ops by such ids over data whose entries pair up
-with theirs give one row per example, and a gather of a per-example tensor by them spreads
+broadcast: segment ids of tokens) carry ``("example", cls, 1)``: every entry holds the local
+number of the example it belongs to (``("example", cls, S)`` for ``tf.range(B * S)`` spread
+over S sentences per example: the local number of its sentence). Segment ops by such ids over
+data whose entries pair up with theirs give one row per example (or sentence), and a gather of a per-example tensor by them spreads
 each example's value over its own entries: exact, with nothing to check at run time (the ids
 are the graph's own, not data).
 
@@ -51,9 +52,10 @@ __all__ = ["TAG", "EXAMPLE", "range_", "strided", "example_numbers", "arithmetic
 
 TAG = "strided"
 
-#: The tag of an integer tensor each of whose entries is the tower-local number of the example
-#: the entry belongs to: ``tf.range(B)`` tiled, repeated or broadcast over each example's
-#: entries (segment ids of tokens), ``("example", cls)``.
+#: The tag of an integer tensor each of whose entries is the tower-local number of the unit it
+#: belongs to, ``per`` units to an example: ``tf.range(B)`` tiled, repeated or broadcast over
+#: each example's entries (segment ids of tokens, ``per`` 1), or ``tf.range(B * S)`` over each
+#: sentence's words (``per`` S), ``("example", cls, per)``.
 EXAMPLE = "example"
 
 #: Ops that move, copy or relabel entries without changing their values: each entry still
@@ -70,12 +72,18 @@ def strided(f: Fact | None) -> bool:
     return f is not None and f.kind == PART and f.index is not None and f.index[0] == TAG
 
 
-def example_numbers(f: Fact | None) -> bool:
-    """True for tensors whose entries are their own examples' local numbers (``tf.range(B)``,
-    and that spread over each example's entries), one example after the other."""
+def example_numbers(f: Fact | None) -> int | None:
+    """For tensors whose entries are the local numbers of their own units, ``per`` units to an
+    example one after the other (``tf.range(B * per)``, and that spread over each unit's
+    entries): ``per``; else None."""
     if f is None or f.kind != PART or f.index is None or f.filtered:
-        return False
-    return f.index[0] == EXAMPLE or _rows(f)
+        return None
+    if f.index[0] == EXAMPLE:
+        return f.index[2]
+    if f.index[0] == "rows" and isinstance(f.index[2], int) and f.index[2] >= 1 and f.ordered \
+            and f.outer == 1:
+        return f.index[2]
+    return None
 
 
 def same_entries(a: Fact, b: Fact, ctx: Context) -> bool:
@@ -133,7 +141,7 @@ def arithmetic(ctx: Context, node: Node, ins: list[Fact]) -> tuple | None:
                 return f.index
             zeros = ctx.const(ref) if other.kind == SHARED else None
             if example_numbers(f) and zeros is not None and not zeros.any():
-                return (EXAMPLE, f.cls)         # broadcast over zeros: spread, values kept
+                return (EXAMPLE, f.cls, example_numbers(f))     # broadcast over zeros: spread
         return None
     if node.op == "Sub" and strided(a) and _plain(b):
         return a.index
@@ -148,7 +156,7 @@ def kept(ctx: Context, node: Node, ins: list[Fact], out: list[Fact | None]) -> l
     if strided(ins[0]):
         tag = ins[0].index
     elif example_numbers(ins[0]):
-        tag = (EXAMPLE, ins[0].cls)
+        tag = (EXAMPLE, ins[0].cls, example_numbers(ins[0]))
     else:
         return None
     if node.op == "Cast" and not _int_dtype(ctx, f"{node.name}:0"):
@@ -208,16 +216,21 @@ def per_example(ctx: Context, node: Node, p: Fact, i: Fact, i_rank: int | None,
 def segment(ctx: Context, node: Node, ids: Fact, data: Fact, taint: frozenset) -> list[Fact] | None:
     """The fact of a segment op by example numbers or, in gradient code, by offsets; None
     when ``ids`` are neither."""
-    if example_numbers(ids) and same_entries(ids, data, ctx) and ids.axis == 0:
-        # segment ids naming each entry's own example (tokens summed per example), into as
-        # many segments as the tower has examples: a count fixed in the graph would pin the
-        # batch size where one device runs any (review 17)
+    per = example_numbers(ids)
+    if per and same_entries(ids, data, ctx) and ids.axis == 0:
+        # segment ids naming each entry's own example or sentence (tokens summed per example),
+        # into as many segments as the tower has of them: a count fixed in the graph would
+        # pin the batch size where one device runs any (review 17)
         count = ctx.int_value(node.inputs[2]) if len(node.inputs) > 2 else None
-        if len(node.inputs) > 2 and not (count is not None and len(count) == 1 and isinstance(count[0], Sym)
-                                          and count[0].coef == 1 and ctx.classes.same(count[0].cls, data.cls)):
+        static = ctx.static_batch(data.cls)
+        if count is not None and len(count) == 1 and isinstance(count[0], int) and static is not None \
+                and count[0] == static * per:
+            ctx.position(node.inputs[2], None, data.cls, per, node)     # a static batch's count
+        elif len(node.inputs) > 2 and not (count is not None and len(count) == 1 and isinstance(count[0], Sym)
+                                            and count[0].coef == per and ctx.classes.same(count[0].cls, data.cls)):
             return [mixed(node.name, f"{node.op} by each entry's example into a number of segments "
                           "that is not the batch size (pass tf.shape(x)[0])", taint)]
-        return [part(0, data.cls, 1, taint=taint)]
+        return [part(0, data.cls, per, taint=taint)]
     if strided(ids) and data.kind == PART and ctx.in_gradient(node) and len(node.inputs) > 2 \
             and ctx.classes.same(ids.cls, data.cls):
         # the gradient of a gather by offsets into the flattened batch: each tower's sums fall
@@ -268,8 +281,9 @@ def _product(ctx: Context, refs: tuple) -> Prod | None:
 def _by_example(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
     """``Gather(p, i)``: every entry of ``i`` names its own example and ``p`` holds one row
     per example along ``axis`` (a per-example value spread over the example's tokens)."""
-    return (example_numbers(i) and p.kind == PART and p.axis == axis == 0 and p.block == 1 and p.outer == 1
-            and p.ordered and not p.filtered and ctx.classes.same(i.cls, p.cls))
+    return (example_numbers(i) is not None and p.kind == PART and p.axis == axis == 0
+            and p.block == example_numbers(i) and p.outer == 1 and p.ordered and not p.filtered
+            and ctx.classes.same(i.cls, p.cls))
 
 
 def unchecked(ctx: Context, node: Node) -> str:
