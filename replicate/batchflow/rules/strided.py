@@ -26,9 +26,9 @@ The row numbers spread over each example's entries (``tf.repeat(tf.range(B), T)`
 broadcast: segment ids of tokens) carry ``("example", cls, 1)``: every entry holds the local
 number of the example it belongs to (``("example", cls, S)`` for ``tf.range(B * S)`` spread
 over S sentences per example: the local number of its sentence). Segment ops by such ids over
-data whose entries pair up with theirs give one row per example (or sentence), and a gather of a per-example tensor by them spreads
-each example's value over its own entries: exact, with nothing to check at run time (the ids
-are the graph's own, not data).
+data whose entries pair up with theirs give one row per example (or sentence), and a gather of
+a per-example tensor by them spreads each example's value over its own entries: exact, with
+nothing to check at run time (the ids are the graph's own, not data).
 
 Requires: row-number facts (``("rows", cls, 1)``, from ``Range`` over a batch size).
 Produces: the offsets' tag through ``Mul`` by shared integer scalars, ``Add``/``Sub`` of
@@ -279,8 +279,9 @@ def _product(ctx: Context, refs: tuple) -> Prod | None:
 
 
 def _by_example(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
-    """``Gather(p, i)``: every entry of ``i`` names its own example and ``p`` holds one row
-    per example along ``axis`` (a per-example value spread over the example's tokens)."""
+    """``Gather(p, i)``: every entry of ``i`` names its own unit (example or sentence) and
+    ``p`` holds one row per unit along ``axis`` (a per-example value spread over the
+    example's tokens)."""
     return (example_numbers(i) is not None and p.kind == PART and p.axis == axis == 0
             and p.block == example_numbers(i) and p.outer == 1 and p.ordered and not p.filtered
             and ctx.classes.same(i.cls, p.cls))
