@@ -26,7 +26,7 @@ from replicate.batchflow.lattice import MIXED, PART
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of
 
-__all__ = ["MARKER", "assert_examples", "PICK_OPS"]
+__all__ = ["MARKER", "assert_examples", "behind_check", "PICK_OPS"]
 
 #: The start of every assertion message (the certificate recognizes it).
 MARKER = "replicate: a tower has too few examples"
@@ -94,11 +94,8 @@ def assert_examples(ir: IR) -> int:
                                 kind, len(copies))
                 # the gradient reads the indices, not the gather: it must wait for the check too
                 # (its segment sum failed first, with TensorFlow's "out of range")
-                guarded = ir.add(f"{copy.name}/{SCOPE}/checked_indices", "Identity", [indices], [check],
-                                 device=copy.device, attrs={"T": dtypes.as_dtype(ir.output_dtype(indices))}).name
-                readers = [c.name for c, _ in ir.data_consumers(indices)
-                           if c.name.startswith(prefix) and f"/{SCOPE}/" not in c.name]
-                ir.replace_uses(indices, guarded, only=readers)
+                behind_check(ir, indices, check, f"{copy.name}/{SCOPE}/checked_indices", copy.device,
+                             prefix, SCOPE)
             elif position is None:
                 _assert(ir, copy, k, picked.axis, copy.inputs[where], kind, len(copies))
             else:
@@ -108,6 +105,19 @@ def assert_examples(ir: IR) -> int:
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
     return done
+
+
+def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefix: str,
+                 scope: str) -> str:
+    """Every reader of ``indices`` in the tower ``prefix`` (outside ``scope``, the check's own
+    ops) reads them through an ``Identity`` named ``name`` that waits for ``check``: the op
+    and its gradient, which reads the indices too. Returns the identity's tensor."""
+    guarded = ir.add(name, "Identity", [indices], [check], device=device,
+                     attrs={"T": dtypes.as_dtype(ir.output_dtype(indices))}).name
+    readers = [c.name for c, _ in ir.data_consumers(indices)
+               if c.name.startswith(prefix) and f"/{scope}/" not in c.name]
+    ir.replace_uses(indices, guarded, only=readers)
+    return guarded
 
 
 def _along(ir: IR, copy: Node, axis: int) -> bool:

@@ -25,6 +25,7 @@ from tensorflow.python.framework import dtypes
 from replicate.batchflow.lattice import PART
 from replicate.batchflow.rules.strided import strided
 from replicate.graph.ir import IR
+from replicate.passes._picks import behind_check
 
 __all__ = ["GATHERS", "MARKER", "accepted", "check_offsets", "warning", "warnings"]
 
@@ -133,8 +134,4 @@ def _check(ir: IR, copy, tower: int, strides: list[str], rows: str, axis: int, p
                  f"{tower}: examples, stride, entries:", dtypes.string)
     check = add("check", "Assert", [ok, text, examples, stride, entries], T=[dtypes.string, i64, i64, i64],
                 summarize=3)
-    guarded = ir.add(f"{scope}/checked", "Identity", [indices], [check], device=dev,
-                     attrs={"T": dtypes.as_dtype(ir.output_dtype(indices))}).name
-    readers = [c.name for c, _ in ir.data_consumers(indices)
-               if c.name.startswith(prefix) and f"/{SCOPE}/" not in c.name]
-    ir.replace_uses(indices, guarded, only=readers)
+    behind_check(ir, indices, check, f"{scope}/checked", dev, prefix, SCOPE)

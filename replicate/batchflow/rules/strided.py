@@ -282,9 +282,9 @@ def _by_example(ctx: Context, p: Fact, i: Fact, axis: int) -> bool:
     """``Gather(p, i)``: every entry of ``i`` names its own unit (example or sentence) and
     ``p`` holds one row per unit along ``axis`` (a per-example value spread over the
     example's tokens)."""
-    return (example_numbers(i) is not None and p.kind == PART and p.axis == axis == 0
-            and p.block == example_numbers(i) and p.outer == 1 and p.ordered and not p.filtered
-            and ctx.classes.same(i.cls, p.cls))
+    per = example_numbers(i)
+    return (per is not None and p.kind == PART and p.axis == axis == 0 and p.block == per
+            and p.outer == 1 and p.ordered and not p.filtered and ctx.classes.same(i.cls, p.cls))
 
 
 def unchecked(ctx: Context, node: Node) -> str:
