@@ -315,3 +315,52 @@ def test_an_empty_tower_flattens_a_time_major_batch_as_the_others_do():
     feeds = [{"x:0": rng.normal(size=(b, T, D)).astype(np.float32)} for b in (7, 5, 2)]
     res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert compare(build(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5
+
+
+def _empty_tower_case(kind: str):
+    """A graph whose rewrite is inexact, and whose empty tower's copy of an op TensorFlow
+    rejects on no examples: the rewrite must still run where one device runs."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    T, C = 4, 3
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, T, 2], name="x")
+        n = v1.placeholder(tf.int32, [None], name="n")
+        w = v1.get_variable("w", [2, C], initializer=v1.glorot_uniform_initializer(seed=1))
+        h = tf.reshape(tf.matmul(tf.reshape(x, [-1, 2]), w), [-1, T, C])
+        b = tf.shape(x)[0]
+        if kind == "gather_axis1":          # the gradient's reshape: ``-1`` for no indices
+            flat = tf.reshape(h, [b, T * C])
+            loss = tf.reduce_mean(tf.square(tf.gather(flat, tf.minimum(tf.range(b) * T + n - 1, T * C - 1), axis=1)))
+        elif kind == "segments_by_max":     # max over no ids: the smallest integer, plus one
+            ids = tf.repeat(tf.range(b), T)
+            loss = tf.reduce_mean(tf.math.unsorted_segment_sum(
+                tf.reshape(tf.reduce_sum(tf.square(h), 2), [-1]), ids, tf.reduce_max(ids) + 1))
+        else:                               # CTC: "batch_size must not be 0"
+            mask = tf.sequence_mask(tf.minimum(n, 2), 2)
+            where = tf.where(mask)
+            labels = tf.SparseTensor(where, tf.cast(tf.gather_nd(tf.ones_like(mask, tf.int32), where), tf.int32),
+                                     tf.cast(tf.shape(mask), tf.int64))
+            loss = tf.reduce_mean(v1.nn.ctc_loss(labels, tf.transpose(h, [1, 0, 2]), tf.fill([b], T)))
+        loss = tf.identity(loss, name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("kind", ["gather_axis1", "segments_by_max", "ctc"])
+def test_an_inexact_rewrite_with_an_empty_tower_still_runs(kind):
+    """Each failed at step 1 with a batch of 2 on 3 towers, where one device runs: an empty
+    tower's gather gradient (``data.shape = [1,0]``), segment count (``num_segments ==
+    -2147483647``) or CTC loss (``batch_size must not be 0``)."""
+    import numpy as np
+
+    import replicate
+    from replicate.check.equivalence import compare
+    rng = np.random.default_rng(5)
+    feeds = [{"x:0": rng.normal(size=(b, 4, 2)).astype(np.float32),
+              "n:0": rng.integers(1, 5, size=b).astype(np.int32)} for b in (2, 1)]
+    res = replicate.transform(_empty_tower_case(kind), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact     # each picks or counts by tower-local row numbers
+    result = compare(_empty_tower_case(kind), res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
+    assert np.isfinite(result.max_rel)

@@ -25,6 +25,27 @@ the tower's count when ``top_k`` ranks the examples (hard-example mining, an ine
 that must still run). A range of step 0 has no elements in that gradient (it counts rows of
 an empty tensor), and so does the same range stepping by 1; no other step changes.
 
+Produces, for gathers along another axis (:func:`gather_gradient_widths`): in the gradient
+code of every tower copy of a ``GatherV2`` along an axis other than 0 (and no ``batch_dims``,
+with which the ``-1`` counts only the indices' other dimensions), the ``-1`` with which
+TensorFlow reshapes the incoming gradient to ``params.shape[:axis] + [-1] +
+params.shape[axis + 1:]`` is replaced by the number of indices, which is what it always stands
+for. With no examples and no indices (offsets into the tower's own rows) the gradient has no
+elements, TensorFlow makes the ``-1`` a 1, and the gradient's segment sum then fails
+("data.shape = [1,0] does not start with segment_ids.shape = [0]").
+
+Produces, for segment counts (:func:`nonnegative_segments`): every tower copy of an
+``UnsortedSegment*`` op whose number of segments is computed at run time reads it through
+``Maximum(n, 0)``. ``reduce_max(ids) + 1`` over an empty tower's ids is the smallest integer
+plus one, which the op rejects; one device never reduces over no ids, and a count it runs with
+is never negative, so nothing changes there.
+
+Produces, for CTC losses (:func:`pad_ctc_losses`): every tower copy of a ``CTCLoss`` runs,
+when its tower has no examples, on one padding example: a zero row of the time-major inputs,
+sequence length 1 and the single label 0; its loss and gradient are sliced back to the
+tower's examples. TensorFlow rejects a batch of 0 ("batch_size must not be 0") and an example
+without labels. With examples nothing is padded and the slices are whole.
+
 Produces, for stacked lists (:func:`stack_empty_lists`): every tower copy of a
 ``TensorListStack`` whose element shape is only partly known (``tf.map_fn`` over the batch
 with a per-example result of a dynamic length) stacks an empty list with that shape's unknown
@@ -42,7 +63,8 @@ from tensorflow.python.framework import dtypes
 from replicate.batchflow.lattice import PART, Sym
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["infer_reshapes", "nonzero_steps", "stack_empty_lists"]
+__all__ = ["infer_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
+           "nonnegative_segments", "pad_ctc_losses"]
 
 SCOPE = "replicate/reshape"
 
@@ -161,5 +183,135 @@ def stack_empty_lists(ir: IR) -> int:
             full = ir.const(f"{scope}/full", [max(int(d), 0) for d in shape], i32, dev)
             ir.set_input(copy.name, 1, ir.add(f"{scope}/shape", "SelectV2", [empty, full, copy.inputs[1]],
                                               device=dev, attrs={"T": i32}).name)
+            done += 1
+    return done
+
+
+def gather_gradient_widths(ir: IR) -> int:
+    """Give the gradient reshapes of the towers' gathers along other axes the number of
+    indices for their ``-1`` (see the module docstring); returns how many changed."""
+    done = 0
+    for names in ir.facts["copies"]:
+        for copied in names.values():
+            gather = ir.nodes.get(copied)
+            if gather is None or gather.op != "GatherV2" or gather.attr("batch_dims", 0):
+                continue
+            axis = ir.const_value(node_of(gather.inputs[2]))
+            if axis is None or axis.ndim or int(axis) == 0:
+                continue
+            for concat in _gradient_targets(ir, gather.inputs[0]):
+                scope, dev = f"{concat.name}/replicate/width", concat.device
+                dtype = dtypes.as_dtype(concat.attr("T", dtypes.int32))
+                size = ir.add(f"{scope}/size", "Size", [gather.inputs[1]], device=dev,
+                              attrs={"T": dtypes.as_dtype(ir.output_dtype(gather.inputs[1])),
+                                     "out_type": dtype}).name
+                width = ir.add(f"{scope}/width", "Reshape", [size, ir.const(f"{scope}/one", [1],
+                                                                             dtypes.int32, dev)],
+                               device=dev, attrs={"T": dtype, "Tshape": dtypes.int32}).name
+                position = next(i for i, ref in enumerate(concat.inputs[:-1]) if _minus_one(ir, ref))
+                ir.set_input(concat.name, position, width)
+                done += 1
+    return done
+
+
+def _gradient_targets(ir: IR, params: str) -> list:
+    """The ``ConcatV2`` targets ``shape(params)[:axis] + [-1] + shape(params)[axis + 1:]``
+    built from a ``Shape`` of ``params``: TensorFlow's gather gradient for an axis other than 0."""
+    found = []
+    for shape, _ in ir.data_consumers(params):
+        if shape.op != "Shape":
+            continue
+        for part, _ in ir.data_consumers(shape.name):
+            if part.op != "StridedSlice":
+                continue
+            for concat, _ in ir.data_consumers(part.name):
+                if concat.op == "ConcatV2" and concat not in found \
+                        and sum(_minus_one(ir, ref) for ref in concat.inputs[:-1]) == 1:
+                    found.append(concat)
+    return found
+
+
+def _minus_one(ir: IR, ref: str) -> bool:
+    value = ir.const_value(node_of(ref))
+    return value is not None and value.shape == (1,) and int(value[0]) == -1
+
+
+#: Segment ops whose input 2 is the number of segments.
+SEGMENT_COUNTS = ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                  "UnsortedSegmentProd")
+
+
+def nonnegative_segments(ir: IR) -> int:
+    """Read the towers' run-time segment counts through ``Maximum(n, 0)`` (see the module
+    docstring); returns how many tower ops changed."""
+    done = 0
+    for names in ir.facts["copies"]:
+        for copied in names.values():
+            copy = ir.nodes.get(copied)
+            if copy is None or copy.op not in SEGMENT_COUNTS \
+                    or ir.const_value(node_of(copy.inputs[2])) is not None:
+                continue
+            scope, dev = f"{copy.name}/replicate/segments", copy.device
+            dtype = dtypes.as_dtype(copy.attr("Tnumsegments", dtypes.int32))
+            count = ir.add(f"{scope}/count", "Maximum",
+                           [copy.inputs[2], ir.const(f"{scope}/zero", 0, dtype, dev)],
+                           device=dev, attrs={"T": dtype}).name
+            ir.set_input(copy.name, 2, count)
+            done += 1
+    return done
+
+
+def pad_ctc_losses(ir: IR) -> int:
+    """Give the towers' ``CTCLoss`` ops one padding example when their tower has none (see the
+    module docstring); returns how many tower ops changed."""
+    done, i32, i64 = 0, dtypes.int32, dtypes.int64
+    for names in ir.facts["copies"]:
+        for copied in names.values():
+            loss = ir.nodes.get(copied)
+            if loss is None or loss.op != "CTCLoss":
+                continue
+            scope, dev = f"{loss.name}/replicate/empty", loss.device
+            dtype = dtypes.as_dtype(loss.attr("T", dtypes.float32))
+
+            def add(name, op, inputs, **attrs):
+                return ir.add(f"{scope}/{name}", op, inputs, device=dev, attrs=attrs).name
+
+            def const(name, value, kind=i32):
+                return ir.const(f"{scope}/{name}", value, kind, dev)
+
+            inputs, indices, values, lengths = loss.inputs[:4]
+            shape = add("shape", "Shape", [inputs], T=dtype, out_type=i32)
+            batch = add("batch", "StridedSlice", [shape, const("at", [1]), const("end", [2]),
+                                                  const("step", [1])],
+                        T=i32, Index=i32, shrink_axis_mask=1)
+            extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
+                                              incompatible_shape_error=True)],
+                        SrcT=dtypes.bool, DstT=i32)
+            extra64 = add("extra64", "Cast", [extra], SrcT=i32, DstT=i64)
+            row = add("row", "Reshape", [add("pair", "Pack", [const("none", 0), extra], T=i32, N=2),
+                                         const("row_shape", [1, 2])], T=i32, Tshape=i32)
+            paddings = add("paddings", "ConcatV2", [const("before", [[0, 0]]), row,
+                                                    const("after", [[0, 0]]), const("axis", 0)],
+                           T=i32, N=3, Tidx=i32)
+
+            def grown(name, ref, count, kind, width, fill):
+                """``ref`` with ``count`` more rows of ``fill`` (``width`` columns, if any)."""
+                dims = [count] if width is None else [count, const(f"{name}_width", width, kind)]
+                rows = add(f"{name}_rows", "Fill", [add(f"{name}_dims", "Pack", dims, T=kind, N=len(dims)),
+                                                    const(f"{name}_fill", fill, kind)], T=kind, index_type=kind)
+                return add(name, "ConcatV2", [ref, rows, const(f"{name}_axis", 0)], T=kind, N=2, Tidx=i32)
+
+            ir.set_input(loss.name, 0, add("inputs", "Pad", [inputs, paddings], T=dtype, Tpaddings=i32))
+            ir.set_input(loss.name, 1, grown("indices", indices, extra64, i64, 2, 0))
+            ir.set_input(loss.name, 2, grown("values", values, extra, i32, None, 0))
+            ir.set_input(loss.name, 3, grown("lengths", lengths, extra, i32, None, 1))
+            for out, begin, size in ((0, [0], [batch]), (1, [0, 0, 0], [const("time", -1), batch,
+                                                                          const("classes", -1)])):
+                ref = f"{loss.name}:{out}" if out else loss.name
+                readers = [c.name for c, _ in ir.data_consumers(ref)]
+                sliced = add(f"sliced_{out}", "Slice", [ref, const(f"begin_{out}", begin),
+                                                        add(f"size_{out}", "Pack", size, T=i32, N=len(size))],
+                             T=dtype, Index=i32)
+                ir.replace_uses(ref, sliced, only=readers)
             done += 1
     return done
