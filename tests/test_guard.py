@@ -337,6 +337,12 @@ def _empty_tower_case(kind: str):
             ids = tf.repeat(tf.range(b), T)
             loss = tf.reduce_mean(tf.math.unsorted_segment_sum(
                 tf.reshape(tf.reduce_sum(tf.square(h), 2), [-1]), ids, tf.reduce_max(ids) + 1))
+        elif kind == "sparse_sum":          # its gradient divides by the batch: "by zero"
+            mask = tf.sequence_mask(n, T)
+            where = tf.where(mask)
+            tokens = tf.SparseTensor(where, tf.gather_nd(tf.reduce_sum(tf.square(h), 2), where),
+                                     tf.cast(tf.shape(mask), tf.int64))
+            loss = tf.reduce_mean(tf.sparse.reduce_sum(tokens, 1))
         else:                               # CTC: "batch_size must not be 0"
             mask = tf.sequence_mask(tf.minimum(n, 2), 2)
             where = tf.where(mask)
@@ -348,11 +354,12 @@ def _empty_tower_case(kind: str):
     return g
 
 
-@pytest.mark.parametrize("kind", ["gather_axis1", "segments_by_max", "ctc"])
+@pytest.mark.parametrize("kind", ["gather_axis1", "segments_by_max", "ctc", "sparse_sum"])
 def test_an_inexact_rewrite_with_an_empty_tower_still_runs(kind):
     """Each failed at step 1 with a batch of 2 on 3 towers, where one device runs: an empty
     tower's gather gradient (``data.shape = [1,0]``), segment count (``num_segments ==
-    -2147483647``) or CTC loss (``batch_size must not be 0``)."""
+    -2147483647``), CTC loss (``batch_size must not be 0``) or sparse sum's gradient
+    (``Integer division by zero``)."""
     import numpy as np
 
     import replicate
@@ -361,6 +368,6 @@ def test_an_inexact_rewrite_with_an_empty_tower_still_runs(kind):
     feeds = [{"x:0": rng.normal(size=(b, 4, 2)).astype(np.float32),
               "n:0": rng.integers(1, 5, size=b).astype(np.int32)} for b in (2, 1)]
     res = replicate.transform(_empty_tower_case(kind), ["/cpu:1", "/cpu:2", "/cpu:3"])
-    assert not res.report.exact     # each picks or counts by tower-local row numbers
+    assert not res.report.exact     # each picks, counts or scatters by tower-local row numbers
     result = compare(_empty_tower_case(kind), res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
     assert np.isfinite(result.max_rel)

@@ -23,7 +23,11 @@ step is computed at run time steps by 1 where that step is 0. TensorFlow rejects
 ("Requires delta != 0"); ``top_k``'s gradient steps by the length of the last axis, which is
 the tower's count when ``top_k`` ranks the examples (hard-example mining, an inexact rewrite
 that must still run). A range of step 0 has no elements in that gradient (it counts rows of
-an empty tensor), and so does the same range stepping by 1; no other step changes.
+an empty tensor), and so does the same range stepping by 1; no other step changes. The same
+holds for integer divisions of gradient code (``FloorDiv``) by a divisor computed at run time:
+``tf.sparse.reduce_sum``'s gradient divides the dense shape by the reduced one, whose batch
+dimension is 0 in an empty tower ("Integer division by zero"), and the quotient only scales
+indices of no entries. Divisors TensorFlow already keeps at least 1 (``Maximum``) are left.
 
 Produces, for gathers along another axis (:func:`gather_gradient_widths`): in the gradient
 code of every tower copy of a ``GatherV2`` along an axis other than 0 (and no ``batch_dims``,
@@ -151,15 +155,19 @@ def nonzero_steps(ir: IR) -> int:
     """Make the towers' run-time gradient range steps nonzero (see the module docstring);
     returns how many tower ops changed."""
     done = 0
-    for _, copy in list(_tower_ops(ir, "Range", 2, gradient=True)):
+    ops = [(copy, 2, "Tidx") for _, copy in _tower_ops(ir, "Range", 2, gradient=True)]
+    ops += [(copy, 1, "T") for _, copy in _tower_ops(ir, "FloorDiv", 1, gradient=True)
+            if dtypes.as_dtype(copy.attr("T", dtypes.float32)).is_integer
+            and ir.nodes[node_of(copy.inputs[1])].op != "Maximum"]
+    for copy, operand, attr in ops:
         scope, dev = f"{copy.name}/replicate/step", copy.device
-        dtype = dtypes.as_dtype(copy.attr("Tidx", dtypes.int32))
-        step = copy.inputs[2]
+        dtype = dtypes.as_dtype(copy.attr(attr, dtypes.int32))
+        step = copy.inputs[operand]
         zero = ir.add(f"{scope}/zero", "Equal", [step, ir.const(f"{scope}/nil", 0, dtype, dev)],
                       device=dev, attrs={"T": dtype, "incompatible_shape_error": True}).name
-        ir.set_input(copy.name, 2, ir.add(f"{scope}/step", "SelectV2",
-                                          [zero, ir.const(f"{scope}/one", 1, dtype, dev), step],
-                                          device=dev, attrs={"T": dtype}).name)
+        ir.set_input(copy.name, operand,
+                     ir.add(f"{scope}/step", "SelectV2", [zero, ir.const(f"{scope}/one", 1, dtype, dev), step],
+                            device=dev, attrs={"T": dtype}).name)
         done += 1
     return done
 
