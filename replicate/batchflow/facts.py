@@ -166,6 +166,9 @@ class Analysis:
     #: for it: consumer -> {input position: (variable, barriers)}; each tower reads again
     #: after the barriers (on one device the consumer sees the buffer updated in place).
     phase_reads: dict[str, dict[int, tuple[str, tuple[str, ...]]]] = dataclasses.field(default_factory=dict)
+    #: State writes run once outside the towers -> the region's reads of their variables that
+    #: run before them on one device; the write waits for every tower's copy of those reads.
+    evicted_reads: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def region_set(self) -> frozenset[str]:

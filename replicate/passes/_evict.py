@@ -18,6 +18,12 @@ them per tower would change what they do:
 
 Such a node leaves the region; what it reads from the towers is merged under the original
 names by the rewire pass (or is shared and kept); per-example outputs it gives back are split.
+
+An evicted write still runs after every read of its variable that runs before it on one device
+(:func:`reads_before`): the rewire pass makes it wait for each tower's copy of those reads.
+Without that edge nothing orders a tower's own read against the single write (spectral
+normalization's power iteration assigns ``u`` in the forward pass, and a tower that read ``u``
+after the assign normalized by the next step's ``sigma``: claimed exact, 0.17 off, review 18).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
 from replicate.batchflow.merge import batch_multiple
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["evictable"]
+__all__ = ["evictable", "reads_before"]
 
 #: Merges under which a batch-reduced value read by an evicted op equals the single-device one.
 _GLOBAL = frozenset({"sum", "mean", "ratio", "count", "max", "min"})
@@ -130,3 +136,32 @@ def _reads_global(ir: IR, flow, node, harmless: set[str], region: set[str]) -> b
     return bool(node.inputs)
 
 
+
+
+def reads_before(ir: IR, graph, evicted: set[str], region: list[str]) -> dict[str, list[str]]:
+    """For each evicted write, the region nodes that read a variable it writes and are its
+    ancestors (they run before it on one device): every tower's copy must run before it too.
+    A reference variable's reads go through ``Identity`` ops that alias its buffer (``u/read``,
+    often shared, outside the towers): what reads them reads the variable."""
+    inside, out = set(region), {}
+    for name in sorted(evicted):
+        node = ir.nodes[name]
+        reads = set().union(*(_readers(ir, node_of(r), inside) for r in node.inputs if ir.is_handle(r)))
+        if reads:
+            before = sorted(reads & ir.ancestors([name], graph))
+            if before:
+                out[name] = before
+    return out
+
+
+def _readers(ir: IR, variable: str, inside: set[str]) -> set[str]:
+    """Region nodes that read ``variable`` directly or through identities."""
+    found, work, seen = set(), [variable], {variable}
+    while work:
+        for consumer, _ in ir.data_consumers(work.pop()):
+            if consumer.name in inside:
+                found.add(consumer.name)
+            if consumer.op in ("Identity", "RefIdentity") and consumer.name not in seen:
+                seen.add(consumer.name)
+                work.append(consumer.name)
+    return found

@@ -4,7 +4,9 @@ Requires: the facts of analyze, split, clone and aggregate.
 
 Produces: shared ops that read a gradient now read its aggregate (so processing such as
 ``clip_by_global_norm`` and the optimizer see exactly the single-device gradient); control
-edges from shared ops into the region point at every tower's copy (state updates: tower 0's);
+edges from shared ops into the region point at every tower's copy (state updates: tower 0's),
+and a state write run once outside the towers waits for every tower's copy of the reads of its
+variable that precede it on one device;
 the original region nodes are removed, except those that do not depend on the batch and are
 still read by shared ops or named in collections; forward tensors that a driver or a shared
 op reads (the loss, logits, accuracy inputs...) are rebuilt under their original names by
@@ -97,6 +99,9 @@ class Rewire:
 
     @staticmethod
     def _controls(ir: IR, analysis, copies: list[dict[str, str]]) -> None:
+        for write, reads in analysis.evicted_reads.items():
+            waits = [c[r] for r in reads for c in copies if r in c]
+            ir.set_control(write, list(dict.fromkeys(ir.nodes[write].control + waits)))
         replicated = analysis.region_set - analysis.keep
         for consumer in analysis.external_controls:
             new: list[str] = []
