@@ -233,6 +233,14 @@ def _rewrite(graph: Any, devices: Sequence[str], options: Options) -> Result:
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),
                      warnings, options.batch_norm)
     report.accumulate = ir.facts.get("accumulate", {})
+    groups = {tuple(sorted({read, *extra})) for read, extra in report.accumulate.get("feeds", {}).items()}
+    for group in sorted(groups):
+        names = ", ".join(f"'{g}'" for g in group)
+        report.warnings.append(
+            f"with accumulate={options.accumulate}, a run that reads any of {names} must feed all "
+            "of them: each micro-batch waits for the previous one's gradients, which read them "
+            "(a prediction run that feeds only some asks for the rest; feed a batch of each of "
+            "the same size, or predict with the original graph)")
     report.options = options.recorded()
     return Result(graph_def, meta_out, report, analysis, towers, records,
                   ir.facts.get("aggregates", {}), seconds, options)

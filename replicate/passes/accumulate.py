@@ -82,31 +82,39 @@ class Accumulate:
         if why is not None:
             log.info("accumulate: micro-batches not chained (%s)", why)
             return PassResult(ir, False)
+        feeds = _Feeds(ir, analysis, towers, copies)
         gates, held_of = {}, {}
         for t, prev, reads in plan:
             prefix, device = towers.prefixes[t], towers.devices[t]
-            gate = gates[t] = ir.add(f"{SCOPE}/{prefix}/gate", "NoOp", control=done_of[prev],
-                                     device=device).name
-            held_of[t] = []
+            gates[t], held_of[t] = [], []
             for i, (tensor, readers) in enumerate(reads):
+                waits = feeds.waits(prev, tensor, done_of[prev])
+                feeds.record(prev, tensor, waits)
+                gate = f"{SCOPE}/{prefix}/gate" + (f"_{len(gates[t])}" if gates[t] else "")
+                same = [g for g in gates[t] if ir.nodes[g].control == waits]
+                if not same:
+                    gates[t].append(ir.add(gate, "NoOp", control=waits, device=device).name)
                 held = ir.add(f"{prefix}/{SCOPE}/input_{i}", "Identity", [_ref(tensor)],
-                              control=[gate], device=device,
+                              control=[same[0] if same else gates[t][-1]], device=device,
                               attrs={"T": dtypes.as_dtype(ir.output_dtype(tensor))}).name
                 ir.replace_uses(tensor, held, only=readers)
-                held_of[t].append(held)
+                held_of[t].append((tensor, held))
         reach = _Reach(ir)
         loose = 0
         for acc, t in towers.running:
             if t + 1 in gates and acc in ir.nodes:
-                if reach.closes_cycle(acc, held_of[t + 1]):
+                if reach.closes_cycle(acc, [h for _, h in held_of[t + 1]]):
                     loose += 1      # the add needs a later micro-batch (a global denominator)
                     continue
                 # the next micro-batch starts once the add is done: else an add the executor
                 # runs late overlaps that micro-batch's gradient (three buffers)
-                for held in held_of[t + 1]:
-                    ir.set_control(held, ir.nodes[held].control + [acc])
+                for tensor, held in held_of[t + 1]:
+                    if feeds.waits(t, tensor, [acc]):
+                        ir.set_control(held, ir.nodes[held].control + [acc])
         if loose:
             facts["unordered_adds"] = loose
+        if feeds.more:
+            facts["feeds"] = {k: sorted(v) for k, v in sorted(feeds.more.items())}
         log.info("accumulate: %d micro-batches per device chained on %d devices",
                  towers.micro, len(towers.chains()))
         return PassResult(ir, True)
@@ -220,6 +228,72 @@ class _Reach:
         if key not in self._after:
             self._after[key] = set().union(*(nx.descendants(self.graph, h) for h in held)) if held else set()
         return acc in self._after[key]
+
+
+class _Feeds:
+    """Which of a micro-batch's work a gate may wait for without needing more feeds.
+
+    A control edge runs what it waits for, and with it every input that needs. So micro-batch
+    j's slice of input ``s`` waits only for micro-batch j-1's work that needs no input beyond
+    those every train op reading ``s`` needs (a GAN's generator step is fed ``z`` alone; it
+    used to wait for the discriminator's gradients too, and asked for ``x``). A train op's
+    inputs are the batch inputs its gradients depend on; an input no train op reads needs
+    only itself.
+    """
+
+    def __init__(self, ir: IR, analysis, towers, copies):
+        self.ir, self.towers, self.copies = ir, towers, copies
+        self.graph = ir.to_networkx(control=True)
+        self.scopes = sorted((s.prefix for s in analysis.scopes), key=len, reverse=True)
+        self.gradients = [node_of(f.tensor) for f in analysis.frontier if f.gradient]
+        self._allowed: dict[tuple[int, str], frozenset] = {}
+        #: input -> the other inputs a run that reads it must feed (its gate's work needs them)
+        self.more: dict[str, set[str]] = {}
+        # before the gates change the readers of the slices
+        self._inputs = [self._depends(t) for t in range(len(towers.inputs))]
+
+    def _depends(self, t: int) -> dict[str, frozenset]:
+        """Node -> the inputs (tower ``t``'s slices, by original name) it depends on."""
+        found: dict[str, set] = {}
+        for original, tensor in self.towers.inputs[t].items():
+            work = list({c.name for c, _ in self.ir.data_consumers(tensor)})
+            seen = set(work)
+            while work:
+                for after in self.graph.successors(work.pop()):
+                    if after not in seen:
+                        seen.add(after)
+                        work.append(after)
+            for name in seen:
+                found.setdefault(name, set()).add(original)
+        return {n: frozenset(s) for n, s in found.items()}
+
+    def _needs(self, t: int) -> dict[str, frozenset]:
+        return self._inputs[t]
+
+    def _allowed_inputs(self, t: int, original: str) -> frozenset:
+        key = (t, original)
+        if key not in self._allowed:
+            needs, per_scope = self._needs(t), {}
+            for name in self.gradients:
+                copy = self.copies[t].get(name)
+                scope = next((p for p in self.scopes if name.startswith(p + "/")), "")
+                per_scope.setdefault(scope, set()).update(needs.get(copy, ()) if copy else ())
+            reading = [s for s in per_scope.values() if original in s]
+            self._allowed[key] = frozenset(set.intersection(*reading)) if reading else frozenset({original})
+        return self._allowed[key]
+
+    def record(self, t: int, tensor: str, waits: list[str]) -> None:
+        """Note the inputs beyond its own that tower ``t + 1``'s slice ``tensor`` needs fed."""
+        original = next(o for o, s in self.towers.inputs[t + 1].items() if s == tensor)
+        extra = set().union(*(self._needs(t).get(w, ()) for w in waits)) - {original}
+        if extra:
+            self.more.setdefault(original, set()).update(extra)
+
+    def waits(self, t: int, tensor: str, done: list[str]) -> list[str]:
+        """The ops of ``done`` (tower ``t``'s) that tower ``t + 1``'s slice ``tensor`` may wait for."""
+        original = next(o for o, s in self.towers.inputs[t + 1].items() if s == tensor)
+        allowed, needs = self._allowed_inputs(t, original), self._needs(t)
+        return [d for d in done if needs.get(d, frozenset()) <= allowed]
 
 
 def _ref(tensor: str) -> str:
