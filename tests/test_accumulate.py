@@ -29,7 +29,8 @@ def _ops(res) -> dict[str, str]:
 def test_mlp_every_fetch_and_update_exact(optimizer, resource):
     res, _ = check(models.mlp(optimizer, resource), towers=2, batch=13, accumulate=3)
     assert res.report.exact, str(res.report)
-    assert res.report.accumulate == {"micro": 3, "chained": True, "why": None}
+    assert res.report.accumulate == {"micro": 3, "chained": True, "why": None,
+                                     "feeds": {"x:0": ["y:0"], "y:0": ["x:0"]}}
     assert "accumulate    3 micro-batches per device (6 in all)" in str(res.report)
 
 
