@@ -371,3 +371,48 @@ def test_an_inexact_rewrite_with_an_empty_tower_still_runs(kind):
     assert not res.report.exact     # each picks, counts or scatters by tower-local row numbers
     result = compare(_empty_tower_case(kind), res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
     assert np.isfinite(result.max_rel)
+
+
+def _batch_norm_per_tower():
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        w = v1.get_variable("w", [6, 8], initializer=v1.glorot_uniform_initializer(seed=1))
+        h = tf.nn.relu(tf.matmul(x, w))
+        mean, var = tf.nn.moments(h, [0])
+        gamma = v1.get_variable("gamma", [8], initializer=v1.ones_initializer())
+        beta = v1.get_variable("beta", [8], initializer=v1.zeros_initializer())
+        h = tf.nn.batch_normalization(h, mean, var, beta, gamma, 1e-3)
+        out = v1.get_variable("out", [8, 4], initializer=v1.glorot_uniform_initializer(seed=2))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, out)), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("options", [{}, {"aggregation": "packed"}, {"aggregation": "allreduce"},
+                                     {"accumulate": 2}])
+def test_an_empty_tower_s_own_batch_statistics_do_not_reach_the_variables(options):
+    """Batch norm per tower (inexact): an empty tower's mean and variance are NaN, and its
+    gradients for gamma and beta with them; weighed in the towers, they were summed as they
+    were, and every variable was NaN after one step where one device trains (review 18)."""
+    import numpy as np
+
+    import replicate
+    from replicate.check.equivalence import Trainer
+    res = replicate.transform(_batch_norm_per_tower(), ["/cpu:1", "/cpu:2", "/cpu:3"], **options)
+    assert not res.report.exact
+    trainer = Trainer(res.meta_graph_def, "train", 4)
+    rng = np.random.default_rng(6)
+    try:
+        for batch in (2, 1, 7):
+            trainer.step({"x:0": rng.normal(size=(batch, 6)).astype(np.float32),
+                          "y:0": rng.integers(0, 4, size=batch).astype(np.int32)})
+        values = trainer.values()
+        assert all(np.isfinite(v).all() for v in values.values()), \
+            [n for n, v in values.items() if not np.isfinite(v).all()]
+    finally:
+        trainer.close()

@@ -33,7 +33,8 @@ def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
         spec: ``("count",)`` for the tower's share of the first batch class's examples,
             ``("count", c)`` for its share of class ``c``'s, ``("size", t)`` for its share of the
             elements of its copy of tensor ``t``, ``("value", t)`` for its share of the value of
-            its copy of ``t``, ``("uniform",)`` for ``1/N``, ``("ones",)`` for 1.
+            its copy of ``t``, ``("uniform",)`` for ``1/N``, ``("ones",)`` for 1,
+            ``("nonempty",)`` for 1 if the tower has examples, else 0.
     """
     if spec[0] == "count" and len(spec) > 1 and towers.class_counts.get(spec[1]) in (None, towers.counts):
         spec = ("count",)       # the first class is the default one
@@ -43,6 +44,17 @@ def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
     tf_dtype = dtypes.as_dtype(dtype)
     scope = f"{WEIGHTS}/{tf_dtype.name}"
     n = len(towers.devices)
+    if spec == ("nonempty",):
+        name = f"{scope}/nonempty_{k}"
+        if name not in ir.nodes:
+            zero = f"{scope}/nonempty_zero"
+            if zero not in ir.nodes:
+                ir.const(zero, 0, dtypes.int32, device)
+            more = ir.add(f"{name}/more", "Greater", [towers.counts[k], zero], device=device,
+                          attrs={"T": dtypes.int32}).name
+            ir.add(name, "Cast", [more], device=device, attrs={"SrcT": dtypes.bool, "DstT": tf_dtype})
+        towers.weights[key] = name
+        return name
     if spec in (("uniform",), ("ones",)):
         name = f"{scope}/{spec[0]}"
         if name not in ir.nodes:

@@ -14,12 +14,14 @@ tower's read. Sparse gradients stay sparse: values are weighted and
 concatenated, indices concatenated in tower order; rows shared by every tower after the batch
 rows (a sampled loss's sampled classes) are summed once, so the aggregate has the
 single-device rows in the single-device order. ``MulNoNan`` makes a tower with no
-examples contribute zero. With the ``packed`` strategy, dense gradients that share a dtype,
+examples contribute zero; in an inexact rewrite that holds for gradients weighed inside the
+towers too (a tower's own batch statistics over no examples are NaN: batch norm per tower). With the ``packed`` strategy, dense gradients that share a dtype,
 weighting and device travel through a few flat buffers instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from replicate.graph.ir import IR, parse_tensor
@@ -69,10 +71,17 @@ class Aggregate:
             return var_devices.get(f.variable or "", self.controller)
 
         keys = iter(range(1, 1 << 30)) if self.strategy.endswith("allreduce") else None
+        frontier = analysis.frontier
+        if analysis.reasons:
+            # inexact: a tower's own batch statistic over no examples is NaN, and a gradient
+            # weighed in the towers would carry it into the sum (batch norm per tower)
+            frontier = [dataclasses.replace(f, weights=("nonempty",))
+                        if f.role == "dense" and not f.tail and f.weights == ("ones",) else f
+                        for f in frontier]
         if self.strategy.startswith("packed"):
-            aggregates.update(pack(ir, towers, analysis.frontier, copies, device_of, self.controller,
+            aggregates.update(pack(ir, towers, frontier, copies, device_of, self.controller,
                                    SCOPE, keys))
-        for f in analysis.frontier:
+        for f in frontier:
             if f.tensor in aggregates:
                 continue
             name, idx = parse_tensor(f.tensor)
