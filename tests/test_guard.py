@@ -416,3 +416,45 @@ def test_an_empty_tower_s_own_batch_statistics_do_not_reach_the_variables(option
             [n for n, v in values.items() if not np.isfinite(v).all()]
     finally:
         trainer.close()
+
+
+_DEPTHWISE = textwrap.dedent("""
+    import sys
+    import numpy as np, tensorflow as tf
+    import replicate
+    from replicate.check.equivalence import compare
+    v1 = tf.compat.v1
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 8, 8, 8], name="x")
+            y = v1.placeholder(tf.int32, [None], name="y")
+            dw = v1.get_variable("dw", [3, 3, 8, 1], initializer=v1.random_normal_initializer(stddev=0.3, seed=1))
+            h = tf.nn.relu(tf.nn.depthwise_conv2d(x, dw, [1, 1, 1, 1], "SAME"))
+            w = v1.get_variable("w", [8, 4], initializer=v1.random_normal_initializer(seed=2))
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=tf.matmul(tf.reduce_mean(h, [1, 2]), w)))
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        return g
+
+    rng = np.random.RandomState(0)
+    for accumulate in (1, 2):
+        res = replicate.transform(build(), ["/cpu:0", "/cpu:1", "/cpu:2"], accumulate=accumulate)
+        feeds = [{"x:0": rng.rand(b, 8, 8, 8).astype(np.float32) * 10,
+                  "y:0": rng.randint(0, 4, b).astype(np.int32)} for b in (2, 2, 7)]
+        print("RESULT", res.report.exact, compare(build(), res.graph, "train", feeds, cpus=3).max_rel)
+""")
+
+
+def test_an_empty_tower_s_depthwise_filter_gradient_is_zero():
+    """TensorFlow's CPU filter gradient of a depthwise convolution leaves its output unwritten
+    for an empty batch (with oneDNN off, as the README's limits advise for conv nets): an
+    exact rewrite summed that memory into the variable, up to 1e34 off (review 19)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS="0")
+    done = subprocess.run([sys.executable, "-c", _DEPTHWISE], capture_output=True, text=True,
+                          env=env, timeout=240)
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(rows) == 2, done.stderr[-2000:]
+    for _, exact, rel in rows:
+        assert exact == "True" and float(rel) < 1e-5, rows

@@ -50,6 +50,13 @@ sequence length 1 and the single label 0; its loss and gradient are sliced back 
 tower's examples. TensorFlow rejects a batch of 0 ("batch_size must not be 0") and an example
 without labels. With examples nothing is padded and the slices are whole.
 
+Produces, for kernels that leave their output unwritten on no examples
+(:func:`zero_unwritten_outputs`, ops in :data:`UNWRITTEN_ON_EMPTY`): every tower copy's
+output is read through ``SelectV2(batch == 0, zeros, output)``. TensorFlow's CPU filter
+gradient of a depthwise convolution returns uninitialized memory for an empty batch (up to
+1e34 in a variable after one step, claimed exact: review 19); zeros are what one device's
+sum over no examples is. With examples the select passes the output through.
+
 Produces, for stacked lists (:func:`stack_empty_lists`): every tower copy of a
 ``TensorListStack`` whose element shape is only partly known (``tf.map_fn`` over the batch
 with a per-example result of a dynamic length) stacks an empty list with that shape's unknown
@@ -68,7 +75,7 @@ from replicate.batchflow.lattice import PART, Sym
 from replicate.graph.ir import IR, node_of
 
 __all__ = ["infer_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
-           "nonnegative_segments", "pad_ctc_losses"]
+           "nonnegative_segments", "pad_ctc_losses", "zero_unwritten_outputs"]
 
 SCOPE = "replicate/reshape"
 
@@ -321,5 +328,39 @@ def pad_ctc_losses(ir: IR) -> int:
                                                         add(f"size_{out}", "Pack", size, T=i32, N=len(size))],
                              T=dtype, Index=i32)
                 ir.replace_uses(ref, sliced, only=readers)
+            done += 1
+    return done
+
+
+#: Op -> the input whose axis 0 is the batch, for kernels whose output is left unwritten
+#: (uninitialized memory) when that batch is empty.
+UNWRITTEN_ON_EMPTY = {"DepthwiseConv2dNativeBackpropFilter": 0}
+
+
+def zero_unwritten_outputs(ir: IR) -> int:
+    """Read the towers' copies of :data:`UNWRITTEN_ON_EMPTY` ops as zeros when their batch is
+    empty (see the module docstring); returns how many tower ops changed."""
+    done, i32 = 0, dtypes.int32
+    for names in ir.facts["copies"]:
+        for copied in names.values():
+            op = ir.nodes.get(copied)
+            if op is None or op.op not in UNWRITTEN_ON_EMPTY:
+                continue
+            scope, dev = f"{op.name}/replicate/empty", op.device
+            dtype = dtypes.as_dtype(op.attr("T", dtypes.float32))
+            data = op.inputs[UNWRITTEN_ON_EMPTY[op.op]]
+            readers = [c.name for c, _ in ir.data_consumers(op.name)]
+            shape = ir.add(f"{scope}/shape", "Shape", [data], device=dev,
+                           attrs={"T": dtypes.as_dtype(ir.output_dtype(data)), "out_type": i32}).name
+            batch = ir.add(f"{scope}/batch", "StridedSlice", [
+                shape, ir.const(f"{scope}/at", [0], i32, dev), ir.const(f"{scope}/end", [1], i32, dev),
+                ir.const(f"{scope}/step", [1], i32, dev)], device=dev,
+                attrs={"T": i32, "Index": i32, "shrink_axis_mask": 1}).name
+            empty = ir.add(f"{scope}/empty", "Equal", [batch, ir.const(f"{scope}/zero", 0, i32, dev)],
+                           device=dev, attrs={"T": i32, "incompatible_shape_error": True}).name
+            zeros = ir.add(f"{scope}/zeros", "ZerosLike", [op.name], device=dev, attrs={"T": dtype}).name
+            chosen = ir.add(f"{scope}/output", "SelectV2", [empty, zeros, op.name], device=dev,
+                            attrs={"T": dtype}).name
+            ir.replace_uses(op.name, chosen, only=readers)
             done += 1
     return done

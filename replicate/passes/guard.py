@@ -13,7 +13,8 @@ Also: every tower copy of an op that picks examples by position checks first tha
 holds enough examples, with a message that says so (:mod:`replicate.passes._picks`); and a
 tower's run-time reshape target gets the ``-1`` the analysis proved, a gradient range a
 nonzero step, a stack of an empty list a full element shape, and the gradient of a gather
-along another axis its number of indices, a segment op a count of at least 0, and a CTC loss a padding example, where an empty tower would fail (:mod:`replicate.passes._empty`); and every tower gather of a flattened batch by offsets
+along another axis its number of indices, a segment op a count of at least 0, a CTC loss a padding example, and a depthwise filter
+gradient zeros (its kernel leaves the output unwritten), where an empty tower would fail (:mod:`replicate.passes._empty`); and every tower gather of a flattened batch by offsets
 ``range(batch) * stride + offset`` checks that each offset stays inside its own example
 (:mod:`replicate.passes._strided`).
 
@@ -44,7 +45,8 @@ from tensorflow.python.framework import dtypes
 
 from replicate.graph.ir import IR
 from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, nonnegative_segments,
-                                     nonzero_steps, pad_ctc_losses, stack_empty_lists)
+                                     nonzero_steps, pad_ctc_losses, stack_empty_lists,
+                                     zero_unwritten_outputs)
 from replicate.passes._picks import assert_examples
 from replicate.passes._strided import check_offsets
 from replicate.passes.pipeline import PassResult
@@ -82,11 +84,12 @@ class Guard:
             done += offsets
         pinned, steps, stacks = infer_reshapes(ir), nonzero_steps(ir), stack_empty_lists(ir)
         widths, counts, ctc = gather_gradient_widths(ir), nonnegative_segments(ir), pad_ctc_losses(ir)
+        ctc += zero_unwritten_outputs(ir)
         if pinned or steps or stacks or widths or counts or ctc:
             log.info("guard: %d tower reshapes get their inferred dimension from the analysis, "
                      "%d gradient ranges a nonzero step, %d list stacks a full shape when empty, "
                      "%d gather gradients their number of indices, %d segment ops a count of "
-                     "at least 0, %d CTC losses a padding example", pinned, steps, stacks,
+                     "at least 0, %d CTC losses or unwritten outputs a guard", pinned, steps, stacks,
                      widths, counts, ctc)
             done += pinned + steps + stacks + widths + counts + ctc
         log.info("guard: %d max-pooling gradients guarded against empty batches", done)
