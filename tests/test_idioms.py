@@ -620,3 +620,65 @@ def test_time_major_inputs_found_past_the_op_before_the_loop(kind):
         assert any(f"input '{moved}' is taken to be time-major" in w for w in res.report.warnings)
         cmp = compare(_time_major_variant(kind), res.graph, "train", feeds, fetch=("loss:0",))
         assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def _labels_first() -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        y = v1.placeholder(tf.int32, [None], name="y")          # declared before the features
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        logits = tf.matmul(x, w, name="logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        v1.train.GradientDescentOptimizer(0.2).minimize(loss, name="train")
+    return graph
+
+
+def _gan_scoring_both() -> tf.Graph:
+    """The discriminator scores ``concat([x, G(z)], 0)``; the generator's loss reads ``z``
+    alone."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        z = v1.placeholder(tf.float32, [None, 2], name="z")
+        gen = v1.get_variable("gen", [2, 4], initializer=v1.random_normal_initializer(seed=3))
+        disc = v1.get_variable("disc", [4, 1], initializer=v1.random_normal_initializer(seed=4))
+        fake = tf.tanh(tf.matmul(z, gen))
+        b = tf.shape(x)[0]
+        both = tf.matmul(tf.concat([x, fake], 0), disc)
+        xent = tf.nn.sigmoid_cross_entropy_with_logits
+        d_loss = tf.reduce_mean(xent(labels=tf.ones_like(both[:b]), logits=both[:b])) + \
+            tf.reduce_mean(xent(labels=tf.zeros_like(both[b:]), logits=both[b:]))
+        g_logits = tf.matmul(fake, disc)
+        g_loss = tf.reduce_mean(xent(labels=tf.ones_like(g_logits), logits=g_logits))
+        v1.train.GradientDescentOptimizer(0.1).minimize(d_loss, var_list=[disc], name="d_train")
+        v1.train.GradientDescentOptimizer(0.1).minimize(g_loss, var_list=[gen], name="g_train")
+    return graph
+
+
+def test_a_run_feeds_only_what_its_fetches_read():
+    """Every input of a batch was split by sizes computed from the shape of the first input
+    in graph order: a prediction fed ``x`` asked for the labels ``y`` declared before it, and
+    a GAN's generator step fed ``z`` asked for ``x`` (review 19). Each input is now split by
+    its own size, and the counts that weigh the towers come from the input most train ops read."""
+    from replicate.check.equivalence import Trainer
+    rng = np.random.RandomState(0)
+    res = replicate.transform(_labels_first(), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    one, many = Trainer(_labels_first(), "train", 4), Trainer(res.meta_graph_def, "train", 4)
+    many.load(one.values())
+    x = {"x:0": rng.randn(7, 4).astype(np.float32)}
+    np.testing.assert_allclose(one.session.run("logits:0", x), many.session.run("logits:0", x),
+                               rtol=1e-5, atol=1e-6)
+    one.close()
+    many.close()
+    res = replicate.transform(_gan_scoring_both(), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    one, many = Trainer(_gan_scoring_both(), "d_train", 4), Trainer(res.meta_graph_def, "d_train", 4)
+    many.load(one.values())
+    z = {"z:0": rng.randn(7, 2).astype(np.float32)}
+    one.session.run("g_train", z)
+    many.session.run("g_train", z)         # asked for 'x' before
+    expected, got = one.values(), many.values()
+    np.testing.assert_allclose(expected["gen"], got["gen"], rtol=1e-5)
+    one.close()
+    many.close()

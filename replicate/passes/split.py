@@ -9,7 +9,9 @@ more example; a second class, such as a GAN's noise, under ``replicate/split/cla
 and ``ir.facts["towers"]``, a :class:`~replicate.batchflow.facts.Towers` holding the tower
 prefixes, each tower's input tensors and the count tensors. With a static batch size the
 counts are constants; otherwise they are computed from the class's first input's shape,
-so uneven and tiny batches (even fewer examples than towers) split correctly. A batch input
+so uneven and tiny batches (even fewer examples than towers) split correctly, and each other
+input of the class is split by the same counts computed from its own shape (a run may feed
+it without the first). A batch input
 fed as a ``SparseTensor`` gives each tower the entries of its examples (``passes/_sparse.py``).
 With gradient accumulation (``micro`` = k) every device gets k consecutive virtual towers,
 one per micro-batch, and the batch is split into (devices x k) slices the same way.
@@ -71,9 +73,14 @@ class Split:
                                 f"{first.node}: {first.what}{more}; {first.fix}")
         towers = Towers(self.devices, tower_prefixes(ir, n), [dict() for _ in range(n)], [], None,
                         micro=self.micro)
-        order = list(dict.fromkeys(b.cls for b in analysis.batch_inputs))
+        readers = _train_ops_reading(ir, analysis)
+        # the first class (whose counts weigh the towers by default) is the one read by the
+        # most train ops, and so is each class's first input
+        order = list(dict.fromkeys(b.cls for b in sorted(analysis.batch_inputs,
+                                                         key=lambda b: -readers.get(b.tensor, 0))))
         for i, cls in enumerate(order):
-            members = [b for b in analysis.batch_inputs if b.cls == cls]
+            members = sorted((b for b in analysis.batch_inputs if b.cls == cls),
+                             key=lambda b: -readers.get(b.tensor, 0))
             scope = SCOPE if i == 0 else f"{SCOPE}/class_{i}"
             sizes = self._counts(ir, towers, cls, members, scope, analysis.classes.get(cls),
                                  analysis.granule)
@@ -81,7 +88,9 @@ class Split:
             dense = [b for b in members if b.sparse is None]
             for batch_input in members:
                 if batch_input.sparse is None:
-                    self._split(ir, towers, batch_input, sizes)
+                    own = batch_input is dense[0] or analysis.classes.get(cls) is not None
+                    self._split(ir, towers, batch_input, sizes if own else
+                                self._own_sizes(ir, batch_input, analysis.granule))
                     if batch_input is not dense[0] and any(b.tensor in guessed for b in dense):
                         self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
                                           guessed)
@@ -132,6 +141,28 @@ class Split:
             batch = _size(ir, dense[0].tensor, dense[0].axis, scope, "batch_size", dev)
         else:
             batch = _sparse.batch_size(ir, members[0].sparse, scope, dev)
+        counts = self._shares(ir, batch, scope, granule)
+        towers.class_static[cls] = None
+        towers.class_batch[cls] = batch
+        towers.class_counts[cls] = counts
+        return ir.add(f"{scope}/sizes", "Pack", counts, device=dev,
+                      attrs={"T": dtypes.int32, "N": n, "axis": 0}).name
+
+    def _own_sizes(self, ir: IR, batch_input, granule: int) -> str:
+        """The ``SplitV`` sizes of an input of a dynamic batch computed from its own shape
+        (they equal its class's when the driver feeds the class together): a run that feeds
+        it without the class's first input (a prediction fed ``x`` where the labels ``y`` come
+        first in the graph) asked for that input (review 19)."""
+        name, idx = parse_tensor(batch_input.tensor)
+        scope, dev = f"{SCOPE}/{name}_{idx}/own", self.controller
+        counts = self._shares(ir, _size(ir, batch_input.tensor, batch_input.axis, scope, "batch_size", dev),
+                              scope, granule)
+        return ir.add(f"{scope}/sizes", "Pack", counts, device=dev,
+                      attrs={"T": dtypes.int32, "N": len(counts), "axis": 0}).name
+
+    def _shares(self, ir: IR, batch: str, scope: str, granule: int) -> list[str]:
+        """Each tower's count of a dynamic batch of ``batch`` examples (see :meth:`_counts`)."""
+        n, dev = len(self.devices), self.controller
         towers_const = ir.const(f"{scope}/towers", n, dtypes.int32, dev)
         i32 = {"T": dtypes.int32}
         units = batch
@@ -150,11 +181,7 @@ class Split:
             rest = ir.add(f"{scope}/rest", "FloorMod", [batch, size], device=dev, attrs=i32).name
             counts[0] = ir.add(f"{scope}/count_0", "AddV2", [counts[0], rest], device=dev,
                                attrs=i32).name
-        towers.class_static[cls] = None
-        towers.class_batch[cls] = batch
-        towers.class_counts[cls] = counts
-        return ir.add(f"{scope}/sizes", "Pack", counts, device=dev,
-                      attrs={"T": dtypes.int32, "N": n, "axis": 0}).name
+        return counts
 
     def _split(self, ir: IR, towers: Towers, batch_input, sizes: str) -> None:
         n, dev = len(self.devices), self.controller
@@ -187,6 +214,30 @@ class Split:
         check = ir.add(f"{scope}/assert", "Assert", [same, message, size, batch], device=dev,
                        attrs={"T": [dtypes.string, dtypes.int32, dtypes.int32], "summarize": 3})
         ir.set_control(f"{SCOPE}/{name}_{idx}", [check.name])
+
+
+def _train_ops_reading(ir: IR, analysis) -> dict[str, int]:
+    """Batch input -> how many gradient scopes (train ops) depend on it. A class's counts are
+    computed from the input the most train ops read, so that each train op's weights need
+    only its own feeds (a GAN's generator step fed the noise alone, its discriminator scoring
+    ``concat([x, G(z)], 0)``: the counts came from ``x``, and the step asked for it)."""
+    scopes = sorted((s.prefix for s in analysis.scopes), key=len, reverse=True)
+    owner = {parse_tensor(f.tensor)[0]: next((p for p in scopes if f.tensor.startswith(p + "/")), "")
+             for f in analysis.frontier if f.gradient}
+    counts = {}
+    for b in analysis.batch_inputs:
+        work = [c.name for c, _ in ir.data_consumers(b.tensor)]
+        seen, found = set(work), set()
+        while work:
+            name = work.pop()
+            if name in owner:
+                found.add(owner[name])
+            for after in ir.consumers(name):
+                if after.name not in seen:
+                    seen.add(after.name)
+                    work.append(after.name)
+        counts[b.tensor] = len(found)
+    return counts
 
 
 def _size(ir: IR, tensor: str, axis: int, scope: str, name: str, dev: str) -> str:
