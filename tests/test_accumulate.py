@@ -165,6 +165,32 @@ def test_each_train_op_runs_with_its_own_feeds():
         many.close()
 
 
+def test_a_side_effect_of_the_loss_value_runs_only_when_the_loss_is_fetched():
+    """A counter that only the loss's value reads (``loss + 0 * counter.assign_add(1)``): one
+    device's train op never computes the loss's value. The micro-batch gates waited for the
+    towers' losses, so the train op counted once per step (claimed exact; review 19)."""
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4, 1], initializer=v1.random_normal_initializer(seed=1))
+        count = v1.get_variable("count", [], initializer=v1.ones_initializer(), trainable=False)
+        err = tf.square(tf.squeeze(tf.matmul(x, w), 1) - y)
+        loss = tf.identity(tf.reduce_mean(err) + 0.0 * v1.assign_add(count, 1.0), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, CPUS[:2], accumulate=2)
+    assert res.report.exact, res.report.reasons
+    trainer = Trainer(res.meta_graph_def, "train")
+    rng = np.random.RandomState(0)
+    try:
+        for _ in range(3):
+            trainer.step({"x:0": rng.randn(6, 4).astype(np.float32), "y:0": rng.randn(6).astype(np.float32)})
+        assert trainer.values()["count"] == 1.0
+    finally:
+        trainer.close()
+
+
 def test_global_step_once_per_step():
     model = models.mlp("sgd")
     res = replicate.transform(model.graph, CPUS[:2], accumulate=4)

@@ -682,3 +682,34 @@ def test_a_run_feeds_only_what_its_fetches_read():
     np.testing.assert_allclose(expected["gen"], got["gen"], rtol=1e-5)
     one.close()
     many.close()
+
+
+def _in_batch_negatives() -> tf.Graph:
+    """Two-tower retrieval: every user is scored against every item of the batch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        u = v1.placeholder(tf.int32, [None], name="u")
+        i = v1.placeholder(tf.int32, [None], name="i")
+        users = v1.get_variable("users", [9, 3], initializer=v1.random_normal_initializer(stddev=0.3, seed=3))
+        items = v1.get_variable("items", [12, 3], initializer=v1.random_normal_initializer(stddev=0.3, seed=4))
+        logits = tf.matmul(tf.nn.embedding_lookup(users, u), tf.nn.embedding_lookup(items, i),
+                           transpose_b=True)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.range(tf.shape(u)[0]), logits=logits), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 2)])
+def test_in_batch_negatives_run(towers, batch, accumulate):
+    """Each tower scores its users against all the batch's items (a shared input): the item
+    table's gradient took the ids once beside every tower's rows, and the update failed
+    (review 19). The rows for ids the update reads whole are summed; inexact (the labels are
+    tower-local row numbers), and it runs."""
+    res = replicate.transform(_in_batch_negatives(), [f"/cpu:{k}" for k in range(1, towers + 1)],
+                              accumulate=accumulate)
+    assert not res.report.exact
+    rng = np.random.RandomState(0)
+    feeds = [{"u:0": rng.randint(0, 9, batch).astype(np.int32),
+              "i:0": rng.randint(0, 12, batch).astype(np.int32)} for _ in range(2)]
+    assert np.isfinite(compare(_in_batch_negatives(), res.graph, "train", feeds).max_rel)

@@ -189,16 +189,18 @@ _VALUE_PASSTHROUGH = frozenset({"Identity", "Mul", "RealDiv", "Neg", "Cast", "Re
 _INDEX_PASSTHROUGH = frozenset({"Identity", "Unique", "Reshape", "Cast", "Snapshot"})
 
 
-def sparse_roles(ir: IR, frontier: set[str]) -> dict[str, str]:
+def sparse_roles(ir: IR, frontier: set[str], meets: list | None = None) -> dict[str, str]:
     """Tensors of ``frontier`` that are values or indices of a sparse (IndexedSlices) gradient.
 
     Walks back from the values and indices inputs of sparse updates (``SparseApply*``,
-    ``Scatter*``, ``UnsortedSegmentSum`` of a deduplication) to the frontier.
+    ``Scatter*``, ``UnsortedSegmentSum`` of a deduplication) to the frontier. ``meets``, if
+    given, receives (values, indices) frontier tensors that meet at one update (indices None
+    when the update's indices are outside the frontier: shared ids every tower reads).
     """
     roles: dict[str, str] = {}
 
-    def walk(ref: str, role: str, passthrough: frozenset[str]) -> None:
-        stack, seen = [ref], set()
+    def walk(ref: str, role: str, passthrough: frozenset[str]) -> set[str]:
+        stack, seen, reached = [ref], set(), set()
         while stack:
             cur = stack.pop()
             key = tensor_name(*parse_tensor(cur))
@@ -207,11 +209,13 @@ def sparse_roles(ir: IR, frontier: set[str]) -> dict[str, str]:
             seen.add(key)
             if key in frontier:
                 roles.setdefault(key, role)
+                reached.add(key)
                 continue
             node = ir.nodes.get(node_of(cur))
             if node is None or node.op not in passthrough:
                 continue
             stack.extend(node.inputs[:1] if node.op in ("Unique", "GatherV2", "Gather") else node.inputs)
+        return reached
 
     for node in ir.nodes.values():
         spec = ops.APPLY_OPS.get(node.op)
@@ -226,8 +230,11 @@ def sparse_roles(ir: IR, frontier: set[str]) -> dict[str, str]:
                           "segment_ids" if node.op != "ScatterNd" else "indices"))
         for value_arg, index_arg in pairs:
             vpos, ipos = ir.arg_index(node, value_arg), ir.arg_index(node, index_arg)
+            values = indices = set()
             if vpos is not None and vpos < len(node.inputs):
-                walk(node.inputs[vpos], "sparse_values", _VALUE_PASSTHROUGH)
+                values = walk(node.inputs[vpos], "sparse_values", _VALUE_PASSTHROUGH)
             if ipos is not None and ipos < len(node.inputs):
-                walk(node.inputs[ipos], "sparse_indices", _INDEX_PASSTHROUGH)
+                indices = walk(node.inputs[ipos], "sparse_indices", _INDEX_PASSTHROUGH)
+            if meets is not None:
+                meets.extend((v, i) for v in values for i in (indices or [None]))
     return roles

@@ -9,6 +9,8 @@ mean, a sum, a max or a min.
 
 from __future__ import annotations
 
+import dataclasses
+
 import collections
 
 from replicate.batchflow.effects import writes
@@ -42,7 +44,8 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                     crossing.setdefault(tensor_name(*parse_tensor(ref)), None)
     crossing_sorted = _sorted(ir, crossing)
     grads = [t for t in crossing_sorted if node_of(t) in in_grad and node_of(t) in dependent]
-    roles = sparse_roles(ir, set(grads))
+    pairs: list[tuple[str, str]] = []
+    roles = sparse_roles(ir, set(grads), pairs)
     variables = _nearest_variables(ir, grads, apply_ops)
     frontier: list[Frontier] = []
     doubtful: list[tuple[str, object]] = []
@@ -75,6 +78,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             raise AnalysisError(f"gradient '{t}' has rows that are part batch, part shared on axis "
                                 f"{fact.axis}; replicate combines such gradients only along axis 0")
         frontier.append(Frontier(t, role, True, variables.get(t), _scope_weights(t, scopes), tail=tail))
+    frontier = _pair_shared_ids(frontier, pairs)
 
     unmergeable: list[str] = []
     forward_only: list[str] = []
@@ -231,3 +235,19 @@ def _nearest_variables(ir: IR, grads: list[str], apply_ops: list[ApplyOp]) -> di
                     seen.add(consumer.name)
                     queue.append(consumer.name)
     return out
+
+
+def _pair_shared_ids(frontier: list[Frontier], pairs: list[tuple[str, str]]) -> list[Frontier]:
+    """Ids every tower shares are taken once (tower 0's) only where their values are summed
+    across the towers; where each tower's values are concatenated, so are its copies of the
+    ids, and the update adds the duplicates. In-batch negatives (every tower scores all the
+    batch's items: each tower's rows for the same ids) took the ids once beside N copies of
+    the rows, and the update failed (review 19). Ids the update reads outside the towers (a
+    shared input's) have their rows summed."""
+    role = {f.tensor: f.role for f in frontier}
+    concatenated = {i for v, i in pairs if role.get(v) == "sparse_values" and role.get(i) == "first"}
+    # ids read whole by the update, outside the towers: each tower's rows for them are summed
+    summed = {v for v, i in pairs if i is None and role.get(v) == "sparse_values"} - \
+        {v for v, i in pairs if i is not None}
+    return [dataclasses.replace(f, role="sparse_indices") if f.tensor in concatenated else
+            dataclasses.replace(f, role="dense") if f.tensor in summed else f for f in frontier]

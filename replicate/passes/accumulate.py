@@ -64,7 +64,8 @@ class Accumulate:
         if towers.micro <= 1:
             return PassResult(ir, False)
         analysis, copies = ir.facts["analysis"], ir.facts["copies"]
-        done_of = [self._done(ir, analysis, copy) for copy in copies]
+        graph = ir.to_networkx(control=True)
+        done_of = [self._done(ir, analysis, copy, graph) for copy in copies]
         plan = []        # (tower, previous tower, [(slice, readers)])
         for chain in towers.chains():
             for prev, t in zip(chain, chain[1:]):
@@ -120,14 +121,21 @@ class Accumulate:
         return PassResult(ir, True)
 
     @classmethod
-    def _done(cls, ir: IR, analysis, copy: dict[str, str]) -> list[str]:
-        """The tower ops whose completion ends a micro-batch: its gradients and forward outputs.
+    def _done(cls, ir: IR, analysis, copy: dict[str, str], graph) -> list[str]:
+        """The tower ops whose completion ends a micro-batch: its gradients and the forward
+        outputs they need. A forward output the gradients do not need (the loss's value: the
+        gradient of a sum does not read it) is computed only when fetched, as on one device;
+        waiting for it made the train op compute it, and with it a counter's ``assign_add``
+        that only the loss's value read (claimed exact, counted each step; review 19).
 
         Only ops outside TF1 loops and conds: a control edge out of a loop frame into the root
         frame is invalid, and an op in the branch a TF1 cond does not take is dead, which would
         kill the gate and everything it holds ("Retval does not have value"); a loop or cond is
         done once its ``Exit`` or ``Merge`` values, which its readers wait for, are."""
-        names = {node_of(f.tensor) for f in analysis.frontier} | {node_of(f.tensor) for f in analysis.outputs}
+        gradients = {node_of(f.tensor) for f in analysis.frontier}
+        needed = ir.ancestors([copy[n] for n in gradients if n in copy], graph)
+        names = gradients | {n for n in (node_of(f.tensor) for f in analysis.outputs)
+                             if n in copy and copy[n] in needed}
         depths = analysis.flow.depths
         branches = cls._in_branches(ir, names)
         return sorted(copy[n] for n in names if n in copy and not depths.get(n, 0) and n not in branches)
