@@ -228,6 +228,14 @@ class Classes:
         #: (``tf.reshape(x, [-1, 2, d])``, ``tf.split(x, 2)``), so each tower's share must be a
         #: multiple of ``g`` for it to run at all.
         self.granules: list[tuple[int, int, str]] = []
+        #: Classes made one by evidence, not by an op that needs equal sizes (row numbers of
+        #: one input picking rows of another): their inputs are split by the same counts, so
+        #: a feed of other sizes fails in the split instead of pairing other examples.
+        self.evidence: list[int] = []
+
+    def by_evidence(self, c: int) -> bool:
+        """Whether class ``c`` was joined to another by evidence (see ``evidence``)."""
+        return any(self.find(e) == self.find(c) for e in self.evidence)
 
     def new(self, static: int | None) -> int:
         """A new class of ``static`` examples (None when dynamic)."""

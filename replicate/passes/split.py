@@ -11,7 +11,8 @@ prefixes, each tower's input tensors and the count tensors. With a static batch 
 counts are constants; otherwise they are computed from the class's first input's shape,
 so uneven and tiny batches (even fewer examples than towers) split correctly, and each other
 input of the class is split by the same counts computed from its own shape (a run may feed
-it without the first). A batch input
+it without the first), unless the class was joined by evidence only (row numbers of one input
+picking rows of another), where one split by the first's counts fails on a feed of other sizes. A batch input
 fed as a ``SparseTensor`` gives each tower the entries of its examples (``passes/_sparse.py``).
 With gradient accumulation (``micro`` = k) every device gets k consecutive virtual towers,
 one per micro-batch, and the batch is split into (devices x k) slices the same way.
@@ -88,8 +89,9 @@ class Split:
             dense = [b for b in members if b.sparse is None]
             for batch_input in members:
                 if batch_input.sparse is None:
-                    own = batch_input is dense[0] or analysis.classes.get(cls) is not None
-                    self._split(ir, towers, batch_input, sizes if own else
+                    common = batch_input is dense[0] or analysis.classes.get(cls) is not None \
+                        or (analysis.flow is not None and analysis.flow.classes.by_evidence(cls))
+                    self._split(ir, towers, batch_input, sizes if common else
                                 self._own_sizes(ir, batch_input, analysis.granule))
                     if batch_input is not dense[0] and any(b.tensor in guessed for b in dense):
                         self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
