@@ -60,6 +60,17 @@ GUARDED_OPS = {"MaxPoolGrad": 3, "MaxPoolGradV2": 3, "MaxPool3DGrad": 3}
 
 SCOPE = "replicate/guard"
 
+#: Guards of ops an empty tower would run wrongly or not at all (``passes/_empty.py``).
+EMPTY_GUARDS = (
+    (infer_reshapes, "reshapes get their inferred dimension from the analysis"),
+    (nonzero_steps, "gradient ranges and integer divisions a nonzero step or divisor"),
+    (stack_empty_lists, "list stacks a full element shape when empty"),
+    (gather_gradient_widths, "gather gradients their number of indices"),
+    (nonnegative_segments, "segment ops a count of at least 0"),
+    (pad_ctc_losses, "CTC losses a padding example when empty"),
+    (zero_unwritten_outputs, "kernels that leave their output unwritten when empty read zeros"),
+)
+
 
 class Guard:
     """Empty-batch guards around max-pooling gradients in the towers (no options)."""
@@ -82,17 +93,12 @@ class Guard:
         if offsets:
             log.info("guard: %d tower gathers check their offsets into the flattened batch", offsets)
             done += offsets
-        pinned, steps, stacks = infer_reshapes(ir), nonzero_steps(ir), stack_empty_lists(ir)
-        widths, counts, ctc = gather_gradient_widths(ir), nonnegative_segments(ir), pad_ctc_losses(ir)
-        ctc += zero_unwritten_outputs(ir)
-        if pinned or steps or stacks or widths or counts or ctc:
-            log.info("guard: %d tower reshapes get their inferred dimension from the analysis, "
-                     "%d gradient ranges a nonzero step, %d list stacks a full shape when empty, "
-                     "%d gather gradients their number of indices, %d segment ops a count of "
-                     "at least 0, %d CTC losses or unwritten outputs a guard", pinned, steps, stacks,
-                     widths, counts, ctc)
-            done += pinned + steps + stacks + widths + counts + ctc
-        log.info("guard: %d max-pooling gradients guarded against empty batches", done)
+        for guard, what in EMPTY_GUARDS:
+            changed = guard(ir)
+            if changed:
+                log.info("guard: %d tower %s", changed, what)
+                done += changed
+        log.info("guard: %d tower ops guarded in all", done)
         return PassResult(ir, done > 0)
 
     @staticmethod
