@@ -191,6 +191,47 @@ def test_a_side_effect_of_the_loss_value_runs_only_when_the_loss_is_fetched():
         trainer.close()
 
 
+def _gan_scoring_both() -> tf.Graph:
+    """A GAN whose discriminator scores ``concat([x, G(z)], 0)``: the analysis feeds ``x``
+    whole to every tower (its rows come before another batch's), not split."""
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        z = v1.placeholder(tf.float32, [None, 2], name="z")
+        gw = v1.get_variable("gw", [2, 3], initializer=v1.random_normal_initializer(seed=3))
+        dw = v1.get_variable("dw", [3, 1], initializer=v1.random_normal_initializer(seed=4))
+        fake = tf.tanh(tf.matmul(z, gw))
+        labels = tf.concat([tf.ones_like(x[:, :1]), tf.zeros_like(fake[:, :1])], 0)
+        d_loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=labels, logits=tf.matmul(tf.concat([x, fake], 0), dw)))
+        g_loss = tf.reduce_mean(tf.nn.softplus(-tf.matmul(fake, dw)))
+        v1.train.GradientDescentOptimizer(0.1).minimize(d_loss, var_list=[dw], name="d_train")
+        v1.train.GradientDescentOptimizer(0.1).minimize(g_loss, var_list=[gw], name="g_train")
+    return graph
+
+
+def test_a_generator_step_fed_alone_needs_no_input_fed_whole_to_the_discriminator():
+    """``x`` is fed whole to every tower, not split, so it was not counted among the inputs
+    the gates' work needs: the generator's step fed ``z`` alone asked for ``x`` at
+    ``accumulate=2`` (review 20). Inexact (the concatenation), and it runs."""
+    res = replicate.transform(_gan_scoring_both(), CPUS[:2], accumulate=2)
+    assert "x:0" in res.report.shared_inputs
+    one, many = Trainer(_gan_scoring_both(), "d_train", 4), Trainer(res.meta_graph_def, "d_train", 4)
+    many.load(one.values())
+    rng = np.random.RandomState(0)
+    try:
+        for _ in range(2):
+            x, z = rng.randn(7, 3).astype(np.float32), rng.randn(7, 2).astype(np.float32)
+            for trainer in (one, many):
+                trainer.session.run("d_train", {"x:0": x, "z:0": z})
+                trainer.session.run("g_train", {"z:0": z})
+        assert all(np.isfinite(v).all() for v in many.values().values())
+    finally:
+        one.close()
+        many.close()
+
+
 def test_global_step_once_per_step():
     model = models.mlp("sgd")
     res = replicate.transform(model.graph, CPUS[:2], accumulate=4)

@@ -715,33 +715,30 @@ def test_in_batch_negatives_run(towers, batch, accumulate):
     assert np.isfinite(compare(_in_batch_negatives(), res.graph, "train", feeds).max_rel)
 
 
-def _q_pick(int64: bool) -> tf.Graph:
-    """DQN's Q-value of the action taken: ``gather_nd(q, stack([range(n), actions], 1))``
-    with ``n`` the actions' count (PPO's log-probability pick is the same)."""
+
+def _offset_rows() -> tf.Graph:
     graph = tf.Graph()
     with graph.as_default():
-        s = v1.placeholder(tf.float32, [None, 5], name="s")
-        a = v1.placeholder(tf.int32, [None], name="a")
-        r = v1.placeholder(tf.float32, [None], name="r")
-        w = v1.get_variable("w", [5, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        q = tf.matmul(s, w)
-        kind = tf.int64 if int64 else tf.int32
-        rows = tf.range(tf.shape(a, out_type=kind)[0])
-        picked = tf.gather_nd(q, tf.stack([rows, tf.cast(a, kind)], 1))
-        loss = tf.reduce_mean(tf.square(picked - r), name="loss")
-        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        m = v1.placeholder(tf.float32, [None, 4], name="m")
+        w = v1.get_variable("w", [4, 4], initializer=v1.random_normal_initializer(seed=2))
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - m), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
     return graph
 
 
-@pytest.mark.parametrize("int64", [False, True])
-@pytest.mark.parametrize("batch,accumulate", [(7, 1), (2, 2)])
-def test_a_q_value_picked_by_the_actions_row_numbers_is_exact(int64, batch, accumulate):
-    """The row numbers come from the actions' shape, the rows from the states': one batch, as
-    a gather by another input's row numbers already was (reported 'picks examples of the batch
-    by position', review 19)."""
-    res = replicate.transform(_q_pick(int64), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+def test_inputs_split_by_their_own_sizes_check_them_where_they_meet():
+    """``m`` fed one row broadcasts against ``x``'s batch on one device. Split by its own size,
+    it went whole to tower 0 and the others paired their examples with no rows (claimed exact,
+    0.1 off; review 20). Where ``x`` and ``m`` meet, a check now stops the step with a message;
+    fed as many rows as ``x``, it is exact."""
+    from replicate.errors import RewriteError
+    res = replicate.transform(_offset_rows(), ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert res.report.exact, res.report.reasons
     rng = np.random.RandomState(0)
-    feeds = [{"s:0": rng.randn(batch, 5).astype(np.float32), "a:0": rng.randint(0, 3, batch).astype(np.int32),
-              "r:0": rng.randn(batch).astype(np.float32)} for _ in range(3)]
-    assert compare(_q_pick(int64), res.graph, "train", feeds).max_rel < 1e-5
+    feeds = [{"x:0": rng.randn(7, 4).astype(np.float32), "m:0": rng.randn(7, 4).astype(np.float32)}
+             for _ in range(2)]
+    assert compare(_offset_rows(), res.graph, "train", feeds).max_rel < 1e-5
+    one_row = [{"x:0": rng.randn(4, 4).astype(np.float32), "m:0": rng.randn(1, 4).astype(np.float32)}]
+    with pytest.raises(RewriteError, match="holds another number of examples"):
+        compare(_offset_rows(), res.graph, "train", one_row)

@@ -257,13 +257,16 @@ class _Feeds:
         self._allowed: dict[tuple[int, str], frozenset] = {}
         #: input -> the other inputs a run that reads it must feed (its gate's work needs them)
         self.more: dict[str, set[str]] = {}
-        # before the gates change the readers of the slices
-        self._inputs = [self._depends(t) for t in range(len(towers.inputs))]
+        # before the gates change the readers of the slices; inputs fed whole to every tower
+        # count too (a GAN's real images beside its noise, when the analysis shares them)
+        whole = {t: t for t in analysis.shared_inputs if node_of(t) in ir.nodes}
+        self._inputs = [self._depends({**whole, **towers.inputs[t]}) for t in range(len(towers.inputs))]
 
-    def _depends(self, t: int) -> dict[str, frozenset]:
-        """Node -> the inputs (tower ``t``'s slices, by original name) it depends on."""
+    def _depends(self, inputs: dict[str, str]) -> dict[str, frozenset]:
+        """Node -> the inputs (by original name) it depends on, of ``inputs`` (original ->
+        the tensor a tower reads)."""
         found: dict[str, set] = {}
-        for original, tensor in self.towers.inputs[t].items():
+        for original, tensor in inputs.items():
             work = list({c.name for c, _ in self.ir.data_consumers(tensor)})
             seen = set(work)
             while work:

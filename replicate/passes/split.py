@@ -11,7 +11,8 @@ prefixes, each tower's input tensors and the count tensors. With a static batch 
 counts are constants; otherwise they are computed from the class's first input's shape,
 so uneven and tiny batches (even fewer examples than towers) split correctly, and each other
 input of the class is split by the same counts computed from its own shape (a run may feed
-it without the first), unless the class was joined by evidence only (row numbers of one input
+it without the first; where the two meet, a check that they hold as many examples runs first:
+``passes/_meets.py``), unless the class was joined by evidence only (row numbers of one input
 picking rows of another), where one split by the first's counts fails on a feed of other sizes. A batch input
 fed as a ``SparseTensor`` gives each tower the entries of its examples (``passes/_sparse.py``).
 With gradient accumulation (``micro`` = k) every device gets k consecutive virtual towers,
@@ -28,6 +29,7 @@ from replicate.batchflow.facts import Towers
 from replicate.errors import AnalysisError
 from replicate.graph.ir import IR, parse_tensor, tensor_name
 from replicate.passes import _sparse
+from replicate.passes._meets import check_meetings
 from replicate.passes.pipeline import PassResult
 
 __all__ = ["Split", "tower_prefixes", "SCOPE"]
@@ -93,6 +95,12 @@ class Split:
                         or (analysis.flow is not None and analysis.flow.classes.by_evidence(cls))
                     self._split(ir, towers, batch_input, sizes if common else
                                 self._own_sizes(ir, batch_input, analysis.granule))
+                    if not common:
+                        name, idx = parse_tensor(batch_input.tensor)
+                        scope = f"{SCOPE}/{name}_{idx}/own"
+                        check_meetings(ir, dense[0].tensor, batch_input.tensor, towers.class_batch[cls],
+                                       f"{scope}/batch_size", scope, self.controller,
+                                       analysis.flow.depths if analysis.flow is not None else {})
                     if batch_input is not dense[0] and any(b.tensor in guessed for b in dense):
                         self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
                                           guessed)

@@ -149,13 +149,6 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     depth, i_rank = i_shape[-1], len(i_shape)
     if p.kind == PART:
         if p.axis < depth:
-            tag = i.index if i.kind == PART else None
-            if tag is not None and tag[0] == "cols" and tag[1] == p.axis and tag[3] == rows(p) \
-                    and p.outer == 1 and not ctx.classes.same(tag[2], p.cls):
-                # row numbers of another input's batch in the tuples' batch column
-                # (``stack([range(tf.shape(actions)[0]), actions], 1)`` into the Q-values):
-                # one batch, as for GatherV2 (DQN and PPO's picks were inexact; review 19)
-                ctx.classes.evidence.append(ctx.classes.union(tag[2], p.cls, node.name))
             if _local(i, p, ctx, col=p.axis) and i.axis < i_rank - 1:
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
