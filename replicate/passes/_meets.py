@@ -12,8 +12,8 @@ Requires: the IR before the clone pass (the meeting ops are copied into every to
 control edge), the analysis' loop depths.
 
 Produces: an ``Assert`` per such input, ``replicate/split/<input>/own/same``, that the two
-sizes are equal, and a control edge from it to every op where the two inputs first meet (an
-op that depends on both, none of whose inputs does). A run that reads both checks them before
+sizes are equal, and a control edge from it to every tower op where the two inputs first
+meet (an op of the towers' region that depends on both, none of whose inputs does). A run that reads both checks them before
 they meet; a run that feeds one never reaches the check. Ops inside TF1 loops are not given
 the edge (a control edge into a loop frame is invalid).
 """
@@ -28,10 +28,11 @@ __all__ = ["check_meetings"]
 
 
 def check_meetings(ir: IR, first: str, member: str, first_size: str, member_size: str,
-                   scope: str, device: str, depths: dict) -> int:
-    """Make the ops where ``member`` first meets ``first`` (tensors) wait for a check that
-    their sizes (scalar tensors) agree; returns how many ops wait."""
-    both = _reach(ir, first) & _reach(ir, member)
+                   scope: str, device: str, depths: dict, region: frozenset) -> int:
+    """Make the tower ops (``region``) where ``member`` first meets ``first`` (tensors) wait
+    for a check that their sizes (scalar tensors) agree; returns how many ops wait. Shared
+    ops read both inputs whole, as one device does: they need no check."""
+    both = _reach(ir, first) & _reach(ir, member) & region
     meets = sorted((n for n in both if not depths.get(n, 0)
                     and not any(node_of(r) in both for r in ir.nodes[n].inputs + ir.nodes[n].control)),
                    key=lambda n: ("gradients" in n, n))       # the message names a forward op

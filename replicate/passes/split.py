@@ -100,7 +100,8 @@ class Split:
                         scope = f"{SCOPE}/{name}_{idx}/own"
                         check_meetings(ir, dense[0].tensor, batch_input.tensor, towers.class_batch[cls],
                                        f"{scope}/batch_size", scope, self.controller,
-                                       analysis.flow.depths if analysis.flow is not None else {})
+                                       analysis.flow.depths if analysis.flow is not None else {},
+                                       analysis.region_set)
                     if batch_input is not dense[0] and any(b.tensor in guessed for b in dense):
                         self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
                                           guessed)
