@@ -154,6 +154,22 @@ def test_state_variables_that_cannot_be_split_are_refused(resource, trainable, m
         replicate.transform(model.graph, CPUS[:2])
 
 
+def test_reference_state_variables_on_one_tower_run():
+    """On one tower the reference variables' state is not refused (no split). The store, run
+    once outside the tower, was made to wait for the tower's reads of the state, which include
+    the RNN loop's ``Enter``: a control edge out of a loop frame, and the step failed ("inputs
+    from different frames"). Reads inside TF1 loops are left out."""
+    from replicate.check.equivalence import Trainer
+    model = bm.stateful_lstm(resource=False)
+    res = replicate.transform(model.graph, CPUS[:1])
+    trainer = Trainer(res.meta_graph_def, model.train_op)
+    try:
+        for feed in model.feeds(7, 2):
+            trainer.step(feed)
+    finally:
+        trainer.close()
+
+
 def test_cond_on_a_flag_is_exact():
     res, _ = check(bm.conditional(on_batch=False), towers=3, batch=10)
     assert res.report.exact

@@ -214,7 +214,7 @@ class Analyze:
         _weights.prefer_in_towers(ir, flow, grad_scopes, region, in_grad, synced)
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
         _refusals.state_written_per_tower(ir, flow, region, evicted)
-        evicted_reads = _evict.reads_before(ir, graph, evicted, region)
+        evicted_reads = _evict.reads_before(ir, graph, evicted, region, flow.depths)
         if evicted:
             region = [n for n in region if n not in evicted]
             _split_outputs(ir, flow, evicted, set(region))
