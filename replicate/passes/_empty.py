@@ -295,10 +295,7 @@ def pad_ctc_losses(ir: IR) -> int:
                 return ir.const(f"{scope}/{name}", value, kind, dev)
 
             inputs, indices, values, lengths = loss.inputs[:4]
-            shape = add("shape", "Shape", [inputs], T=dtype, out_type=i32)
-            batch = add("batch", "StridedSlice", [shape, const("at", [1]), const("end", [2]),
-                                                  const("step", [1])],
-                        T=i32, Index=i32, shrink_axis_mask=1)
+            batch = _dimension(ir, inputs, 1, scope, dev)       # time-major: [T, B, C]
             extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
                                               incompatible_shape_error=True)],
                         SrcT=dtypes.bool, DstT=i32)
@@ -348,14 +345,8 @@ def zero_unwritten_outputs(ir: IR) -> int:
                 continue
             scope, dev = f"{op.name}/replicate/empty", op.device
             dtype = dtypes.as_dtype(op.attr("T", dtypes.float32))
-            data = op.inputs[UNWRITTEN_ON_EMPTY[op.op]]
             readers = [c.name for c, _ in ir.data_consumers(op.name)]
-            shape = ir.add(f"{scope}/shape", "Shape", [data], device=dev,
-                           attrs={"T": dtypes.as_dtype(ir.output_dtype(data)), "out_type": i32}).name
-            batch = ir.add(f"{scope}/batch", "StridedSlice", [
-                shape, ir.const(f"{scope}/at", [0], i32, dev), ir.const(f"{scope}/end", [1], i32, dev),
-                ir.const(f"{scope}/step", [1], i32, dev)], device=dev,
-                attrs={"T": i32, "Index": i32, "shrink_axis_mask": 1}).name
+            batch = _dimension(ir, op.inputs[UNWRITTEN_ON_EMPTY[op.op]], 0, scope, dev)
             empty = ir.add(f"{scope}/empty", "Equal", [batch, ir.const(f"{scope}/zero", 0, i32, dev)],
                            device=dev, attrs={"T": i32, "incompatible_shape_error": True}).name
             zeros = ir.add(f"{scope}/zeros", "ZerosLike", [op.name], device=dev, attrs={"T": dtype}).name
@@ -364,3 +355,14 @@ def zero_unwritten_outputs(ir: IR) -> int:
             ir.replace_uses(op.name, chosen, only=readers)
             done += 1
     return done
+
+
+def _dimension(ir: IR, tensor: str, axis: int, scope: str, dev: str) -> str:
+    """``<scope>/batch``: ``tensor``'s size along ``axis`` at run time (int32 scalar)."""
+    i32 = dtypes.int32
+    shape = ir.add(f"{scope}/shape", "Shape", [tensor], device=dev,
+                   attrs={"T": dtypes.as_dtype(ir.output_dtype(tensor)), "out_type": i32}).name
+    return ir.add(f"{scope}/batch", "StridedSlice", [
+        shape, ir.const(f"{scope}/at", [axis], i32, dev), ir.const(f"{scope}/end", [axis + 1], i32, dev),
+        ir.const(f"{scope}/step", [1], i32, dev)], device=dev,
+        attrs={"T": i32, "Index": i32, "shrink_axis_mask": 1}).name
