@@ -117,7 +117,7 @@ def test_static_batch_lstm_with_tf1_while_loops(towers):
 
 
 def test_static_batch_lstm_with_v2_while_loops_is_refused():
-    with pytest.raises(replicate.AnalysisError, match="batch semantics"):
+    with pytest.raises(replicate.AnalysisError, match="dynamic batch dimension"):
         replicate.transform(bm.lstm(2, static_batch=6).graph, CPUS[:2])
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from tensorflow.python.framework import op_def_registry
+
 from replicate.graph import ops
 from replicate.graph.ir import IR, Node
 
@@ -80,16 +82,31 @@ def called_functions(node) -> list[str]:
 def _own(op: str, attrs, name: str) -> list[Effect]:
     """Effects of one op by its type alone."""
     found = []
-    if op in ops.RANDOM_OPS or op.startswith("StatelessRandom") or op.startswith("StatelessTruncated"):
-        seed = _attr_int(attrs, "seed") or _attr_int(attrs, "seed2") or op.startswith("Stateless")
-        found.append(Effect(RANDOM, op, (name,), bool(seed)))
-    if op in ops.MUTATING_OPS or op in ops.APPLY_OPS:
+    generator = op in ops.GENERATOR_OPS
+    if op in ops.RANDOM_OPS or op.startswith("StatelessRandom") or op.startswith("StatelessTruncated") \
+            or (generator and op.startswith("Stateful")):
+        # stateless ops and a generator's draws are determined by their inputs and its state
+        seed = _attr_int(attrs, "seed") or _attr_int(attrs, "seed2") or op.startswith("Stateless") \
+            or generator
+        found.append(Effect(RANDOM, op, (name,), bool(seed) and op != "NonDeterministicInts"))
+    if op in ops.MUTATING_OPS or op in ops.APPLY_OPS or op in ops.STATE_OPS or _unknown_state(op):
         found.append(Effect(WRITE, op, (name,)))
     if op in ASSERT_OPS:
         found.append(Effect(ASSERT, op, (name,)))
     if op in ops.UNSAFE_OPS:
         found.append(Effect(IO, op, (name,)))
     return found
+
+
+def _unknown_state(op: str) -> bool:
+    """A stateful op (by its OpDef) no table says anything about: taken to write state, so
+    that what the analysis does not know makes the rewrite inexact, with the op named."""
+    if op in ops.READ_STATE_OPS or op in ops.VARIABLE_OPS or op in ops.RANDOM_OPS or \
+            op in ASSERT_OPS or op in ops.UNSAFE_OPS or op in ops.CALL_OPS or \
+            any(family in op for family in ops.READ_STATE_FAMILIES):
+        return False
+    op_def = op_def_registry.get(op)
+    return op_def is not None and op_def.is_stateful
 
 
 def _attr_int(attrs, key: str) -> int:

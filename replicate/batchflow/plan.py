@@ -496,8 +496,12 @@ def resolve(ctx: Context, depths: dict[str, int], scopes: list[str]) -> Plan:
     for node, (what, fix) in ctx.refusals.items():
         resolver.unsplittable(node, what, fix)
     for node, what in ctx.notes:
-        resolver.reason(node, f"{what}, which every tower shares", "give the batch input a dynamic "
-                        "batch dimension, or build the loop with TF1 control flow "
-                        "(tf.compat.v1.disable_control_flow_v2())")
+        # a shape inside a body: each tower's copy would keep the global batch's size and fail
+        # where one device runs (a static batch's dropout under a training flag: review 21)
+        resolver.unsplittable(node, f"{what}, which every tower's copy of the function would "
+                              "keep: the tower's rows do not fit it", "give the batch input a "
+                              "dynamic batch dimension ([None, ...]), or build the graph with TF1 "
+                              "control flow (tf.compat.v1.disable_control_flow_v2()), whose conds "
+                              "and loops replicate resizes")
     resolver.mean_factors()
     return plan

@@ -167,8 +167,72 @@ RANDOM_OPS = frozenset(
      "ParameterizedTruncatedNormal", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
      "StatelessTruncatedNormalV2", "RandomCrop", "LogUniformCandidateSampler",
      "UniformCandidateSampler", "LearnedUnigramCandidateSampler", "FixedUnigramCandidateSampler",
-     "ThreadUnsafeUnigramCandidateSampler", "AllCandidateSampler"}
+     "ThreadUnsafeUnigramCandidateSampler", "AllCandidateSampler",
+     "SampleDistortedBoundingBox", "SampleDistortedBoundingBoxV2", "FractionalMaxPool",
+     "FractionalAvgPool", "NonDeterministicInts", "StatelessMultinomial", "StatelessShuffle",
+     "StatelessParameterizedTruncatedNormal", "StatelessSampleDistortedBoundingBox",
+     "RandomIndexShuffle"}
 )
+
+#: Ops of ``tf.random.Generator`` (``tf.random.experimental.Generator`` in 2019) that read and
+#: advance a generator's state variable: each call is a write of that state, and those that
+#: return numbers are draws whose stream is the state's, not a seed's.
+GENERATOR_OPS = frozenset(
+    {"StatefulStandardNormal", "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+     "StatefulUniform", "StatefulUniformFullInt", "StatefulUniformInt", "StatefulRandomBinomial",
+     "RngSkip", "RngReadAndSkip"}
+)
+
+#: Other ops that write state and are not assignments of a value (``MUTATING_OPS``).
+STATE_OPS = GENERATOR_OPS | frozenset(
+    {"ResourceStridedSliceAssign", "StridedSliceAssign", "CountUpTo", "ResourceCountUpTo",
+     "ScatterNdMax", "ScatterNdMin", "ResourceScatterNdMax", "ResourceScatterNdMin",
+     "LookupTableInsert", "LookupTableInsertV2", "LookupTableRemoveV2", "LookupTableImport",
+     "LookupTableImportV2", "NegTrain", "AccumulatorApplyGradient",
+     "SparseAccumulatorApplyGradient", "AccumulatorSetGlobalStep", "ResourceAccumulatorApplyGradient",
+     "ResourceAccumulatorSetGlobalStep"}
+)
+
+#: Stateful ops (by their OpDef) whose state is a value the step reads, a resource they
+#: create, a run's own bookkeeping or an input source: no effect the analysis must see.
+#: Any other stateful op with no row in a table here is taken to write state (conservative:
+#: its region copies make the rewrite inexact, with the op named).
+READ_STATE_OPS = frozenset(
+    {"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp",
+     "IsVariableInitialized", "DestroyResourceOp", "DestroyTemporaryVariable", "CheckNumerics",
+     "CheckNumericsV2", "Empty", "DeepCopy", "GuaranteeConst", "Timestamp", "While", "Case",
+     "StatefulPartitionedCall", "LookupTableFind", "LookupTableFindV2", "LookupTableSize",
+     "LookupTableSizeV2", "LookupTableExport", "LookupTableExportV2", "HashTable", "HashTableV2",
+     "MutableHashTable", "MutableHashTableV2", "MutableHashTableOfTensors",
+     "MutableHashTableOfTensorsV2", "MutableDenseHashTable", "MutableDenseHashTableV2",
+     "AnonymousHashTable", "AnonymousMutableHashTable", "AnonymousMutableHashTableOfTensors",
+     "AnonymousMutableDenseHashTable", "InitializeTable", "InitializeTableV2",
+     "InitializeTableFromTextFile", "InitializeTableFromTextFileV2",
+     "InitializeTableFromDataset", "GetSessionHandle", "GetSessionHandleV2", "GetSessionTensor",
+     "DeleteSessionTensor", "MutexV2", "MutexLock", "ConsumeMutexLock", "SyncDevice",
+     "DeviceIndex", "Unstage", "Stage", "StageSize", "StageClear", "StagePeek", "HostConst",
+     "ResourceUsingOp", "DisableCopyOnRead", "MakeWeakResourceHandle", "AnonymousSeedGenerator",
+     "AnonymousRandomSeedGenerator", "DeleteRandomSeedGenerator", "DeleteSeedGenerator",
+     "DummySeedGenerator", "ConditionalAccumulator", "SparseConditionalAccumulator",
+     "ResourceConditionalAccumulator", "AccumulatorNumAccumulated", "AccumulatorTakeGradient",
+     "SparseAccumulatorTakeGradient", "ResourceAccumulatorNumAccumulated",
+     "ResourceAccumulatorTakeGradient", "_Send", "_Recv", "_HostSend", "_HostRecv",
+     "CollectiveReduce", "CollectiveReduceV2", "CollectiveGather", "CollectiveGatherV2",
+     "CollectiveBcastSend", "CollectiveBcastRecv", "CollectiveBcastSendV2",
+     "CollectiveBcastRecvV2", "CollectiveAllToAllV2", "NcclAllReduce", "NcclReduce",
+     "NcclBroadcast", "CudnnRNN", "CudnnRNNV2", "CudnnRNNV3", "CudnnRNNBackprop",
+     "CudnnRNNBackpropV2", "CudnnRNNBackpropV3", "StatelessRandomGetAlg", "GraphDefVersion",
+     "IsTensorFloat32Enabled", "DevicePlacementOp", "_ParallelConcatStart", "_Arg", "_Retval",
+     "_DeviceArg", "_DeviceRetval", "Send", "Recv", "AddSparseToTensorsMap",
+     "AddManySparseToTensorsMap", "TakeManySparseFromTensorsMap"}
+)
+
+#: Families of stateful ops read the same way, by name: iterators and datasets (input
+#: sources), queues, readers, TensorArrays and stacks (a run's own storage), summaries,
+#: barriers, record and checkpoint I/O (``UNSAFE_OPS`` holds the ones that touch files).
+READ_STATE_FAMILIES = ("Iterator", "Dataset", "Queue", "Reader", "TensorArray", "Stack",
+                       "Summary", "Barrier", "Record", "Save", "Restore", "Print", "Assert",
+                       "Optional", "Tpu", "TPU", "Infeed", "Outfeed", "Debug", "Variable")
 
 #: Reductions over the batch and how tower results combine into the global value:
 #: ``mean`` is weighted by example counts, ``sum`` adds, ``max``/``min`` take extremes.

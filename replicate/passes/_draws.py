@@ -38,7 +38,7 @@ from replicate.graph import ops
 from replicate.graph.ir import IR
 from replicate.passes._frames import frames
 
-__all__ = ["Draw", "reproducible"]
+__all__ = ["Draw", "reproducible", "unseeded_once"]
 
 
 #: Call ops whose functions' draws the draw pass rewrites (conds, loops and defuns).
@@ -90,6 +90,23 @@ def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], 
             continue
         reasons.append(Reason(name, why[0], why[1]))
     return found, reasons
+
+
+def unseeded_once(ir: IR, evicted: list[str]) -> list[Reason]:
+    """Reasons for unseeded draws among the ops run once outside the towers (a crop box
+    drawn from an image's shape): the rewrite draws once per step as one device does, but
+    one device does not reproduce its own draws, so nothing exact can be claimed of them."""
+    out = []
+    for name in evicted:
+        for effect in draws(ir, ir.nodes[name]):
+            if not effect.seeded:
+                out.append(Reason(name, f"random op '{effect.path[-1]}' ({effect.op}) has no seed: "
+                                  "one device does not reproduce its own draws either; it is drawn "
+                                  "once per step, from the same distribution",
+                                  "set a graph seed (tf.compat.v1.set_random_seed) or an op seed "
+                                  "for exact, checkable replication"))
+                break
+    return out
 
 
 def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:

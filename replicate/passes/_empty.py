@@ -62,20 +62,26 @@ Produces, for stacked lists (:func:`stack_empty_lists`): every tower copy of a
 with a per-example result of a dynamic length) stacks an empty list with that shape's unknown
 dimensions taken as 0. TensorFlow refuses to stack an empty list without a full element shape
 ("Tried to stack elements of an empty list with non-fully-defined element_shape"); with
-elements the list decides the shape itself, so nothing changes then.
+elements the list decides the shape itself, so nothing changes then. Likewise for TF1
+TensorArrays (:func:`shape_array_gathers`): every tower copy of a ``TensorArrayGatherV3``
+whose ``element_shape`` is not fully defined (the gradient of a TF1 ``map_fn`` over the
+batch) gets the element shape the original's static output shape proves. TensorFlow refuses
+to gather from an array of size zero without one; with elements the shape it checks is the
+one the array holds.
 """
 
 from __future__ import annotations
 
 import math
 
-from tensorflow.python.framework import dtypes
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import dtypes, tensor_shape
 
-from replicate.batchflow.lattice import PART, Sym
+from replicate.batchflow.lattice import PART, SHARED, Sym
 from replicate.graph.ir import IR, node_of
 
 __all__ = ["infer_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
-           "nonnegative_segments", "pad_ctc_losses", "zero_unwritten_outputs"]
+           "nonnegative_segments", "pad_ctc_losses", "zero_unwritten_outputs", "shape_array_gathers"]
 
 SCOPE = "replicate/reshape"
 
@@ -200,6 +206,67 @@ def stack_empty_lists(ir: IR) -> int:
                                               device=dev, attrs={"T": i32}).name)
             done += 1
     return done
+
+
+def shape_array_gathers(ir: IR) -> int:
+    """Give the towers' TensorArray gathers a full element shape where the original's static
+    output shape proves one (see the module docstring); returns how many tower ops changed."""
+    done, flow = 0, ir.facts["analysis"].flow
+    for names in ir.facts["copies"]:
+        for original, copied in names.items():
+            copy = ir.nodes.get(copied)
+            if copy is None or copy.op != "TensorArrayGatherV3":
+                continue
+            held = copy.attrs.get("element_shape")
+            if held is not None and not held.shape.unknown_rank and all(d.size >= 0 for d in held.shape.dim):
+                continue
+            dims = _array_element(ir, flow, copied, copied[:-len(original)])
+            if dims is None:
+                continue
+            ir.set_attr(copied, "element_shape", attr_value_pb2.AttrValue(
+                shape=tensor_shape.TensorShape(dims).as_proto()))
+            done += 1
+    return done
+
+
+def _array_element(ir: IR, flow, gather: str, prefix: str) -> list[int] | None:
+    """The full element shape of the TensorArray the tower's ``gather`` reads (of its forward
+    array, for a gradient array), where it holds no rows of the batch: from the input graph's
+    static shapes (of the originals, ``prefix`` stripped) of what the array is scattered from
+    along the batch axis, or of what is written to it or read from it that holds no example,
+    through ``Enter``/``Identity``. An array over time steps (a TF1 ``dynamic_rnn``'s) holds
+    the tower's rows in every element, whose size is not the input graph's."""
+    def full(dims):
+        return dims is not None and all(d is not None for d in dims)
+
+    def static(ref: str):
+        return ir.static_shape(ref[len(prefix):] if ref.startswith(prefix) else ref)
+
+    def holds(ref: str, kind: str, axis=None) -> bool:
+        fact = flow.fact(ref[len(prefix):] if ref.startswith(prefix) else ref)
+        return fact is not None and fact.kind == kind and (axis is None or (
+            fact.axis == axis and fact.block == 1 and fact.outer == 1))
+
+    handle = ir.nodes.get(node_of(ir.nodes[gather].inputs[0]))
+    if handle is not None and handle.op in ("TensorArrayGradV3", "TensorArrayGradWithShape"):
+        handle = ir.nodes.get(node_of(handle.inputs[0]))
+    work, seen = [handle.name] if handle is not None else [], set()
+    while work:
+        name = work.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for reader, _ in ir.data_consumers(name):
+            if reader.op in ("Enter", "Identity"):
+                work.append(reader.name)
+            elif reader.op == "TensorArrayScatterV3" and holds(reader.inputs[2], PART, 0):
+                value = static(reader.inputs[2])
+                if value and full(value[1:]):
+                    return list(value[1:])
+            elif reader.op == "TensorArrayWriteV3" and holds(reader.inputs[2], SHARED) \
+                    and full(static(reader.inputs[2])):
+                return list(static(reader.inputs[2]))
+    return None
 
 
 def gather_gradient_widths(ir: IR) -> int:

@@ -16,6 +16,7 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import Analysis, Reason
+from replicate.batchflow.lattice import RED
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
 from replicate.graph.ir import IR, node_of
@@ -122,6 +123,13 @@ def collect(ir: IR, analysis: Analysis) -> None:
     for name in analysis.update_ops[:8]:
         effect = writes(ir, ir.nodes[name])[0]
         where = "" if not effect.inner else f" ({describe(effect)})"
+        if name in analysis.needed:     # every tower copies it: its value feeds the loss
+            reasons.append(Reason(name, f"state update{where} in the replicated region runs in "
+                                  "every tower, once per tower and micro-batch, each on its own "
+                                  "slice of the batch; one device runs it once per step",
+                                  "move the update out of the function or loop, or make it "
+                                  "depend on merged values only"))
+            continue
         reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower 0's "
                               "slice of the batch only", "statistics come from 1/N of the batch"))
     for name in analysis.couplings:
@@ -139,6 +147,32 @@ def collect(ir: IR, analysis: Analysis) -> None:
             reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))
     reasons.extend(_unproven_gradients(ir, analysis))
     reasons.extend(_gradients_in_the_forward(ir, analysis))
+    reasons.extend(_half_precision_sums(ir, analysis))
+
+
+#: Types whose rounding is coarser than the exactness the report promises (1e-5 relative).
+HALF_TYPES = frozenset({types_pb2.DT_HALF, types_pb2.DT_BFLOAT16})
+
+
+def _half_precision_sums(ir: IR, analysis: Analysis) -> list[Reason]:
+    """A sum over the examples computed in float16 (a mixed-precision weight gradient, a
+    loss averaged in half precision): each tower rounds its part to float16 and the parts are
+    added, where one device rounds the whole batch's sum once; the results differ by float16's
+    precision (measured: 1.5e-5 to 3.2e-5 after 3 steps), beyond what "exact" promises."""
+    flow = analysis.flow
+    if flow is None:
+        return []
+    for name in analysis.region:
+        node = ir.nodes[name]
+        for i, (dtype, _) in enumerate(ir.output_types(node)):
+            fact = flow.fact(f"{name}:{i}")
+            if dtype in HALF_TYPES and fact is not None and fact.kind == RED:
+                return [Reason(name, f"'{name}' ({node.op}) sums over the examples in "
+                               f"{'bfloat16' if dtype == types_pb2.DT_BFLOAT16 else 'float16'}: "
+                               "each tower rounds its part before the parts are added, where one "
+                               "device rounds once; results agree to half precision only",
+                               "compute the sums over the batch in float32 for exact replication")]
+    return []
 
 
 def _gradients_in_the_forward(ir: IR, analysis: Analysis) -> list[Reason]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import ApplyOp
 from replicate.batchflow.roles import variable_of
 from replicate.errors import AnalysisError
@@ -16,6 +17,20 @@ from replicate.graph import ops
 from replicate.graph.ir import IR, node_of
 
 __all__ = ["find_train_ops", "descendants"]
+
+
+def _updates_in_bodies(ir: IR, below: set[str], in_grad: set[str]) -> str:
+    """Why no update was found: none exists, or they are inside a function body the
+    gradients flow into (a dynamic loss scale's ``apply_gradients`` under ``tf.cond``)."""
+    inner = [e for name in ir.nodes if name in below and name not in in_grad
+             for e in writes(ir, ir.nodes[name]) if e.inner]
+    inner.sort(key=lambda e: e.op not in ops.APPLY_OPS)     # an optimizer kernel first
+    if inner:
+        return (f"the optimizer's updates are inside a function body ({describe(inner[0])}), "
+                "where replicate cannot aggregate the gradients they read; build the graph "
+                "with tf.compat.v1.disable_control_flow_v2() (a TF1 cond), or apply the "
+                "gradients outside the cond")
+    return "no optimizer update consumes a gradient"
 
 
 def find_train_ops(ir: IR, graph: nx.DiGraph, in_grad: set[str], train_op: str | None
@@ -42,7 +57,7 @@ def find_train_ops(ir: IR, graph: nx.DiGraph, in_grad: set[str], train_op: str |
             reach |= nx.descendants(graph, u) | {u}
     sinks = [n for n in ir.nodes if n in reach and graph.out_degree(n) == 0]
     if not sinks and first is None:
-        raise AnalysisError("no train op found: no optimizer update consumes a gradient")
+        raise AnalysisError("no train op found: " + _updates_in_bodies(ir, below, in_grad))
     sinks = _widest(ir, graph, sinks, updates) if len(sinks) > 1 else sinks
     if first is not None:
         covered = ir.ancestors([first], graph)

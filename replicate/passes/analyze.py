@@ -181,13 +181,7 @@ class Analyze:
         reasons += _weights.assign(grad_scopes, flow, primary)
         reasons += _custom.settle(ir, flow, region, grad_scopes)
         couplings = flow.couplings()
-        reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
-                           f"('{c.split(INSIDE)[-1]}', called by '{c.split(INSIDE)[0]}') feeds "
-                           "per-example values; each tower sees its own slice's value, and it "
-                           "cannot be synchronized inside the body",
-                           "build the model with tf.compat.v1.disable_control_flow_v2(), or "
-                           "without the cond around the batch statistics")
-                    for c in couplings if INSIDE in c]
+        in_bodies = [c for c in couplings if INSIDE in c]     # reasons once eviction is known
         couplings = [c for c in couplings if INSIDE not in c]
         looped = [c for c in couplings if flow.depths.get(c, 0)]
         reasons += [Reason(c, "a batch reduction inside a TF1 while loop feeds per-example values "
@@ -215,6 +209,13 @@ class Analyze:
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
         _refusals.state_written_per_tower(ir, flow, region, evicted)
         evicted_reads = _evict.reads_before(ir, graph, evicted, region, flow.depths)
+        reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
+                           f"('{c.split(INSIDE)[-1]}', called by '{c.split(INSIDE)[0]}') feeds "
+                           "per-example values; each tower sees its own slice's value, and it "
+                           "cannot be synchronized inside the body",
+                           "build the model with tf.compat.v1.disable_control_flow_v2(), or "
+                           "without the cond around the batch statistics")
+                    for c in in_bodies if c.split(INSIDE)[0] not in evicted]   # once: whole batch
         if evicted:
             region = [n for n in region if n not in evicted]
             _split_outputs(ir, flow, evicted, set(region))
@@ -263,7 +264,7 @@ class Analyze:
         step = _inputs.global_step(ir, apply_ops)
         random_ops = [n for n in region if draws(ir, ir.nodes[n])]
         reproduced, draw_reasons = _draws.reproducible(ir, flow, random_ops)
-        reasons += draw_reasons
+        reasons += draw_reasons + _draws.unseeded_once(ir, sorted(evicted))
         controls: dict[str, list[str]] = {}
         for consumer in {c.name for n in region for c in ir.consumers(n)} - inside:
             waits = [x for x in ir.nodes[consumer].control if x in inside]

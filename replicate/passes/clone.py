@@ -68,6 +68,9 @@ class Clone:
                                                        barriers, prefix)
                 control = [f"{prefix}/{c}" if c in inside else c for c in node.control
                            if c in inside or c not in analysis.region_set]
+                if node.control and not control and not inputs:
+                    control = [f"{prefix}/{c}" for c in
+                               self._nearest_copied(ir, node.control, inside, analysis.region_set)]
                 attrs = self._attrs(node, k, prefix, inside, split, name in analysis.draws)
                 where = anchors[name] or device
                 if where == device:
@@ -87,6 +90,31 @@ class Clone:
         log.info("cloned %d region nodes into %d towers (%d colocations of function nodes with "
                  "the calling graph dropped)", len(region), len(towers.prefixes), outer)
         return PassResult(ir, True)
+
+    @staticmethod
+    def _nearest_copied(ir: IR, dropped: list[str], inside: set[str], region: set[str]) -> list[str]:
+        """The copied region nodes the dropped control inputs wait for, nearest first. A node
+        whose only inputs were control edges from ops this tower does not copy (a constant in
+        a TF1 loop body anchored to the update that uses it) waits for them instead, so it
+        stays in its loop frame: with no input at all it would run in the root frame, and its
+        loop would fail ("inputs from different frames"). An ``Enter`` does not anchor (a
+        control edge from a constant ``Enter`` reaches the first iteration only: the loop
+        hangs); the walk goes on past it."""
+        found: list[str] = []
+        seen: set[str] = set()
+        work = list(dropped)
+        while work:
+            name = work.pop(0)
+            if name in seen or name not in region:
+                continue
+            seen.add(name)
+            node = ir.nodes[name]
+            if name in inside and node.op not in ("Enter", "RefEnter"):
+                found.append(name)
+                continue
+            work.extend(node_of(r) for r in node.inputs)
+            work.extend(node.control)
+        return sorted(set(found))
 
     @staticmethod
     def _late_read(ir: IR, read: str, variable: str, barriers: tuple[str, ...], prefix: str) -> str:

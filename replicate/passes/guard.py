@@ -12,7 +12,7 @@ the kernel sees one example instead of zero.
 Also: every tower copy of an op that picks examples by position checks first that its tower
 holds enough examples, with a message that says so (:mod:`replicate.passes._picks`); and a
 tower's run-time reshape target gets the ``-1`` the analysis proved, a gradient range a
-nonzero step, a stack of an empty list a full element shape, and the gradient of a gather
+nonzero step, a stack of an empty list or a TensorArray's gather a full element shape, and the gradient of a gather
 along another axis its number of indices, a segment op a count of at least 0, a CTC loss a padding example, and a depthwise filter
 gradient zeros (its kernel leaves the output unwritten), where an empty tower would fail (:mod:`replicate.passes._empty`); and every tower gather of a flattened batch by offsets
 ``range(batch) * stride + offset`` checks that each offset stays inside its own example
@@ -45,8 +45,8 @@ from tensorflow.python.framework import dtypes
 
 from replicate.graph.ir import IR
 from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, nonnegative_segments,
-                                     nonzero_steps, pad_ctc_losses, stack_empty_lists,
-                                     zero_unwritten_outputs)
+                                     nonzero_steps, pad_ctc_losses, shape_array_gathers,
+                                     stack_empty_lists, zero_unwritten_outputs)
 from replicate.passes._picks import assert_examples
 from replicate.passes._strided import check_offsets
 from replicate.passes.pipeline import PassResult
@@ -65,6 +65,7 @@ EMPTY_GUARDS = (
     (infer_reshapes, "reshapes get their inferred dimension from the analysis"),
     (nonzero_steps, "gradient ranges and integer divisions a nonzero step or divisor"),
     (stack_empty_lists, "list stacks a full element shape when empty"),
+    (shape_array_gathers, "TensorArray gathers a full element shape"),
     (gather_gradient_widths, "gather gradients their number of indices"),
     (nonnegative_segments, "segment ops a count of at least 0"),
     (pad_ctc_losses, "CTC losses a padding example when empty"),

@@ -1,0 +1,202 @@
+"""State the analysis must see wherever it is, and rewrites that must run: a random generator's
+state, stateful ops no table describes, updates in loop and function bodies, sums over the
+batch in half precision, shapes of a static batch inside a cond, TF1 TensorArrays in an
+empty tower (reviews 21 and 22). SGD, uneven batches, one device as the reference."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.check.equivalence import compare
+from replicate.errors import AnalysisError
+
+v1 = tf.compat.v1
+
+
+@contextlib.contextmanager
+def _control_flow_v1():
+    v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        v1.enable_control_flow_v2()
+
+
+def _build(body, batch=None, control_flow_v1=False):
+    """A 4 -> 3 softmax classifier; ``body(x, w)`` returns the logits and may add state."""
+    graph = tf.Graph()
+    with (_control_flow_v1() if control_flow_v1 else contextlib.nullcontext()), graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [batch, 4], name="x")
+        y = v1.placeholder(tf.int64, [batch], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1),
+                            use_resource=True)
+        logits = body(x, w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def _feeds(batch, steps=3):
+    out = []
+    for s in range(steps):
+        rng = np.random.RandomState(10 + s)
+        out.append({"x:0": rng.randn(batch, 4).astype(np.float32), "y:0": (np.arange(batch) + s) % 3})
+    return out
+
+
+def _run(graph, towers, batch, accumulate=1):
+    res = replicate.transform(graph, [f"/cpu:{i}" for i in range(towers)], accumulate=accumulate)
+    return res, compare(graph, res.meta_graph_def, "train", _feeds(batch))
+
+
+def _generator_noise(where):
+    def body(x, w):
+        gen = tf.random.Generator.from_seed(1)
+        if where == "cond":       # on activations: the cond is the towers' work
+            flag = v1.placeholder_with_default(True, [], name="training")
+            h = tf.matmul(x, w)
+            return tf.cond(flag, lambda: h * gen.uniform([3], 0.5, 1.5), lambda: h)
+        elif where == "raw":        # the op a 2019 tf.random.experimental.Generator emitted
+            x = x + tf.raw_ops.StatefulStandardNormalV2(resource=gen.state.handle, algorithm=1,
+                                                        shape=[4])
+        else:
+            x = x * gen.uniform([4], 0.5, 1.5)
+        return tf.matmul(x, w)
+    return body
+
+
+@pytest.mark.parametrize("where", ["top", "raw", "cond"])
+def test_generator_state_is_advanced_once_per_step_or_reported(where):
+    """A tf.random.Generator's draws advance its state variable (RngReadAndSkip, the Stateful*
+    ops): outside the batch the draw runs once per step, as on one device, and is exact; in a
+    cond branch every tower's copy advances the state, which the report says (it claimed exact
+    with the state N - 1 skips ahead and the weights 1% off)."""
+    res, result = _run(_build(_generator_noise(where)), 3, 7)
+    if where == "cond":
+        assert not res.report.exact
+        assert "runs in every tower" in str(res.report), str(res.report)
+        assert result.max_rel > 1e-5            # the honest inexact differs
+    else:
+        assert res.report.exact, str(res.report)
+        assert result.max_rel < 1e-5, result.per_variable
+
+
+def test_stateful_op_without_a_rule_is_a_state_write():
+    """Any stateful op no table describes is taken to write state: a tower copy of a
+    ResourceStridedSliceAssign (not an assignment the tables knew) is named, not trusted."""
+    def body(x, w):
+        seen = v1.get_variable("seen", [4], initializer=tf.zeros_initializer(), trainable=False,
+                               use_resource=True)
+        first = x[0, :2]        # the first example's: a tower's own is another one
+        with tf.control_dependencies([tf.raw_ops.ResourceStridedSliceAssign(
+                ref=seen.handle, begin=[0], end=[2], strides=[1], value=first)]):
+            return tf.matmul(x, w)
+    res = replicate.transform(_build(body), ["/cpu:0", "/cpu:1"])
+    assert not res.report.exact
+    assert "ResourceStridedSliceAssign" in str(res.report)
+
+
+def test_updates_in_bodies_say_where_they_run():
+    """A counter in a while_v2 body the towers copy runs in every tower: the reason said it ran
+    on tower 0's slice only."""
+    def body(x, w):
+        calls = v1.get_variable("calls", [], initializer=tf.zeros_initializer(), trainable=False,
+                                use_resource=True)
+
+        def step(i, h):
+            with tf.control_dependencies([calls.assign_add(1.0)]):
+                return i + 1, tf.tanh(tf.matmul(h, w)) @ tf.transpose(w)
+        return tf.matmul(tf.while_loop(lambda i, h: i < 2, step, [0, x])[1], w)
+    res, result = _run(_build(body), 3, 7)
+    assert not res.report.exact
+    assert "runs in every tower" in str(res.report), str(res.report)
+    assert result.per_variable["calls"] > 1e-5
+
+
+@pytest.mark.parametrize("towers,batch", [(2, 5), (3, 2)], ids=["uneven", "empty_tower"])
+def test_tf1_loop_with_an_update_in_its_body_runs(towers, batch):
+    """A TF1 while loop counting its iterations with assign_add: towers that do not copy the
+    update dropped the control edge that held a constant in the loop frame ("Merge has inputs
+    from different frames" at step 1)."""
+    def body(x, w):
+        iters = v1.get_variable("iters", [], initializer=tf.zeros_initializer(), trainable=False,
+                                use_resource=True)
+
+        def step(i, h):
+            with tf.control_dependencies([iters.assign_add(1.0)]):
+                return i + 1, tf.tanh(h) + h
+        return tf.matmul(tf.while_loop(lambda i, h: i < 2, step, [tf.constant(0), x],
+                                       parallel_iterations=1)[1], w)
+    res, result = _run(_build(body, control_flow_v1=True), towers, batch)
+    assert result.max_rel < 1e-5, result.per_variable       # counted once per iteration
+
+
+def test_sums_over_the_batch_in_float16_are_not_exact():
+    """A float16 network's weight gradient is a float16 sum over each tower's examples, rounded
+    before the towers' parts are added: 2e-5 off one device, and claimed exact before."""
+    def body(x, w):
+        return tf.cast(tf.matmul(tf.cast(x, tf.float16), tf.cast(w, tf.float16)), tf.float32)
+    res = replicate.transform(_build(body), ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert not res.report.exact
+    assert "float16" in str(res.report)
+
+
+def test_updates_inside_a_cond_are_refused_saying_so():
+    """A dynamic loss scale applies the gradients under tf.cond (an If body): the refusal said
+    no optimizer update consumed a gradient."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        w = v1.get_variable("w", [4, 1], use_resource=True)
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+        grads = tf.gradients(loss, [w])
+        ok = tf.reduce_all(tf.math.is_finite(grads[0]))
+        opt = v1.train.GradientDescentOptimizer(0.1)
+        tf.cond(ok, lambda: opt.apply_gradients([(grads[0], w)]), tf.no_op, name="apply")
+    with pytest.raises(AnalysisError, match="inside a function body.*ResourceApplyGradientDescent"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+
+
+def test_static_batch_shape_inside_a_cond_is_refused():
+    """Dropout under a training flag on a static batch: the branch holds [7, 4], which every
+    tower's copy would keep; the rewrite failed at step 1 instead of being refused."""
+    def body(x, w):
+        flag = v1.placeholder_with_default(True, [], name="training")
+        x = tf.cond(flag, lambda: x + v1.random_normal([7, 4], seed=3), lambda: x)
+        return tf.matmul(x, w)
+    with pytest.raises(AnalysisError, match="function.*batch size.*dynamic batch dimension"):
+        replicate.transform(_build(body, batch=7), ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def test_tf1_map_fn_runs_with_an_empty_tower():
+    """The gradient of a TF1 map_fn gathers from a TensorArray whose element shape is unknown,
+    which TensorFlow rejects when the tower has no examples."""
+    def body(x, w):
+        return tf.map_fn(lambda r: 2.0 * tf.tanh(r), tf.matmul(x, w), parallel_iterations=1)
+    res, result = _run(_build(body, control_flow_v1=True), 3, 2, accumulate=2)
+    assert result.max_rel < 1e-5, result.per_variable
+
+
+def test_unseeded_draw_run_once_is_not_exact():
+    """An unseeded crop box drawn from an image's shape runs once per step outside the towers;
+    one device does not reproduce it either, so the report says so instead of exact."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 7, 7, 1], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [9, 3], use_resource=True)
+        begin, size, _ = tf.image.sample_distorted_bounding_box(
+            tf.shape(x)[1:], tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), min_object_covered=0.1)
+        crop = v1.image.resize_bilinear(tf.slice(x, tf.concat([[0], begin], 0),
+                                                 tf.concat([[-1], size], 0)), [3, 3])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(tf.reshape(crop, [-1, 9]), w)))
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+    assert not res.report.exact
+    assert "no seed" in str(res.report)
