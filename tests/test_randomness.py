@@ -587,3 +587,49 @@ def test_inspect_lists_the_random_ops(tmp_path):
     assert info["random"]["ops"], info["random"]
     assert set(info["random"]["reproduced"]) == set(info["random"]["ops"])
     assert set(info["random"]["reproduced"].values()) <= {"rows", "same", "body"}
+
+
+def _sampled(kind: str) -> tf.Graph:
+    """Draws other than masks: actions sampled from per-example logits (REINFORCE's
+    log-probability of the sampled action, weighted by a reward), stateless integer masks and
+    Poisson counts shaped by the batch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(7)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=3),
+                            use_resource=True)
+        logits = tf.matmul(x, w)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        if kind in ("categorical", "stateless_categorical"):
+            action = (tf.random.categorical(logits, 1, seed=5) if kind == "categorical" else
+                      tf.random.stateless_categorical(logits, 1, seed=[4, 5]))[:, 0]
+            reward = tf.cast(tf.equal(action, y), tf.float32)
+            logp = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.stop_gradient(action),
+                                                                   logits=logits)
+            loss = tf.reduce_mean(ce - reward * logp)
+        elif kind == "stateless_int":
+            keep = tf.random.stateless_uniform(tf.shape(x)[:1], seed=[3, 4], minval=0, maxval=2,
+                                               dtype=tf.int32)
+            loss = tf.reduce_mean(ce * tf.cast(keep, tf.float32))
+        else:
+            counts = tf.random.stateless_poisson(tf.shape(x)[:1], seed=[3, 4], lam=2.0, dtype=tf.float32)
+            loss = tf.reduce_mean(ce * counts)
+        tf.identity(loss, name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("kind", ["categorical", "stateless_categorical", "stateless_int", "poisson"])
+@pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 2)])
+def test_sampled_actions_and_integer_draws_are_exact(kind, towers, batch, accumulate):
+    """tf.random.categorical of per-example logits draws each row from the stream position its
+    row number decides: every tower places its logits at their offset in a global-shaped
+    parameter and keeps its rows (reported "draws per example from per-example values" before,
+    and each tower drew its own actions). Stateless integer and Poisson draws shaped by the
+    batch are drawn at the global shape, as masks are."""
+    res, cmp = _check(_sampled(kind), towers, batch, accumulate=accumulate)
+    assert res.report.exact, str(res.report)
+    assert cmp.max_rel < RTOL, cmp.per_variable
+    assert len(res.analysis.draws) == 1

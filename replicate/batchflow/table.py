@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["UNARY", "BROADCAST", "SAME_SHAPE", "REDUCTIONS", "ARG_REDUCTIONS", "SCANS",
            "LAST_AXIS", "ROWWISE", "BATCH_CONTRACTIONS", "SHAPE_SOURCES", "PASS_THROUGH",
-           "SOURCES", "STATEFUL_PASS", "RowSpec"]
+           "SOURCES", "STATEFUL_PASS", "RowSpec", "PARAM_DRAWS"]
 
 import dataclasses
 
@@ -135,6 +135,7 @@ ROWWISE: dict[str, RowSpec] = {
     "ResizeBilinearGrad": RowSpec(data=(0,), params=(1,)),
     "ResizeNearestNeighborGrad": RowSpec(data=(0,), params=(1,)),
     "SpaceToDepth": RowSpec(), "DepthToSpace": RowSpec(), "ExtractImagePatches": RowSpec(),
+    "Multinomial": RowSpec(params=(1,)), "StatelessMultinomial": RowSpec(params=(1, 2)),
     "Dilation2D": RowSpec(params=(1,)), "Dilation2DBackpropInput": RowSpec(data=(0, 2), params=(1,)),
     "FusedBatchNorm": _BN, "FusedBatchNormV2": _BN, "FusedBatchNormV3": _BN,
     # the reserve spaces (3, 4, 5) are per-channel statistics: the batch's in training mode,
@@ -161,7 +162,17 @@ SHAPE_SOURCES = {"Fill": 0, "RandomUniform": 0, "RandomStandardNormal": 0, "Trun
                  "RandomUniformInt": 0, "ParameterizedTruncatedNormal": 0, "Empty": 0,
                  "StatelessRandomUniform": 0, "StatelessRandomNormal": 0,
                  "StatelessTruncatedNormal": 0, "StatelessRandomUniformV2": 0,
-                 "StatelessRandomNormalV2": 0, "StatelessTruncatedNormalV2": 0}
+                 "StatelessRandomNormalV2": 0, "StatelessTruncatedNormalV2": 0,
+                 "StatelessRandomUniformInt": 0, "StatelessRandomUniformIntV2": 0,
+                 "StatelessRandomUniformFullInt": 0, "StatelessRandomUniformFullIntV2": 0,
+                 "StatelessRandomPoisson": 0, "StatelessRandomGammaV2": 0,
+                 "StatelessRandomGammaV3": 0, "StatelessRandomBinomial": 0,
+                 "StatelessParameterizedTruncatedNormal": 0}
+
+#: Random ops that draw one row per row of a parameter (``tf.random.categorical``'s logits):
+#: op -> position of that parameter. TensorFlow's kernels give row ``r`` the stream position
+#: ``r`` alone decides, so a row's draw is the same in any batch holding it at ``r``.
+PARAM_DRAWS = {"Multinomial": 0, "StatelessMultinomial": 0}
 
 #: Ops whose output i is input i unchanged (identities, checks, gradient barriers).
 PASS_THROUGH = frozenset({"Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient",

@@ -17,7 +17,11 @@ A ``rows`` draw may sit inside TF1 while loops (``Enter``/``Exit`` frames) when 
 runs one iteration at a time (``parallel_iterations=1``): the draw pass brings its values
 into the frames. A ``body`` draw is a cond, while_v2 or defun body whose random ops draw
 rows, directly or in conds, loops and defuns it calls (a ``dropout(training=flag)`` in a
-``tf.while_loop`` body: an ``If`` inside a ``While``).
+``tf.while_loop`` body: an ``If`` inside a ``While``). A **param_rows** draw makes one row per
+row of a parameter that holds the batch's rows (``tf.random.categorical`` of per-example
+logits, at the top level): each tower places its rows at their offset in a global-shaped
+parameter and keeps its rows of the draw (the kernel gives row ``r`` the stream position ``r``
+decides).
 
 Anything else stays a reason: unseeded draws (one device does not reproduce itself
 either), draws in loops that run iterations in parallel (at any depth), draws that read
@@ -33,7 +37,7 @@ import dataclasses
 from replicate.batchflow.effects import draws
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import PART, SHARED
-from replicate.batchflow.table import SHAPE_SOURCES
+from replicate.batchflow.table import PARAM_DRAWS, SHAPE_SOURCES
 from replicate.graph import ops
 from replicate.graph.ir import IR
 from replicate.passes._frames import frames
@@ -48,7 +52,8 @@ BODY_CALLS = ops.CALL_OPS | frozenset({"While", "StatelessWhile"})
 @dataclasses.dataclass(frozen=True)
 class Draw:
     """A random op the towers reproduce: ``kind`` is ``rows`` (global shape, tower's rows of
-    ``axis``, batch class ``cls``, output rank ``rank``), ``same`` (original seeds) or
+    ``axis``, batch class ``cls``, output rank ``rank``), ``param_rows`` (the tower's rows of
+    a draw from a global-shaped parameter), ``same`` (original seeds) or
     ``body`` (a call whose functions draw rows). For a call, ``inner`` lists a ``rows`` or
     ``same`` Draw per random op of its functions, named ``function/.../op``, with ``path``
     the functions from the outermost down; each tower calls its own copy of them."""
@@ -83,6 +88,8 @@ def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], 
             fact = flow.fact(f"{name}:0")
             if fact.kind == SHARED:
                 found[name] = Draw(name, "same")
+            elif node.op in PARAM_DRAWS:
+                found[name] = Draw(name, "param_rows", 0, flow.classes.find(fact.cls), 2)
             else:
                 found[name] = Draw(name, "rows", fact.axis, flow.classes.find(fact.cls),
                                    len(ir.static_shape(f"{name}:0")), block=fact.block,
@@ -134,7 +141,7 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
                           "device does not reproduce its own draws either",
                           "set a graph seed (tf.compat.v1.set_random_seed) or an op seed")
         body = flow.ctx.functions.get(("inner", fname))
-        if body is None or op not in body.ir.nodes:
+        if body is None or op not in body.ir.nodes or e.op in PARAM_DRAWS:
             return None, not_yet
         why = _obstacle(body.ir, body, body.ir.nodes[op], dataclasses.replace(e, path=(op,)))
         fact = body.fact(f"{op}:0")
@@ -231,6 +238,8 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
                 "slice, so the towers' examples meet other examples than on one device",
                 "shuffle the data before it is fed (in the input pipeline), or train this graph "
                 "on one device")
+    if node.op in PARAM_DRAWS:
+        return _param_obstacle(ir, flow, node)
     shape_arg = SHAPE_SOURCES.get(node.op)
     rank = ir.static_shape(f"{node.name}:0")
     others = [r for i, r in enumerate(node.inputs) if i != shape_arg]
@@ -249,4 +258,21 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
     if any((f := flow.fact(r)) is None or f.kind != SHARED for r in others):
         return (f"random op ({node.op}) reads per-example parameters; each tower draws its own "
                 "stream", "results match single-device training in distribution only")
+    return None
+
+
+def _param_obstacle(ir: IR, flow, node) -> tuple[str, str] | None:
+    """Why a draw of one row per row of a parameter (``PARAM_DRAWS``) cannot be reproduced: its
+    rows must be the batch's, in order, on axis 0, its other inputs shared, and it must not be
+    in a TF1 loop (the draw pass places the tower's rows at their offset in the global batch)."""
+    rows = flow.fact(node.inputs[PARAM_DRAWS[node.op]])
+    whole = rows is not None and rows.kind == PART and rows.axis == 0 and rows.block == 1 \
+        and rows.outer == 1 and rows.ordered and not rows.filtered and not rows.tail \
+        and rows.index is None
+    others = [r for i, r in enumerate(node.inputs) if i != PARAM_DRAWS[node.op]]
+    if not whole or any((f := flow.fact(r)) is None or f.kind != SHARED for r in others) \
+            or getattr(flow, "depths", {}).get(node.name, 0):
+        return (f"random op ({node.op}) draws one row per row of a parameter that is not the "
+                "batch's rows in order at the top level; each tower draws its own stream",
+                "results match single-device training in distribution only")
     return None

@@ -59,7 +59,7 @@ class Draw:
         analysis = ir.facts["analysis"]
         towers = ir.facts["towers"]
         copies = ir.facts["copies"]
-        rows = [d for d in analysis.draws.values() if d.kind in ("rows", "body")]
+        rows = [d for d in analysis.draws.values() if d.kind in ("rows", "body", "param_rows")]
         done = self._copied(ir, analysis, copies)
         offsets: dict[int, list[str]] = {}
         for draw in rows:
@@ -76,6 +76,9 @@ class Draw:
                 if draw.kind == "body":
                     branches = rewrite_branches(ir, draw.name, draw, k)   # conds and loops
                     rewire_call(ir, copy, branches, towers.class_batch[draw.cls], offsets[draw.cls][k])
+                elif draw.kind == "param_rows":
+                    self._param_rows(ir, copy, towers.class_batch[draw.cls],
+                                     towers.class_counts[draw.cls][k], offsets[draw.cls][k])
                 else:
                     self._rows(ir, copy, draw, towers.class_batch[draw.cls],
                                towers.class_counts[draw.cls][k], offsets[draw.cls][k])
@@ -188,6 +191,33 @@ class Draw:
             ir.remove_many([copy])
             del copies[k][draw.name]
         return True
+
+    @staticmethod
+    def _param_rows(ir: IR, copy: str, batch: str, count: str, offset: str) -> None:
+        """A ``param_rows`` draw: the tower's parameter rows padded with zero rows to the
+        global batch, at the tower's offset (``<copy>/global_param``), drawn with the original
+        seeds (``<copy>/global_draw``); under the copy's name a ``Slice`` keeps the tower's rows."""
+        node = ir.nodes[copy]
+        dev, i32, base = node.device, dtypes.int32, f"{copy}/global_draw"
+        param_type = dtypes.as_dtype(ir.output_dtype(node.inputs[0]))
+        out_type = dtypes.as_dtype(ir.output_dtype(f"{copy}:0"))
+        zero = ir.const(f"{base}/zero", 0, i32, dev)
+        to_end = ir.add(f"{base}/rows_to_end", "Sub", [batch, offset], device=dev, attrs={"T": i32}).name
+        after = ir.add(f"{base}/rows_after", "Sub", [to_end, count], device=dev, attrs={"T": i32}).name
+        values = ir.add(f"{base}/pad_values", "Pack", [offset, after, zero, zero], device=dev,
+                        attrs={"T": i32, "N": 4, "axis": 0}).name
+        pads = ir.add(f"{base}/paddings", "Reshape", [values, ir.const(f"{base}/pad_shape", [2, 2], i32, dev)],
+                      device=dev, attrs={"T": i32, "Tshape": i32}).name
+        param = ir.add(f"{copy}/global_param", "Pad", [node.inputs[0], pads], device=dev,
+                       attrs={"T": param_type, "Tpaddings": i32}).name
+        ir.remove_many([copy])
+        ir.add_node(Node(base, node.op, [param] + list(node.inputs[1:]), list(node.control), dev,
+                         dict(node.attrs)))
+        begin = ir.add(f"{base}/begin", "Pack", [offset, zero], device=dev,
+                       attrs={"T": i32, "N": 2, "axis": 0}).name
+        size = ir.add(f"{base}/size", "Pack", [count, ir.const(f"{base}/all", -1, i32, dev)], device=dev,
+                      attrs={"T": i32, "N": 2, "axis": 0}).name
+        ir.add(copy, "Slice", [base, begin, size], device=dev, attrs={"T": out_type, "Index": i32})
 
     @staticmethod
     def _rows(ir: IR, copy: str, draw, batch: str, count: str, offset: str) -> None:
