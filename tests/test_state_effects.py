@@ -61,6 +61,9 @@ def _generator_noise(where):
             flag = v1.placeholder_with_default(True, [], name="training")
             h = tf.matmul(x, w)
             return tf.cond(flag, lambda: h * gen.uniform([3], 0.5, 1.5), lambda: h)
+        elif where == "cond_inputs":    # noise shaped by the batch, on the inputs
+            flag = v1.placeholder_with_default(True, [], name="training")
+            x = tf.cond(flag, lambda: x + 0.1 * gen.normal(tf.shape(x)), lambda: x)
         elif where == "raw":        # the op a 2019 tf.random.experimental.Generator emitted
             x = x + tf.raw_ops.StatefulStandardNormalV2(resource=gen.state.handle, algorithm=1,
                                                         shape=[4])
@@ -70,15 +73,16 @@ def _generator_noise(where):
     return body
 
 
-@pytest.mark.parametrize("where", ["top", "raw", "cond"])
+@pytest.mark.parametrize("where", ["top", "raw", "cond", "cond_inputs"])
 def test_generator_state_is_advanced_once_per_step_or_reported(where):
     """A tf.random.Generator's draws advance its state variable (RngReadAndSkip, the Stateful*
     ops): outside the batch the draw runs once per step, as on one device, and is exact; in a
     cond branch every tower's copy advances the state, which the report says (it claimed exact
-    with the state N - 1 skips ahead and the weights 1% off)."""
+    with the state N - 1 skips ahead and the weights 1% off), also when the cond reads only
+    the inputs (run once for the whole batch, it failed at step 1)."""
     res, result = _run(_build(_generator_noise(where)), 3, 7)
-    if where == "cond":
-        assert not res.report.exact
+    if where.startswith("cond"):    # inputs: run once it would give whole-batch noise to the
+        assert not res.report.exact     # towers (step 1 failed): it stays in them, and says so
         assert "runs in every tower" in str(res.report), str(res.report)
         assert result.max_rel > 1e-5            # the honest inexact differs
     else:
@@ -200,3 +204,27 @@ def test_unseeded_draw_run_once_is_not_exact():
     res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
     assert not res.report.exact
     assert "no seed" in str(res.report)
+
+
+@pytest.mark.parametrize("where", ["cond", "defun"])
+def test_an_iterator_read_inside_a_body_is_taken_once_per_step(where):
+    """A per-step perturbation read from a tf.data iterator inside a v2 cond or a tf.function:
+    every tower's copy of the body took an element of its own (N per step), claimed exact and
+    0.1 off. Inside a body an iterator's get_next counts as a write: the cond, which reads no
+    example, runs once for the whole batch (exact); the defun, on activations, is a reason."""
+    noise = np.random.RandomState(5).randn(50, 3).astype(np.float32)
+
+    def body(x, w):
+        it = v1.data.make_one_shot_iterator(tf.data.Dataset.from_tensor_slices(noise).repeat())
+        h = tf.matmul(x, w)
+        if where == "cond":
+            flag = v1.placeholder_with_default(True, [], name="training")
+            return tf.cond(flag, lambda: h + tf.stop_gradient(it.get_next()), lambda: h)
+
+        @tf.function
+        def perturb(t):
+            return t + tf.stop_gradient(it.get_next())
+        return perturb(h)
+    res, result = _run(_build(body), 3, 7)
+    assert res.report.exact == (where == "cond"), str(res.report)
+    assert (result.max_rel < 1e-5) == res.report.exact, result.per_variable

@@ -102,7 +102,7 @@ def _unknown_state(op: str) -> bool:
     """A stateful op (by its OpDef) no table says anything about: taken to write state, so
     that what the analysis does not know makes the rewrite inexact, with the op named."""
     if op in ops.READ_STATE_OPS or op in ops.VARIABLE_OPS or op in ops.RANDOM_OPS or \
-            op in ASSERT_OPS or op in ops.UNSAFE_OPS or op in ops.CALL_OPS or \
+            op in ASSERT_OPS or op in ops.UNSAFE_OPS or op in ops.CALL_OPS or op in ops.CONSUMING_OPS or \
             any(family in op for family in ops.READ_STATE_FAMILIES):
         return False
     op_def = op_def_registry.get(op)
@@ -128,6 +128,8 @@ def _function_effects(ir: IR, fname: str, cache: dict, stack: tuple[str, ...]) -
     found: list[Effect] = []
     for nd in fdef.node_def:
         own = _own(nd.op, nd.attr, nd.name)
+        if nd.op in ops.CONSUMING_OPS:      # each tower's copy would take its own element
+            own.append(Effect(WRITE, nd.op, (nd.name,)))
         for e in own:
             if e.kind == WRITE and nd.input:
                 e = dataclasses.replace(e, arg=args.get(nd.input[0].split(":")[0]))

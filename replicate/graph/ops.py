@@ -190,7 +190,19 @@ STATE_OPS = GENERATOR_OPS | frozenset(
      "LookupTableInsert", "LookupTableInsertV2", "LookupTableRemoveV2", "LookupTableImport",
      "LookupTableImportV2", "NegTrain", "AccumulatorApplyGradient",
      "SparseAccumulatorApplyGradient", "AccumulatorSetGlobalStep", "ResourceAccumulatorApplyGradient",
-     "ResourceAccumulatorSetGlobalStep"}
+     "ResourceAccumulatorSetGlobalStep", "QueueEnqueue", "QueueEnqueueV2", "QueueEnqueueMany",
+     "QueueEnqueueManyV2", "Stage", "MapStage", "OrderedMapStage"}
+)
+
+#: Ops that take the next element of an input (an iterator, a queue, a reader, a staging
+#: area): at the top level they are the batch inputs the split pass cuts; inside a function
+#: body every tower's copy would take an element of its own, so there they count as writes.
+CONSUMING_OPS = frozenset(
+    {"IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional", "QueueDequeue",
+     "QueueDequeueV2", "QueueDequeueMany", "QueueDequeueManyV2", "QueueDequeueUpTo",
+     "QueueDequeueUpToV2", "ReaderRead", "ReaderReadV2", "ReaderReadUpTo", "ReaderReadUpToV2",
+     "Unstage", "MapUnstage", "MapUnstageNoKey", "OrderedMapUnstage", "OrderedMapUnstageNoKey",
+     "TakeManySparseFromTensorsMap"}
 )
 
 #: Stateful ops (by their OpDef) whose state is a value the step reads, a resource they
@@ -210,7 +222,7 @@ READ_STATE_OPS = frozenset(
      "InitializeTableFromTextFile", "InitializeTableFromTextFileV2",
      "InitializeTableFromDataset", "GetSessionHandle", "GetSessionHandleV2", "GetSessionTensor",
      "DeleteSessionTensor", "MutexV2", "MutexLock", "ConsumeMutexLock", "SyncDevice",
-     "DeviceIndex", "Unstage", "Stage", "StageSize", "StageClear", "StagePeek", "HostConst",
+     "DeviceIndex", "StageSize", "StageClear", "StagePeek", "HostConst",
      "ResourceUsingOp", "DisableCopyOnRead", "MakeWeakResourceHandle", "AnonymousSeedGenerator",
      "AnonymousRandomSeedGenerator", "DeleteRandomSeedGenerator", "DeleteSeedGenerator",
      "DummySeedGenerator", "ConditionalAccumulator", "SparseConditionalAccumulator",

@@ -53,7 +53,8 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
             continue            # inside a TF1 loop: it runs with the loop, per tower
         if writes(ir, node):
             if _reads_global(ir, flow, node, harmless, inside) and not (
-                    _batch_call(ir, flow, node) and _feeds_gradient(ir, flow, name)):
+                    _batch_call(ir, flow, node) and _feeds_gradient(ir, flow, name)) \
+                    and _outputs_split(ir, flow, node, inside):
                 out.add(name)
         elif draws(ir, node) and not _batch_call(ir, flow, node):
             facts = [flow.fact(f"{name}:{i}") for i in range(len(ir.output_types(node)))]
@@ -62,6 +63,20 @@ def evictable(ir: IR, flow, region: list[str], harmless: set[str]) -> set[str]:
                     all(_mergeable(ir, flow, r) for r in node.inputs):
                 out.add(name)
     return out
+
+
+def _outputs_split(ir: IR, flow, node, region: set[str]) -> bool:
+    """Whether every output of ``node`` the towers read can be handed to them once computed
+    for the whole batch: the same for every tower, batch-reduced, or rows the split pass cuts.
+    A cond whose branch draws noise from a ``tf.random.Generator`` (a state write) gives
+    values the facts do not describe; run once, its whole-batch output met each tower's rows
+    and the rewrite failed at step 1 (review 23)."""
+    for i in range(len(ir.output_types(node))):
+        fact = flow.fact(f"{node.name}:{i}")
+        if (fact is None or fact.kind == MIXED) and any(
+                c.name in region for c, _ in ir.data_consumers(f"{node.name}:{i}")):
+            return False
+    return True
 
 
 def _feeds_gradient(ir: IR, flow, name: str) -> bool:
