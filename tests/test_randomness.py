@@ -621,8 +621,9 @@ def _sampled(kind: str) -> tf.Graph:
     return graph
 
 
-@pytest.mark.parametrize("kind", ["categorical", "stateless_categorical", "stateless_int", "poisson"])
-@pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 2)])
+@pytest.mark.parametrize("kind,towers,batch,accumulate", [
+    ("categorical", 3, 7, 1), ("categorical", 3, 2, 2), ("stateless_categorical", 3, 2, 2),
+    ("stateless_int", 3, 7, 1), ("poisson", 3, 2, 2)])
 def test_sampled_actions_and_integer_draws_are_exact(kind, towers, batch, accumulate):
     """tf.random.categorical of per-example logits draws each row from the stream position its
     row number decides: every tower places its logits at their offset in a global-shaped
