@@ -609,6 +609,10 @@ def _sampled(kind: str) -> tf.Graph:
             logp = -tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.stop_gradient(action),
                                                                    logits=logits)
             loss = tf.reduce_mean(ce - reward * logp)
+        elif kind == "shared_logits":     # one prior class per example: the batch on axis 1
+            prior = v1.get_variable("prior", [1, 3], initializer=tf.zeros_initializer())
+            drawn = tf.random.categorical(prior, tf.shape(x)[0], seed=5)[0]
+            loss = tf.reduce_mean(ce * tf.cast(tf.equal(drawn, y), tf.float32))
         elif kind == "stateless_int":
             keep = tf.random.stateless_uniform(tf.shape(x)[:1], seed=[3, 4], minval=0, maxval=2,
                                                dtype=tf.int32)
@@ -634,3 +638,22 @@ def test_sampled_actions_and_integer_draws_are_exact(kind, towers, batch, accumu
     assert res.report.exact, str(res.report)
     assert cmp.max_rel < RTOL, cmp.per_variable
     assert len(res.analysis.draws) == 1
+
+
+def test_samples_of_shared_logits_counted_by_the_batch_run():
+    """Shared logits with one sample per example (``num_samples = tf.shape(x)[0]``): the draw
+    was taken for one tensor of the global batch's size and split, and step 1 failed; it is a
+    reason now, and runs."""
+    res, cmp = _check(_sampled("shared_logits"), 3, 7)
+    assert not res.report.exact
+    assert np.isfinite(cmp.max_rel)
+
+
+def test_between_graph_draws_are_a_reason():
+    """Between-graph workers each draw their own local batch's mask with the op's seeds, so
+    their first rows get the same numbers: claimed exact before; a reason now (no cluster
+    needs to run for the transform)."""
+    cluster = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+    res = replicate.transform(_mlp("dropout"), "/cpu:0", between_graph=True, cluster=cluster)
+    assert not res.report.exact
+    assert "each worker draws" in str(res.report)

@@ -109,6 +109,15 @@ class Between:
                                            "own towers only: workers see their local batch's value",
                                            "train in-graph (one worker, several towers), or make the "
                                            "loss a sum of batch means or sums"))
+        drawn = [d.name for d in analysis.draws.values() if d.kind in ("rows", "body", "param_rows")]
+        if drawn:       # the draw pass reproduced the worker's own batch, not the global one
+            analysis.reasons.append(Reason(drawn[0], "each worker draws its own local batch's random "
+                                           "numbers with the op's seeds, so the workers' rows do not "
+                                           "get one device's draw over the global batch (their first "
+                                           "rows get the same numbers)", "train in-graph (one worker, "
+                                           "several towers) for exact dropout; between workers the "
+                                           "draws are those of a smaller batch, correlated across "
+                                           "workers"))
         if local == 1:
             self._single_tower_allreduce(ir, analysis, ir.facts["aggregates"], towers.devices[0])
         else:

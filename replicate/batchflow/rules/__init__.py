@@ -46,6 +46,15 @@ def _identity(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return passthrough(ins, ctx.n_outputs(node))
 
 
+def _sample_rows(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``tf.random.categorical``: one row of samples per row of logits that hold the examples
+    (row-wise); shared logits with a number of samples from the batch (one class per example,
+    on axis 1) have no rule (review 24: taken as one global tensor, the rewrite failed)."""
+    if ins[0].kind == PART:
+        return reduce.rowwise(ctx, node, ins)
+    return [ctx.no_rule(node, ins)] * ctx.n_outputs(node)
+
+
 def _assign(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return [shared(taint=taint_of(ins))] * ctx.n_outputs(node)
 
@@ -63,6 +72,7 @@ RULES.update({op: shape.shape_source for op in table.SHAPE_SOURCES})
 RULES.update({op: _identity for op in table.PASS_THROUGH})
 RULES.update({op: _source for op in table.SOURCES})
 RULES.update({op: _assign for op in table.STATEFUL_PASS})
+RULES.update({op: _sample_rows for op in table.PARAM_DRAWS})
 RULES.update({
     "Const": _const, "HostConst": _const,
     "ClipByValue": elementwise.broadcast, "Select": elementwise.select,
