@@ -657,3 +657,39 @@ def test_between_graph_draws_are_a_reason():
     res = replicate.transform(_mlp("dropout"), "/cpu:0", between_graph=True, cluster=cluster)
     assert not res.report.exact
     assert "each worker draws" in str(res.report)
+
+
+def _many_draws() -> tf.Graph:
+    """Four dropout masks of one shape (an unrolled RNN's dropout at every step, in small)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(7)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=3), use_resource=True)
+        h = x
+        for step in range(4):
+            h = tf.nn.dropout(tf.tanh(tf.matmul(h, w)), rate=0.3, seed=10 + step)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h[:, :3]),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 2)])
+def test_draws_of_one_shape_reach_each_tower_as_one_tensor(towers, batch, accumulate):
+    """The once-per-step draws of one shape are made in turn on the towers' devices, packed,
+    cut and unpacked on each tower's device: one cross-device tensor per tower and device
+    instead of one per draw (80 draws at 4 devices: 1.09-1.17x per-tower streams before,
+    1.05x after). Still exactly one device's draws."""
+    res, cmp = _check(_many_draws(), towers, batch, accumulate=accumulate)
+    assert res.report.exact and cmp.max_rel < RTOL, (str(res.report), cmp.per_variable)
+    nodes = {n.name: n for n in res.graph_def.node}
+    drawn = [n for n in nodes.values() if n.op == "RandomUniform" and n.name.startswith("replicate/draw/")]
+    assert len(drawn) == 4 and len({n.device for n in drawn}) == min(4, towers)
+    for split in (n for n in nodes.values() if n.op == "SplitV" and n.name.startswith("replicate/draw/")):
+        source = nodes[split.input[0].split(":")[0]]
+        readers = [n for n in nodes.values() if any(i.split(":")[0] == split.name for i in n.input)]
+        if source.op == "Pack":     # several draws: each tower unpacks its rows on its own device
+            assert all(r.op == "Unpack" and r.device != split.device or r.device == split.device
+                       for r in readers) and len(readers) == towers * accumulate

@@ -62,11 +62,12 @@ class Draw:
         rows = [d for d in analysis.draws.values() if d.kind in ("rows", "body", "param_rows")]
         done = self._copied(ir, analysis, copies)
         offsets: dict[int, list[str]] = {}
+        groups: dict[tuple, list[tuple]] = {}     # once-per-step draws cut together
         for draw in rows:
             if draw.cls not in offsets:
                 offsets[draw.cls] = self._offsets(ir, towers, draw.cls)
             mine = [c[draw.name] for c in copies if draw.name in c]
-            if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls]):
+            if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls], groups):
                 done += mine
                 continue
             for k in range(len(towers.prefixes)):
@@ -83,6 +84,8 @@ class Draw:
                     self._rows(ir, copy, draw, towers.class_batch[draw.cls],
                                towers.class_counts[draw.cls][k], offsets[draw.cls][k])
                 done.append(copy)
+        for key, members in groups.items():
+            self._cut(ir, towers, key, members, copies)
         ir.facts["draws"] = done
         log.info("draw: %d random ops reproduce the single-device draw (%d tower copies)",
                  len(rows), len(done))
@@ -121,7 +124,8 @@ class Draw:
         return out
 
     @staticmethod
-    def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str]) -> bool:
+    def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str],
+              groups: dict[tuple, list[tuple]]) -> bool:
         """A top-level draw of a shape known but for the batch: drawn once per step outside
         the towers (``replicate/draw/<op>``, on the first tower's device), each tower's copy
         becomes a ``Slice`` of its rows. The global shape and each tower's slice bounds are
@@ -166,31 +170,68 @@ class Draw:
         shape = along_axis(f"shape_{'x'.join(map(str, rest))}_{tag}", as_index(
             towers.class_batch[draw.cls], "batch"), const(f"rest_{'x'.join(map(str, rest))}_{tag}", rest))
         source = ir.unique_name(f"{SCOPE}/{draw.name}")
+        # the draws take turns on the towers' devices, so that no device makes them all
+        devices = list(dict.fromkeys(ir.nodes[copy].device for _, copy in mine))
+        where = devices[sum(len(g) for g in groups.values()) % len(devices)]
         ir.add_node(Node(source, first.op, [shape] + list(first.inputs[1:]), list(first.control),
-                         first.device, dict(first.attrs)))
-        # one SplitV per draw cuts every tower's rows (cheaper than a Slice per tower)
-        counts = towers.class_counts[draw.cls]
-        sizes = cached(f"{scope}/split_sizes", lambda n: ir.add(
-            n, "Pack", counts, device=device, attrs={"T": dtypes.int32, "N": len(counts), "axis": 0}).name)
-        split = ir.add(f"{source}/rows", "SplitV", [source, sizes, cached(
-            f"{scope}/split_axis_{axis}", lambda n: ir.const(n, axis, dtypes.int32, device))],
-            device=first.device, attrs={"T": out_type, "Tlen": dtypes.int32, "num_split": len(counts)}).name
+                         where, dict(first.attrs)))
         # a driver may fetch it by name: the rewire pass names the global draw so
         ir.facts.setdefault("global_draws", {})[draw.name] = source
-        for k, copy in mine:
-            node = ir.nodes[copy]
-            readers = ir.consumers(copy)
-            if node.control or any(copy in r.control for r in readers):
-                ir.remove_many([copy])      # the copy's name is read: an identity keeps it
-                ir.add(copy, "Identity", [f"{split}:{k}"], list(node.control), node.device,
-                       attrs={"T": out_type})
-                continue
-            # the readers take the tower's rows straight from the split (an identity per tower
-            # and draw was 80 x N ops per step in an unrolled LSTM with dropout)
-            ir.replace_uses(copy, f"{split}:{k}")
-            ir.remove_many([copy])
-            del copies[k][draw.name]
+        key = (draw.cls, axis, out_type, tuple(rest), where)
+        groups.setdefault(key, []).append((source, draw.name, mine))
         return True
+
+    @staticmethod
+    def _cut(ir: IR, towers, key: tuple, members: list[tuple], copies: list[dict[str, str]]) -> None:
+        """Cut the once-per-step draws of one shape and batch class into the towers' rows. One
+        draw: a ``SplitV``. Several (an unrolled LSTM's dropout at every step): they are packed,
+        cut by one ``SplitV`` and unpacked on each tower's device, so each tower receives one
+        tensor instead of one per draw (measured at 4 logical devices and 80 draws: a
+        cross-device edge per tower and draw cost more than the towers' own draws)."""
+        cls, axis, out_type, _, device = key
+        scope = f"{SCOPE}/class_{cls}"
+        counts = towers.class_counts[cls]
+        controller = ir.nodes[node_of(counts[0])].device
+        sizes = f"{scope}/split_sizes"
+        if sizes not in ir.nodes:
+            ir.add(sizes, "Pack", counts, device=controller, attrs={"T": dtypes.int32, "N": len(counts), "axis": 0})
+        cut_axis = axis if len(members) == 1 else axis + 1
+        along = f"{scope}/split_axis_{cut_axis}"
+        if along not in ir.nodes:
+            ir.const(along, cut_axis, dtypes.int32, controller)
+        source = members[0][0]
+        if len(members) > 1:
+            source = ir.add(ir.unique_name(f"{source}/packed"), "Pack", [s for s, _, _ in members], device=device,
+                            attrs={"T": out_type, "N": len(members), "axis": 0}).name
+        split = ir.add(f"{source}/rows", "SplitV", [source, sizes, along], device=device,
+                       attrs={"T": out_type, "Tlen": dtypes.int32, "num_split": len(counts)}).name
+        unpacked: dict[int, str] = {}
+        for i, (_, original, mine) in enumerate(members):
+            for k, copy in mine:
+                if len(members) == 1:
+                    rows = f"{split}:{k}"
+                else:
+                    if k not in unpacked:
+                        unpacked[k] = ir.add(f"{split}/{towers.prefixes[k]}", "Unpack", [f"{split}:{k}"],
+                                             device=towers.devices[k],
+                                             attrs={"T": out_type, "num": len(members), "axis": 0}).name
+                    rows = f"{unpacked[k]}:{i}"
+                Draw._take(ir, copy, rows, out_type, copies[k], original)
+
+    @staticmethod
+    def _take(ir: IR, copy: str, rows: str, out_type, names: dict[str, str], original: str) -> None:
+        """Tower copy ``copy`` of draw ``original`` becomes its rows ``rows`` of the global draw."""
+        node = ir.nodes[copy]
+        readers = ir.consumers(copy)
+        if node.control or any(copy in r.control for r in readers):
+            ir.remove_many([copy])      # the copy's name is read: an identity keeps it
+            ir.add(copy, "Identity", [rows], list(node.control), node.device, attrs={"T": out_type})
+            return
+        # the readers take the tower's rows straight from the split (an identity per tower and
+        # draw was 80 x N ops per step in an unrolled LSTM with dropout)
+        ir.replace_uses(copy, rows)
+        ir.remove_many([copy])
+        del names[original]
 
     @staticmethod
     def _param_rows(ir: IR, copy: str, batch: str, count: str, offset: str) -> None:
