@@ -127,10 +127,10 @@ class Draw:
     def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str],
               groups: dict[tuple, list[tuple]]) -> bool:
         """A top-level draw of a shape known but for the batch: drawn once per step outside
-        the towers (``replicate/draw/<op>``, on the first tower's device), each tower's copy
-        becomes a ``Slice`` of its rows. The global shape and each tower's slice bounds are
-        made once per shape and batch class, so a model with many draws (an unrolled LSTM's
-        dropout at every step) adds one op per tower and draw. False when it does not apply."""
+        the towers (``replicate/draw/<op>``; the draws take turns on the towers' devices), and
+        recorded in ``groups`` by shape, batch class and device for :meth:`_cut`, which gives
+        each tower's copy its rows. The global shape is made once per shape and batch class.
+        False when it does not apply."""
         mine = [(k, c[draw.name]) for k, c in enumerate(copies) if draw.name in c]
         if not mine or draw.block != 1 or draw.outer != 1 or frames(ir, mine[0][1]):
             return False
