@@ -24,6 +24,13 @@ pass kept their seeds). Offsets are computed once per batch class on the control
 Cost: every tower draws ``B`` rows instead of ``n_k`` (N times the random numbers of one
 device, spread over N devices) and holds one ``B``-row buffer until the slice.
 
+A top-level draw whose shape is known but for the batch is cheaper: it is made once per step
+outside the towers (``replicate/draw/<op>``, the draws taking turns on the towers' devices),
+the draws of one shape, batch class and device are packed and cut by one ``SplitV``, and each
+tower unpacks its rows on its own device. A ``param_rows`` draw (``tf.random.categorical`` of
+the examples' logits) pads the tower's logits to their rows of the global batch, draws with
+the original seeds and keeps its rows.
+
 ``body`` draws (a dropout mask inside a ``tf.cond`` branch under a training flag) are
 rewritten inside the branches (:mod:`replicate.passes._body_draws`): each tower's copy of the
 cond calls branches that take the global batch size and the tower's first row as two more
