@@ -19,6 +19,7 @@ the op that has it), and the predicates the analysis uses: :func:`draws`, :func:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 from tensorflow.python.framework import op_def_registry
@@ -98,6 +99,7 @@ def _own(op: str, attrs, name: str) -> list[Effect]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def _unknown_state(op: str) -> bool:
     """A stateful op (by its OpDef) no table says anything about: taken to write state, so
     that what the analysis does not know makes the rewrite inexact, with the op named."""

@@ -65,7 +65,8 @@ dimensions taken as 0. TensorFlow refuses to stack an empty list without a full 
 elements the list decides the shape itself, so nothing changes then. Likewise for TF1
 TensorArrays (:func:`shape_array_gathers`): every tower copy of a ``TensorArrayGatherV3``
 whose ``element_shape`` is not fully defined (the gradient of a TF1 ``map_fn`` over the
-batch) gets the element shape the original's static output shape proves. TensorFlow refuses
+batch) gets the element shape of the rows its forward array was scattered from (or of what
+was written to it that holds no example), from the input graph's static shapes. TensorFlow refuses
 to gather from an array of size zero without one; with elements the shape it checks is the
 one the array holds.
 """
@@ -209,8 +210,8 @@ def stack_empty_lists(ir: IR) -> int:
 
 
 def shape_array_gathers(ir: IR) -> int:
-    """Give the towers' TensorArray gathers a full element shape where the original's static
-    output shape proves one (see the module docstring); returns how many tower ops changed."""
+    """Give the towers' TensorArray gathers a full element shape where the input graph's
+    static shapes prove one (see the module docstring); returns how many tower ops changed."""
     done, flow = 0, ir.facts["analysis"].flow
     for names in ir.facts["copies"]:
         for original, copied in names.items():
@@ -233,17 +234,17 @@ def _array_element(ir: IR, flow, gather: str, prefix: str) -> list[int] | None:
     """The full element shape of the TensorArray the tower's ``gather`` reads (of its forward
     array, for a gradient array), where it holds no rows of the batch: from the input graph's
     static shapes (of the originals, ``prefix`` stripped) of what the array is scattered from
-    along the batch axis, or of what is written to it or read from it that holds no example,
-    through ``Enter``/``Identity``. An array over time steps (a TF1 ``dynamic_rnn``'s) holds
-    the tower's rows in every element, whose size is not the input graph's."""
+    along the batch axis, or of what is written to it that holds no example, through
+    ``Enter``/``Identity``. An array over time steps (a TF1 ``dynamic_rnn``'s) holds the
+    tower's rows in every element, whose size is not the input graph's."""
     def full(dims):
         return dims is not None and all(d is not None for d in dims)
 
     def static(ref: str):
-        return ir.static_shape(ref[len(prefix):] if ref.startswith(prefix) else ref)
+        return ir.static_shape(ref.removeprefix(prefix))
 
     def holds(ref: str, kind: str, axis=None) -> bool:
-        fact = flow.fact(ref[len(prefix):] if ref.startswith(prefix) else ref)
+        fact = flow.fact(ref.removeprefix(prefix))
         return fact is not None and fact.kind == kind and (axis is None or (
             fact.axis == axis and fact.block == 1 and fact.outer == 1))
 
