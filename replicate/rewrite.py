@@ -24,6 +24,7 @@ from replicate.graph.ir import IR
 from replicate.graph.kernels import host_of
 from replicate.options import COLLECTION, Options
 from replicate.passes.accumulate import Accumulate
+from replicate.passes.defer import Defer
 from replicate.passes.aggregate import Aggregate
 from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
@@ -174,7 +175,7 @@ def _rewrite(graph: Any, devices: Sequence[str], options: Options) -> Result:
         passes = [analyze, Place(controller, params),
                   Split([d for d in devices for _ in range(micro)], controller, micro), Clone(),
                   Sync(controller, full=sync), Rebatch(), Draw(), Weigh(controller),
-                  Aggregate(controller, aggregation), Rewire(controller), Guard(), Accumulate()]
+                  Aggregate(controller, aggregation), Rewire(controller), Guard(), Accumulate(), Defer()]
         if options.between_graph:
             seed = loaded.graph_def.SerializeToString(deterministic=True) + repr(
                 (devices, controller, workers, ps, aggregation, options.sparse_on_ps,

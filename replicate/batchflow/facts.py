@@ -186,7 +186,8 @@ class Towers:
     start, as tensors). With gradient accumulation (``micro`` > 1) every device holds ``micro``
     consecutive virtual towers, one per micro-batch: ``devices`` repeats each device ``micro``
     times and :meth:`chains` groups the towers by device; ``running`` lists the running-sum
-    ops (op name, the tower whose part it adds) for the accumulate pass.
+    ops (op name, the tower whose part it adds) for the accumulate pass, and ``sums`` each
+    device's chain (its towers, their parts in order, the adds) for the defer pass.
     """
 
     devices: list[str]
@@ -202,6 +203,7 @@ class Towers:
     class_offsets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     micro: int = 1
     running: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    sums: list[tuple[list[int], list[str], list[str]]] = dataclasses.field(default_factory=list)
 
     def chains(self) -> list[list[int]]:
         """Tower indices per physical device, in order (one per tower without accumulation)."""

@@ -209,11 +209,13 @@ def _running_sums(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype):
     returns the per-device sums and their devices."""
     sums, devices = [], []
     for i, chain in enumerate(towers.chains()):
-        acc = refs[chain[0]]
+        acc, adds = refs[chain[0]], []
         for j in chain[1:]:
             acc = ir.add(f"{name}_parts/accumulate_{i}_{j - chain[0]}", "AddV2", [acc, refs[j]],
                          device=towers.devices[j], attrs={"T": tf_dtype}).name
             towers.running.append((acc, j))
+            adds.append(acc)
+        towers.sums.append((list(chain), [refs[j] for j in chain], adds))
         sums.append(acc)
         devices.append(towers.devices[chain[0]])
     return sums, devices
