@@ -9,10 +9,13 @@
   (a tower's gradients wait for the aggregation); with ``accumulate=k > 1``, the running sums
   (one gradient-sized buffer) plus the gradient of the largest variable in flight, since each
   add runs as soon as a micro-batch's gradient for its variable exists
-  (:mod:`replicate.passes.accumulate`);
+  (:mod:`replicate.passes.accumulate`). A dense layer's weight gradient that the step computes
+  once from the micro-batches' kept slices (:mod:`replicate.passes.defer`, by its rule at this
+  batch) is never in flight beside a sum;
 - **activations**, per tower device: the per-example forward tensors that the backward pass
   reads (kept from the forward pass until the gradient uses them), times the examples of one
-  micro-batch, ``ceil(B / (towers x k))``.
+  micro-batch, ``ceil(B / (towers x k))``; with deferred weight gradients, plus their kept
+  slices (``k x examples x (in + out)`` values per layer).
 
 One device on the whole batch is estimated the same way, for comparison; its gradient
 figure is an upper bound, since one device applies each variable's update as soon as that
@@ -50,29 +53,53 @@ class Estimate:
     largest: int                   # the largest trained variable's gradient
     saved_per_example: int         # forward tensors the backward pass reads, per example
     unknown: int                   # saved tensors whose per-example size is not static
+    #: trained variables' gradient bytes, by variable
+    sizes: dict = dataclasses.field(default_factory=dict)
+    #: dense layers' weight gradients the defer pass may compute once: variable -> (in, out,
+    #: bytes per value), for inputs of one row per example
+    products: dict = dataclasses.field(default_factory=dict)
 
     @property
     def examples(self) -> int | None:
         """Examples of one micro-batch on one tower device (the largest slice)."""
         return None if self.batch is None else math.ceil(self.batch / (self.towers * self.micro))
 
+    def deferred(self) -> list[str]:
+        """The variables whose gradient the step defers at this batch (the rule of
+        :mod:`replicate.passes.defer`: the micro-batches' slices are smaller than the gradient)."""
+        rows = self.examples
+        if self.micro <= 1 or rows is None:
+            return []
+        return sorted(v for v, (m, n, _) in self.products.items()
+                      if self.micro * rows * (m + n) < m * n)
+
     @property
     def gradients(self) -> int:
         """Gradient buffers on one tower device."""
-        return self.trained + self.largest if self.micro > 1 else self.trained
+        if self.micro <= 1:
+            return self.trained
+        deferred = set(self.deferred())
+        return self.trained + max((b for v, b in self.sizes.items() if v not in deferred),
+                                  default=0 if self.sizes else self.largest)
 
-    def activations(self, examples: int | None) -> int | None:
-        return None if examples is None else self.saved_per_example * examples
+    def activations(self, examples: int | None, kept: bool = False) -> int | None:
+        """Saved activations of ``examples``; with ``kept``, plus the deferred products' slices."""
+        if examples is None:
+            return None
+        extra = sum(self.micro * examples * (self.products[v][0] + self.products[v][1])
+                    * self.products[v][2] for v in self.deferred()) if kept else 0
+        return self.saved_per_example * examples + extra
 
     def to_dict(self) -> dict:
         """Plain data for ``inspect --json``."""
-        per_tower = self.activations(self.examples)
+        per_tower = self.activations(self.examples, kept=True)
         single = self.activations(self.batch)
         return {
             "batch": self.batch, "examples_per_micro_batch": self.examples,
             "state_bytes": self.state,
             "saved_activation_bytes_per_example": self.saved_per_example,
             "unknown_saved_tensors": self.unknown,
+            "deferred_gradients": self.deferred(),
             "per_device": {"activations": per_tower, "gradients": self.gradients,
                            "step": None if per_tower is None else per_tower + self.gradients},
             "one_device": {"activations": single, "gradients": self.trained,
@@ -85,12 +112,39 @@ def estimate(ir: IR, analysis: Analysis, towers: int, micro: int = 1,
     """The estimate for ``towers`` devices with ``micro`` micro-batches each at global batch
     ``batch`` (default: the inputs' static batch size, if any)."""
     trained = {a.variable for a in analysis.apply_ops}
-    sizes = [v.bytes for v in analysis.variables.values() if v.name in trained]
+    sizes = {v.name: v.bytes for v in analysis.variables.values() if v.name in trained}
     per_example, unknown = _saved(ir, analysis)
     return Estimate(batch=batch if batch is not None else analysis.static_batch, towers=towers,
                     micro=micro, state=sum(v.bytes for v in analysis.variables.values()),
-                    trained=sum(sizes), largest=max(sizes, default=0),
-                    saved_per_example=per_example, unknown=unknown)
+                    trained=sum(sizes.values()), largest=max(sizes.values(), default=0),
+                    saved_per_example=per_example, unknown=unknown, sizes=sizes,
+                    products=_products(ir, analysis, trained))
+
+
+def _products(ir: IR, analysis: Analysis, trained: set[str]) -> dict[str, tuple]:
+    """Trained variables whose gradient is a ``MatMul`` with ``transpose_a`` of per-example
+    rows (one row per example) outside loops: variable -> (in, out, bytes per value)."""
+    found = {}
+    for f in analysis.frontier:
+        if not f.gradient or f.variable not in trained or f.role != "dense":
+            continue
+        name, index = parse_tensor(f.tensor)
+        while index == 0 and ir.nodes[name].op == "Identity":
+            name, index = parse_tensor(ir.nodes[name].inputs[0])
+        node = ir.nodes[name]
+        if (index or node.op != "MatMul" or not node.attr("transpose_a") or node.attr("transpose_b")
+                or analysis.flow is None or analysis.flow.depths.get(name, 0)):
+            continue
+        shape, fact = ir.static_shape(name), analysis.flow.fact(node.inputs[0])
+        if (not shape or None in shape or fact is None or fact.kind != PART or fact.axis != 0
+                or fact.block != 1 or fact.outer != 1):
+            continue
+        try:
+            width = dtypes.as_dtype(node.attr("T")).size
+        except (TypeError, ValueError):
+            continue
+        found[f.variable] = (shape[0], shape[1], width)
+    return found
 
 
 def _saved(ir: IR, analysis: Analysis) -> tuple[int, int]:

@@ -88,3 +88,24 @@ def test_deferred_gradients_hold_one_gradient_sized_buffer():
     rewritten = replicate.transform(graph, ["/cpu:0"], accumulate=4).graph
     peaks = [b.gradient_peak for b in _breakdown(rewritten, "train", feed, traced=2)]
     assert min(peaks) <= 1.01 * size, (peaks, size, single.gradient_peak)
+
+
+def test_the_estimate_follows_the_same_rule():
+    """``replicate inspect``'s estimate (``replicate.memory``) defers the same layers at a given
+    batch: their gradients are not in flight beside a sum, and their kept slices count as
+    activations; the traced step stays within it."""
+    from replicate import api, memory
+    graph, size = _deep_mlp(4, 768)
+    ir = api.analyze_only(graph)
+    analysis = ir.facts["analysis"]
+    est = memory.estimate(ir, analysis, 1, 4, 256)
+    assert est.deferred() == [f"fc{i}/kernel" for i in range(4)], est.deferred()
+    assert est.gradients == est.trained + est.sizes["out/kernel"]
+    kept = 4 * 64 * (768 + 768) * 4 * 4
+    assert est.to_dict()["per_device"]["activations"] == 64 * est.saved_per_example + kept
+    large = memory.estimate(ir, analysis, 1, 4, 4096)      # 1024 rows per micro-batch: no
+    assert large.deferred() == [] and large.gradients == large.trained + large.largest
+    rng = np.random.default_rng(0)
+    feed = {"x:0": rng.normal(size=(256, 768)).astype(np.float32), "y:0": rng.integers(0, 10, 256)}
+    rewritten = replicate.transform(graph, ["/cpu:0"], accumulate=4).graph
+    assert _breakdown(rewritten, "train", feed)[0].gradient_peak <= 1.05 * est.gradients

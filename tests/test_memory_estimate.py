@@ -45,15 +45,20 @@ def test_per_device_figures_scale_with_towers_and_micro_batches(cnn):
     ir = api.analyze_only(cnn.graph)
     analysis = ir.facts["analysis"]
     one = memory.estimate(ir, analysis, 1, 1, 100).to_dict()
-    split = memory.estimate(ir, analysis, 3, 4, 100).to_dict()
+    estimate = memory.estimate(ir, analysis, 3, 4, 100)
+    split = estimate.to_dict()
     per_example = one["saved_activation_bytes_per_example"]
     assert per_example > 0 and one["per_device"]["activations"] == 100 * per_example
     assert split["examples_per_micro_batch"] == 9                       # ceil(100 / 12)
-    assert split["per_device"]["activations"] == 9 * per_example
-    trained = sum(v.bytes for v in analysis.variables.values() if v.trainable)
-    largest = max(v.bytes for v in analysis.variables.values() if v.trainable)
+    # 36 rows of 7x7x16 inputs and 64 output gradients kept: less than the 784 x 64 gradient
+    assert estimate.deferred() == ["cnn/fc/weights"], estimate.deferred()
+    kept = 4 * 9 * (784 + 64) * 4
+    assert split["per_device"]["activations"] == 9 * per_example + kept
+    sizes = {v.name: v.bytes for v in analysis.variables.values() if v.trainable}
+    trained = sum(sizes.values())
+    in_flight = max(b for v, b in sizes.items() if v != "cnn/fc/weights")
     assert one["per_device"]["gradients"] == trained
-    assert split["per_device"]["gradients"] == trained + largest      # running sums + one in flight
+    assert split["per_device"]["gradients"] == trained + in_flight    # running sums + one in flight
     assert split["one_device"] == one["one_device"]
 
 
@@ -63,6 +68,11 @@ def test_inspect_prints_the_estimate(cnn_meta, capsys):
     out = capsys.readouterr().out
     assert "Memory per step (estimate from static shapes, global batch 256" in out
     assert "each tower device (32 examples at a time)" in out and "one device, for comparison" in out
+    assert "kept slices" not in out                     # 4 x 32 rows: more than the gradient
+    assert main(["inspect", str(cnn_meta), "--devices", "/cpu:0,/cpu:1", "--accumulate", "4",
+                 "--batch", "64"]) == 0
+    assert ("computed once from the micro-batches' kept slices (smaller than a running sum at "
+            "this batch): cnn/fc/weights") in capsys.readouterr().out
     assert main(["inspect", str(cnn_meta), "--devices", "/cpu:0", "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)["memory"]
     assert mem["batch"] is None and mem["per_device"]["activations"] is None

@@ -286,9 +286,13 @@ def _memory(mem: dict[str, Any], controller: str) -> list[str]:
              *(human_bytes(mem["per_device"][k]) for k in ("activations", "gradients", "step"))],
             ["one device, for comparison",
              *(human_bytes(mem["one_device"][k]) for k in ("activations", "gradients", "step"))]]
+    deferred = mem.get("deferred_gradients") or []
+    later = ([f"  computed once from the micro-batches' kept slices (smaller than a running sum "
+              f"at this batch): {', '.join(deferred[:4])}{' ...' if len(deferred) > 4 else ''}"]
+             if deferred else [])
     return ["", f"Memory per step (estimate from static shapes, global batch {mem['batch']}; "
                 f"{per_example} of saved activations per example{unknown})",
-            table(["", "activations", "gradients", "step"], rows), f"  {state}"]
+            table(["", "activations", "gradients", "step"], rows), *later, f"  {state}"]
 
 
 def _shape(shape) -> str:
