@@ -109,3 +109,30 @@ def test_the_estimate_follows_the_same_rule():
     feed = {"x:0": rng.normal(size=(256, 768)).astype(np.float32), "y:0": rng.integers(0, 10, 256)}
     rewritten = replicate.transform(graph, ["/cpu:0"], accumulate=4).graph
     assert _breakdown(rewritten, "train", feed)[0].gradient_peak <= 1.05 * est.gradients
+
+
+@pytest.mark.parametrize("where", ["cond", "loop"])
+def test_products_in_tf1_control_flow_keep_the_running_sum(where):
+    """A layer inside a TF1 cond branch (dead when not taken) or a TF1 while loop (its gradient
+    summed by the loop) is left to the running sum; exact either way."""
+    from breadth_models import control_flow_v1
+    graph = tf.Graph()
+    with graph.as_default(), control_flow_v1():
+        x = v1.placeholder(tf.float32, [None, IN], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [IN, WIDE], initializer=v1.glorot_uniform_initializer(seed=1))
+        v = v1.get_variable("v", [WIDE, OUT], initializer=v1.glorot_uniform_initializer(seed=2))
+        if where == "cond":
+            flag = v1.placeholder_with_default(True, [], name="flag")
+            h = tf.cond(flag, lambda: tf.nn.relu(tf.matmul(x, w)), lambda: tf.matmul(x, w))
+        else:
+            h = tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, tf.tanh(a + tf.matmul(x, w))),
+                              [tf.constant(0), tf.zeros_like(tf.matmul(x, w))])[1]
+        logits = tf.matmul(h, v, name="logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    res = replicate.transform(graph, CPUS[:1], accumulate=4)
+    assert res.report.exact, res.report.reasons
+    ways = _ways(res, _feeds(7)[0])
+    assert list(ways) == ["logits@0"], ways                   # v's product only, at the top level
+    assert compare(graph, res.graph, "train", _feeds(7)).max_rel <= 1e-5

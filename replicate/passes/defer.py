@@ -36,6 +36,7 @@ import logging
 from tensorflow.python.framework import dtypes
 
 from replicate.graph.ir import IR, parse_tensor
+from replicate.passes.accumulate import Accumulate
 from replicate.passes.pipeline import PassResult
 
 __all__ = ["Defer"]
@@ -54,9 +55,10 @@ class Defer:
         if towers.micro <= 1:
             return PassResult(ir, False)
         depths = ir.facts["analysis"].flow.depths
+        branches = Accumulate._in_branches(ir, set(ir.nodes))    # before any switch is added
         deferred = []
         for chain, parts, adds in towers.sums:
-            found = _products(ir, towers, chain, parts, adds, depths)
+            found = _products(ir, towers, chain, parts, adds, depths, branches)
             if found is not None:
                 deferred.append(_defer(ir, parts, adds, *found))
         ir.facts["deferred"] = deferred
@@ -65,9 +67,11 @@ class Defer:
         return PassResult(ir, bool(deferred))
 
 
-def _products(ir: IR, towers, chain: list[int], parts: list[str], adds: list[str], depths):
+def _products(ir: IR, towers, chain: list[int], parts: list[str], adds: list[str], depths,
+              branches: set[str]):
     """``(products, paths, size)`` when every part of the chain is a ``MatMul`` with
-    ``transpose_a`` read by the running sum alone (through ``Identity`` ops); else None.
+    ``transpose_a`` read by the running sum alone (through ``Identity`` ops), outside TF1 loops
+    and cond branches (``depths``, ``branches``); else None.
 
     ``paths[j]``: micro-batch j's ops from the product to its part; ``size``: the gradient's
     number of elements, from the original product's static shape."""
@@ -95,23 +99,14 @@ def _products(ir: IR, towers, chain: list[int], parts: list[str], adds: list[str
         here = name[len(prefix):]
         if original is None:
             original = here
-        if here != original or depths.get(original, 0):
+        if here != original or depths.get(original, 0) or name in branches:
             return None
         products.append(node)
         paths.append([name] + path[::-1])
     shape = ir.static_shape(original)
     if not shape or len(shape) != 2 or None in shape:
         return None
-    if any(n.op in ("Switch", "RefSwitch") for n in ir) and _in_branch(ir, products[0].name):
-        return None
     return products, paths, shape[0] * shape[1]
-
-
-def _in_branch(ir: IR, name: str) -> bool:
-    """True when ``name`` runs only in one branch of a TF1 cond (reached from a ``Switch``
-    without passing a ``Merge``)."""
-    from replicate.passes.accumulate import Accumulate
-    return bool(Accumulate._in_branches(ir, {name}))
 
 
 def _defer(ir: IR, parts: list[str], adds: list[str], products, paths, size: int) -> str:
