@@ -140,7 +140,11 @@ def _defer(ir: IR, parts: list[str], adds: list[str], products, paths, size: int
     joined = [ir.add(f"{scope}/concat_{pos}", "ConcatV2",
                      [f"{pair[pos]}:1" for pair in switched] + [f"{scope}/axis"], device=device,
                      attrs={"T": dtype, "N": k, "Tidx": dtypes.int32}).name for pos in (0, 1)]
-    product = ir.add(f"{scope}/MatMul", "MatMul", joined, device=device,
+    # what each part waited for (the gradient's tuple: the product of the layer's input
+    # gradient too, which reads the weights): else the update may run while a read of the
+    # weights is live, and copies them
+    waits = list(dict.fromkeys(c for path in paths for op in path[1:] for c in ir.nodes[op].control))
+    product = ir.add(f"{scope}/MatMul", "MatMul", joined, control=waits, device=device,
                      attrs=dict(products[0].attrs)).name
     merged = ir.add(f"{scope}/sum", "Merge", [total, product], device=device,
                     attrs={"T": dtype, "N": 2}).name
