@@ -37,6 +37,8 @@ from tensorflow.python.framework import dtypes
 from replicate.batchflow.facts import Analysis
 from replicate.batchflow.lattice import PART
 from replicate.graph.ir import IR, parse_tensor, tensor_name
+from replicate.passes.accumulate import Accumulate
+from replicate.passes.defer import one_row_per_example, smaller
 
 __all__ = ["Estimate", "estimate"]
 
@@ -70,8 +72,7 @@ class Estimate:
         rows = self.examples
         if self.micro <= 1 or rows is None:
             return []
-        return sorted(v for v, (m, n, _) in self.products.items()
-                      if self.micro * rows * (m + n) < m * n)
+        return sorted(v for v, (m, n, _) in self.products.items() if smaller(self.micro, rows, m, n))
 
     @property
     def gradients(self) -> int:
@@ -108,9 +109,10 @@ class Estimate:
 
 
 def estimate(ir: IR, analysis: Analysis, towers: int, micro: int = 1,
-             batch: int | None = None) -> Estimate:
+             batch: int | None = None, aggregation: str = "add_n") -> Estimate:
     """The estimate for ``towers`` devices with ``micro`` micro-batches each at global batch
-    ``batch`` (default: the inputs' static batch size, if any)."""
+    ``batch`` (default: the inputs' static batch size, if any), gradients aggregated by
+    ``aggregation`` (packed parts are never deferred)."""
     trained = {a.variable for a in analysis.apply_ops}
     sizes = {v.name: v.bytes for v in analysis.variables.values() if v.name in trained}
     per_example, unknown = _saved(ir, analysis)
@@ -118,26 +120,30 @@ def estimate(ir: IR, analysis: Analysis, towers: int, micro: int = 1,
                     micro=micro, state=sum(v.bytes for v in analysis.variables.values()),
                     trained=sum(sizes.values()), largest=max(sizes.values(), default=0),
                     saved_per_example=per_example, unknown=unknown, sizes=sizes,
-                    products=_products(ir, analysis, trained))
+                    products={} if aggregation.startswith("packed") else _products(ir, analysis, trained))
 
 
 def _products(ir: IR, analysis: Analysis, trained: set[str]) -> dict[str, tuple]:
-    """Trained variables whose gradient is a ``MatMul`` with ``transpose_a`` of per-example
-    rows (one row per example) outside loops: variable -> (in, out, bytes per value)."""
+    """Trained variables whose gradient the defer pass may defer: summed plainly (an exact
+    rewrite, weights ``ones``, no shared rows), a ``MatMul`` with ``transpose_a`` of one row
+    per example, outside TF1 loops and cond branches: variable -> (in, out, bytes per value)."""
+    if analysis.reasons:
+        return {}               # inexact: each tower's part is weighed (MulNoNan), not a product
+    branches = Accumulate._in_branches(ir, set(ir.nodes))
     found = {}
     for f in analysis.frontier:
-        if not f.gradient or f.variable not in trained or f.role != "dense":
+        if (not f.gradient or f.variable not in trained or f.role != "dense"
+                or f.weights != ("ones",) or f.tail):
             continue
         name, index = parse_tensor(f.tensor)
         while index == 0 and ir.nodes[name].op == "Identity":
             name, index = parse_tensor(ir.nodes[name].inputs[0])
         node = ir.nodes[name]
         if (index or node.op != "MatMul" or not node.attr("transpose_a") or node.attr("transpose_b")
-                or analysis.flow is None or analysis.flow.depths.get(name, 0)):
+                or analysis.flow is None or analysis.flow.depths.get(name, 0) or name in branches):
             continue
-        shape, fact = ir.static_shape(name), analysis.flow.fact(node.inputs[0])
-        if (not shape or None in shape or fact is None or fact.kind != PART or fact.axis != 0
-                or fact.block != 1 or fact.outer != 1):
+        shape = ir.static_shape(name)
+        if not shape or None in shape or not one_row_per_example(analysis, node.inputs[0]):
             continue
         try:
             width = dtypes.as_dtype(node.attr("T")).size

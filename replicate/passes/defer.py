@@ -11,7 +11,11 @@ and again for the sum.
 
 Which is smaller depends on the batch, known only when the step runs. So both ways are built,
 and the step chooses with a TF1 switch: ``pred = k × (size(a_0) + size(dy_0)) < in × out``,
-from micro-batch 0's slices (the largest of an uneven split). When true, the micro-batches'
+from micro-batch 0's slices (the largest of an uneven split). That holds only when ``a`` has
+one row per example (the analysis's fact: per example along axis 0, one row each); a layer
+over a data-dependent number of rows (the real tokens of padded sequences, picked by a mask)
+is left to the running sum, since a small first micro-batch would not tell the others'
+sizes (review 25). When true, the micro-batches'
 ``MatMul``s and adds are dead (they never run) and the concatenated product is the device's
 sum; when false, the concatenations are dead and the running sum is as before. The choice is
 only about memory: both ways compute the same sum (in a different order of additions).
@@ -35,11 +39,12 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
-from replicate.graph.ir import IR, parse_tensor
+from replicate.batchflow.lattice import PART
+from replicate.graph.ir import IR, node_of, parse_tensor
 from replicate.passes.accumulate import Accumulate
 from replicate.passes.pipeline import PassResult
 
-__all__ = ["Defer"]
+__all__ = ["Defer", "one_row_per_example", "smaller"]
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +59,11 @@ class Defer:
         towers = ir.facts["towers"]
         if towers.micro <= 1:
             return PassResult(ir, False)
-        depths = ir.facts["analysis"].flow.depths
+        analysis = ir.facts["analysis"]
         branches = Accumulate._in_branches(ir, set(ir.nodes))    # before any switch is added
         deferred = []
         for chain, parts, adds in towers.sums:
-            found = _products(ir, towers, chain, parts, adds, depths, branches)
+            found = _products(ir, towers, chain, parts, adds, analysis, branches)
             if found is not None:
                 deferred.append(_defer(ir, parts, adds, *found))
         ir.facts["deferred"] = deferred
@@ -67,11 +72,34 @@ class Defer:
         return PassResult(ir, bool(deferred))
 
 
-def _products(ir: IR, towers, chain: list[int], parts: list[str], adds: list[str], depths,
+def smaller(micro: int, rows: int, m: int, n: int) -> bool:
+    """The rule: ``micro`` micro-batches of ``rows`` rows each of an ``m x n`` product's
+    inputs hold fewer values than its gradient."""
+    return micro * rows * (m + n) < m * n
+
+
+def one_row_per_example(analysis, tensor: str) -> bool:
+    """True when the analysis found ``tensor`` (an original graph's) per example along axis 0,
+    one row each."""
+    fact = analysis.flow.fact(tensor) if analysis.flow is not None else None
+    return (fact is not None and fact.kind == PART and fact.axis == 0 and fact.block == 1
+            and fact.outer == 1)
+
+
+def _original(towers, t: int, ref: str) -> str | None:
+    """The original graph's tensor that tower ``t``'s ``ref`` copies (a clone, or a batch
+    input's slice), or None."""
+    prefix = towers.prefixes[t] + "/"
+    if node_of(ref).startswith(prefix):
+        return ref[len(prefix):]
+    return next((o for o, s in towers.inputs[t].items() if parse_tensor(s) == parse_tensor(ref)), None)
+
+
+def _products(ir: IR, towers, chain: list[int], parts: list[str], adds: list[str], analysis,
               branches: set[str]):
     """``(products, paths, size)`` when every part of the chain is a ``MatMul`` with
     ``transpose_a`` read by the running sum alone (through ``Identity`` ops), outside TF1 loops
-    and cond branches (``depths``, ``branches``); else None.
+    and cond branches (``branches``), whose first input has one row per example; else None.
 
     ``paths[j]``: micro-batch j's ops from the product to its part; ``size``: the gradient's
     number of elements, from the original product's static shape."""
@@ -99,12 +127,15 @@ def _products(ir: IR, towers, chain: list[int], parts: list[str], adds: list[str
         here = name[len(prefix):]
         if original is None:
             original = here
-        if here != original or depths.get(original, 0) or name in branches:
+        if here != original or analysis.flow.depths.get(original, 0) or name in branches:
             return None
         products.append(node)
         paths.append([name] + path[::-1])
     shape = ir.static_shape(original)
     if not shape or len(shape) != 2 or None in shape:
+        return None
+    rows = _original(towers, chain[0], products[0].inputs[0])
+    if rows is None or not one_row_per_example(analysis, rows):
         return None
     return products, paths, shape[0] * shape[1]
 

@@ -132,7 +132,7 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
         "mirrored": list(report.mirrored),
         "accumulate": dict(report.accumulate),
         "memory": memory.estimate(ir, analysis, len(devices), (strategy or {}).get("accumulate", 1),
-                                  batch).to_dict(),
+                                  batch, (strategy or {}).get("aggregation") or "add_n").to_dict(),
         "phases": list(report.phases),
         "merged_outputs": [f.tensor for f in analysis.outputs if f.role != "first"],
         "named_outputs": [f.tensor for f in analysis.outputs
