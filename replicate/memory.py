@@ -37,7 +37,7 @@ from tensorflow.python.framework import dtypes
 from replicate.batchflow.facts import Analysis
 from replicate.batchflow.lattice import PART
 from replicate.graph.ir import IR, parse_tensor, tensor_name
-from replicate.passes.accumulate import Accumulate
+from replicate.passes.accumulate import in_branches
 from replicate.passes.defer import one_row_per_example, smaller
 
 __all__ = ["Estimate", "estimate"]
@@ -79,9 +79,10 @@ class Estimate:
         """Gradient buffers on one tower device."""
         if self.micro <= 1:
             return self.trained
+        if not self.sizes:
+            return self.trained + self.largest
         deferred = set(self.deferred())
-        return self.trained + max((b for v, b in self.sizes.items() if v not in deferred),
-                                  default=0 if self.sizes else self.largest)
+        return self.trained + max((b for v, b in self.sizes.items() if v not in deferred), default=0)
 
     def activations(self, examples: int | None, kept: bool = False) -> int | None:
         """Saved activations of ``examples``; with ``kept``, plus the deferred products' slices."""
@@ -129,7 +130,7 @@ def _products(ir: IR, analysis: Analysis, trained: set[str]) -> dict[str, tuple]
     per example, outside TF1 loops and cond branches: variable -> (in, out, bytes per value)."""
     if analysis.reasons:
         return {}               # inexact: each tower's part is weighed (MulNoNan), not a product
-    branches = Accumulate._in_branches(ir, set(ir.nodes))
+    branches = in_branches(ir, set(ir.nodes))
     found = {}
     for f in analysis.frontier:
         if (not f.gradient or f.variable not in trained or f.role != "dense"

@@ -47,7 +47,7 @@ from replicate.batchflow.effects import writes as state_writes
 from replicate.graph.ir import IR, node_of, parse_tensor
 from replicate.passes.pipeline import PassResult
 
-__all__ = ["Accumulate", "SCOPE"]
+__all__ = ["Accumulate", "SCOPE", "in_branches"]
 
 log = logging.getLogger(__name__)
 
@@ -137,26 +137,8 @@ class Accumulate:
         names = gradients | {n for n in (node_of(f.tensor) for f in analysis.outputs)
                              if n in copy and copy[n] in needed}
         depths = analysis.flow.depths
-        branches = cls._in_branches(ir, names)
+        branches = in_branches(ir, names)
         return sorted(copy[n] for n in names if n in copy and not depths.get(n, 0) and n not in branches)
-
-    @staticmethod
-    def _in_branches(ir: IR, names: set[str]) -> set[str]:
-        """The nodes of ``names`` that run only in one branch of a TF1 cond: reached from a
-        ``Switch`` without passing a ``Merge`` (or a loop's ``Exit``, after which a loop's
-        ``Switch`` no longer decides)."""
-        if not any(n.op in ("Switch", "RefSwitch") for n in ir):
-            return set()
-        seen: set[str] = set()
-        work = [n.name for n in ir if n.op in ("Switch", "RefSwitch")]
-        while work:
-            cur = work.pop()
-            for reader in ir.consumers(cur):
-                if reader.name not in seen and reader.op not in ("Merge", "RefMerge", "Exit",
-                                                                 "RefExit"):
-                    seen.add(reader.name)
-                    work.append(reader.name)
-        return seen & names
 
     @staticmethod
     def _cycle(ir: IR, plan, done_of) -> str | None:
@@ -217,6 +199,24 @@ class Accumulate:
                             "but peak activation memory is that of the device's whole slice, as "
                             "without accumulation")
         return None
+
+
+def in_branches(ir: IR, names: set[str]) -> set[str]:
+    """The nodes of ``names`` that run only in one branch of a TF1 cond: reached from a
+    ``Switch`` without passing a ``Merge`` (or a loop's ``Exit``, after which a loop's
+    ``Switch`` no longer decides)."""
+    if not any(n.op in ("Switch", "RefSwitch") for n in ir):
+        return set()
+    seen: set[str] = set()
+    work = [n.name for n in ir if n.op in ("Switch", "RefSwitch")]
+    while work:
+        cur = work.pop()
+        for reader in ir.consumers(cur):
+            if reader.name not in seen and reader.op not in ("Merge", "RefMerge", "Exit",
+                                                             "RefExit"):
+                seen.add(reader.name)
+                work.append(reader.name)
+    return seen & names
 
 
 class _Reach:

@@ -41,7 +41,7 @@ from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.lattice import PART
 from replicate.graph.ir import IR, node_of, parse_tensor
-from replicate.passes.accumulate import Accumulate
+from replicate.passes.accumulate import in_branches
 from replicate.passes.pipeline import PassResult
 
 __all__ = ["Defer", "one_row_per_example", "smaller"]
@@ -60,7 +60,7 @@ class Defer:
         if towers.micro <= 1:
             return PassResult(ir, False)
         analysis = ir.facts["analysis"]
-        branches = Accumulate._in_branches(ir, set(ir.nodes))    # before any switch is added
+        branches = in_branches(ir, set(ir.nodes))    # before any switch is added
         deferred = []
         for chain, parts, adds in towers.sums:
             found = _products(ir, towers, chain, parts, adds, analysis, branches)
