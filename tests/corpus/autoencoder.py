@@ -29,6 +29,10 @@ VARIANTS = {
                                   "once and shared by every tower; `scale` is a placeholder "
                                   "without a shape, taken to be the scalar the driver feeds "
                                   "(the report says so, and the rewrite checks it each step)"}},
+    "accumulate": {"options": {"accumulate": 2},
+                   "expect": {"exact": True,
+                              "why": "two micro-batches per device, summed: both layers' weight "
+                              "gradients are computed once from the kept slices at these batches"}},
 }
 
 

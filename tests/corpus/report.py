@@ -137,9 +137,9 @@ def markdown(results: list[dict], mode: str, seconds: dict[str, float]) -> str:
         "checkpoint must reproduce itself.",
         "",
         "`tests/test_corpus.py` runs the same harness in `quick` mode (the uneven batch only: "
-        "the single-device replay, the API at 2 and 3 towers, the CLI at 2 towers for four of "
-        "the programs, one API run of every other variant) and asserts soundness and the "
-        "expectations. Programs that train nondeterministically on one device declare what "
+        "for each program's first variant the single-device replay, the API at 3 towers and, "
+        "for `dcgan`, the CLI at 2 towers; one API run at 2 towers of every other variant) and "
+        "asserts soundness and the expectations. Programs that train nondeterministically on one device declare what "
         "(`NONDETERMINISTIC`); those values are not judged.",
         "",
     ]

@@ -31,6 +31,9 @@ VARIANTS = {
                 "expect": {"exact": True, "why": "the same graph fed keep_prob 1.0"}},
     "no_dropout": {"build": {"dropout": False}, "drive": {"keep_prob": 1.0},
                    "expect": {"exact": True, "why": "mean loss plus a batch-independent L2 term"}},
+    "accumulate": {"drive": {"keep_prob": 0.5}, "options": {"accumulate": 2},
+                   "expect": {"exact": True, "why": "two micro-batches per device, each drawing its "
+                              "rows of the global mask"}},
 }
 
 
