@@ -15,18 +15,22 @@ from micro-batch 0's slices (the largest of an uneven split). That holds only wh
 one row per example (the analysis's fact: per example along axis 0, one row each); a layer
 over a data-dependent number of rows (the real tokens of padded sequences, picked by a mask)
 is left to the running sum, since a small first micro-batch would not tell the others'
-sizes (review 25). When true, the micro-batches'
-``MatMul``s and adds are dead (they never run) and the concatenated product is the device's
-sum; when false, the concatenations are dead and the running sum is as before. The choice is
-only about memory: both ways compute the same sum (in a different order of additions).
+sizes (review 25). When the switch says defer, the micro-batches' ``MatMul``s and adds are
+dead (they never run) and the concatenated product is the device's sum; otherwise the
+concatenations are dead and the running sum is as before. The choice is only about memory:
+both ways compute the same sum (in a different order of additions).
 
 Control edges out of the running-sum path (the accumulate pass's gates wait for a
 micro-batch's gradients and adds) would kill what waits on them when that path is dead, so
 each is replaced by a ``Merge`` of the op and micro-batch j's switched ``dy_j``: live either
-way, and in the running-sum mode no earlier than the op itself.
+way, and in the running-sum mode no earlier than the op itself. The deferred product waits
+for what the parts waited for (the gradient tuple's group, which holds the layer's
+input-gradient product): an update that ran while that product still read the weights would
+copy them.
 
 Requires: ``ir.facts["towers"]`` with ``sums`` (the aggregate pass's running sums, per device:
-towers, parts, adds), ``ir.facts["analysis"]`` (loop depths); runs after accumulate.
+towers, parts, adds), ``ir.facts["analysis"]`` (loop depths, the inputs' facts); runs after
+accumulate.
 
 Produces: under ``<sum>_defer/``, the decision, a ``Switch`` per micro-batch input of the
 product, the two ``ConcatV2``, the deferred ``MatMul`` and a ``Merge`` that every reader of
