@@ -13,7 +13,8 @@ from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step", "independent_terms"]
+__all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step", "independent_terms",
+           "set_aside"]
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +236,27 @@ def fed_in_a_call(ir: IR, region: list[str]) -> str | None:
             if fdef is not None and any(n.op in ops.BATCH_SOURCE_OPS for n in fdef.node_def):
                 return name
     return None
+
+
+def set_aside(ir: IR, demoted: Mapping[str, str]) -> str:
+    """The end of the "no batch input found" message: the candidates set aside and why, and
+    when several of them are concatenated along their first axis (two batches fed apart and
+    joined into one, review 21), how to name them: split each, every tower joins its slices."""
+    if not demoted:
+        return ""
+    text = "; set aside: " + "; ".join(f"'{t}': {why}" for t, why in list(demoted.items())[:4])
+    joins, joined = [], []
+    for node in ir:
+        if node.op != "ConcatV2" or len(node.inputs) < 3:
+            continue
+        axis = ir.const_value(node_of(node.inputs[-1]))
+        parts = [tensor_name(*parse_tensor(r)) for r in node.inputs[:-1]]
+        fed = [p for p in parts if p in demoted]
+        if axis is not None and int(np.asarray(axis)) == 0 and len(fed) >= 2:
+            joins.append((node.name, fed))
+            joined += [p for p in fed if p not in joined]
+    if not joins:
+        return text
+    where = ", ".join(f"'{name}' joins {' and '.join(repr(p) for p in fed)}" for name, fed in joins[:3])
+    return (f"{text}; they are batches joined along their first axis ({where}): name each with "
+            f"batch_inputs={sorted(joined)!r}, and each tower joins its slices of them")

@@ -170,10 +170,9 @@ class Analyze:
                     "iterator with a string handle (tf.data.Iterator.from_string_handle)")
             # say which candidates were set aside, and why (a batch concatenated with a
             # static-size replay buffer was refused as if it had no batch: review 12)
-            aside = "; ".join(f"'{t}': {why}" for t, why in list(flow.demoted.items())[:4])
             raise AnalysisError("no batch input found: no placeholder or iterator output whose "
                                 "examples the loss reduces (name them with batch_inputs=)"
-                                + (f"; set aside: {aside}" if aside else ""))
+                                + _inputs.set_aside(ir, flow.demoted))
         shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates + sorted(followers))
                          if t not in flow.inputs]
         primary = batch_inputs[0].cls
