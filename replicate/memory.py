@@ -38,7 +38,7 @@ from replicate.batchflow.facts import Analysis
 from replicate.batchflow.lattice import PART
 from replicate.graph.ir import IR, parse_tensor, tensor_name
 from replicate.passes.accumulate import in_branches
-from replicate.passes.defer import one_row_per_example, smaller
+from replicate.passes.defer import product_shape, smaller
 
 __all__ = ["Estimate", "estimate"]
 
@@ -140,11 +140,9 @@ def _products(ir: IR, analysis: Analysis, trained: set[str]) -> dict[str, tuple]
         while index == 0 and ir.nodes[name].op == "Identity":
             name, index = parse_tensor(ir.nodes[name].inputs[0])
         node = ir.nodes[name]
-        if (index or node.op != "MatMul" or not node.attr("transpose_a") or node.attr("transpose_b")
-                or analysis.flow is None or analysis.flow.depths.get(name, 0) or name in branches):
-            continue
-        shape = ir.static_shape(name)
-        if not shape or None in shape or not one_row_per_example(analysis, node.inputs[0]):
+        shape = None if index else product_shape(ir, analysis, node, name, node.inputs[0],
+                                                 name in branches)
+        if shape is None:
             continue
         try:
             width = dtypes.as_dtype(node.attr("T")).size

@@ -48,7 +48,7 @@ from replicate.graph.ir import IR, node_of, parse_tensor
 from replicate.passes.accumulate import in_branches
 from replicate.passes.pipeline import PassResult
 
-__all__ = ["Defer", "one_row_per_example", "smaller"]
+__all__ = ["Defer", "product_shape", "smaller"]
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,24 @@ def smaller(micro: int, rows: int, m: int, n: int) -> bool:
     return micro * rows * (m + n) < m * n
 
 
-def one_row_per_example(analysis, tensor: str) -> bool:
-    """True when the analysis found ``tensor`` (an original graph's) per example along axis 0,
-    one row each."""
-    fact = analysis.flow.fact(tensor) if analysis.flow is not None else None
-    return (fact is not None and fact.kind == PART and fact.axis == 0 and fact.block == 1
-            and fact.outer == 1)
+def product_shape(ir: IR, analysis, node, original: str, rows: str | None,
+                  in_branch: bool) -> tuple[int, int] | None:
+    """``(in, out)`` when ``node`` (the original graph's product ``original``, or a tower's
+    copy of it) is a deferrable weight gradient: a ``MatMul`` with ``transpose_a`` outside TF1
+    loops and cond branches, of static shape, whose first input (``rows``, the original
+    graph's tensor) the analysis found per example along axis 0, one row each; else None.
+    Shared by this pass and the memory estimate, so that both choose the same products."""
+    if (node.op != "MatMul" or not node.attr("transpose_a") or node.attr("transpose_b")
+            or in_branch or analysis.flow is None or analysis.flow.depths.get(original, 0)):
+        return None
+    shape = ir.static_shape(original)
+    if not shape or len(shape) != 2 or None in shape:
+        return None
+    fact = analysis.flow.fact(rows) if rows is not None else None
+    if (fact is None or fact.kind != PART or fact.axis != 0 or fact.block != 1
+            or fact.outer != 1):
+        return None
+    return shape[0], shape[1]
 
 
 def _original(towers, t: int, ref: str) -> str | None:
@@ -121,26 +133,21 @@ def _products(ir: IR, towers, chain: list[int], parts: list[str], adds: list[str
             readers = {name}
             name, idx = parse_tensor(ir.nodes[name].inputs[0])
         node = ir.nodes[name]
-        if (idx != 0 or node.op != "MatMul" or not node.attr("transpose_a")
-                or node.attr("transpose_b")
+        prefix = towers.prefixes[t] + "/"
+        if (idx != 0 or not name.startswith(prefix)
                 or {c.name for c, _ in ir.data_consumers(name)} != readers):
             return None
-        prefix = towers.prefixes[t] + "/"
-        if not name.startswith(prefix):
-            return None
         here = name[len(prefix):]
-        if original is None:
+        if original is None:        # the first micro-batch's copy: the original's facts
             original = here
-        if here != original or analysis.flow.depths.get(original, 0) or name in branches:
+            shape = product_shape(ir, analysis, node, here, _original(towers, t, node.inputs[0]),
+                                  name in branches)
+            if shape is None:
+                return None
+        elif here != original or name in branches:
             return None
         products.append(node)
         paths.append([name] + path[::-1])
-    shape = ir.static_shape(original)
-    if not shape or len(shape) != 2 or None in shape:
-        return None
-    rows = _original(towers, chain[0], products[0].inputs[0])
-    if rows is None or not one_row_per_example(analysis, rows):
-        return None
     return products, paths, shape[0] * shape[1]
 
 
