@@ -185,9 +185,8 @@ class Towers:
     ``class_batch`` (the global size tensor) and ``class_offsets`` (where each tower's examples
     start, as tensors). With gradient accumulation (``micro`` > 1) every device holds ``micro``
     consecutive virtual towers, one per micro-batch: ``devices`` repeats each device ``micro``
-    times and :meth:`chains` groups the towers by device; ``running`` lists the running-sum
-    ops (op name, the tower whose part it adds) for the accumulate pass, and ``sums`` each
-    device's chain (its towers, their parts in order, the adds) for the defer pass.
+    times and :meth:`chains` groups the towers by device; ``sums`` holds each device's running
+    sums (its towers, their parts in order, the adds) for the accumulate and defer passes.
     """
 
     devices: list[str]
@@ -202,8 +201,12 @@ class Towers:
     class_batch: dict[int, str] = dataclasses.field(default_factory=dict)
     class_offsets: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     micro: int = 1
-    running: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     sums: list[tuple[list[int], list[str], list[str]]] = dataclasses.field(default_factory=list)
+
+    @property
+    def running(self) -> list[tuple[str, int]]:
+        """The running sums' adds: (op name, the tower whose part it adds)."""
+        return [(add, chain[i + 1]) for chain, _, adds in self.sums for i, add in enumerate(adds)]
 
     def chains(self) -> list[list[int]]:
         """Tower indices per physical device, in order (one per tower without accumulation)."""

@@ -213,7 +213,6 @@ def _running_sums(ir: IR, towers: Towers, name: str, refs: list[str], tf_dtype):
         for j in chain[1:]:
             acc = ir.add(f"{name}_parts/accumulate_{i}_{j - chain[0]}", "AddV2", [acc, refs[j]],
                          device=towers.devices[j], attrs={"T": tf_dtype}).name
-            towers.running.append((acc, j))
             adds.append(acc)
         towers.sums.append((list(chain), [refs[j] for j in chain], adds))
         sums.append(acc)
