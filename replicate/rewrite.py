@@ -104,7 +104,7 @@ def prepare(graph: Any, *, train_op: str | None = None, loss: str | None = None,
     loaded = io.load(graph)
     tf_graph = loaded.graph if loaded.graph is not None else registry.import_checked(
         loaded.graph_def, loaded.origin)
-    ir = IR.from_graph_def(loaded.graph_def, loaded.meta)
+    ir = IR.from_graph_def(loaded.graph_def, loaded.meta, hubs=True)
     ir.load_static_shapes(tf_graph)
     ir.tf_graph = tf_graph          # library functions' bodies are analysed in it
     external = frozenset(meta.referenced_names(loaded.meta))

@@ -19,6 +19,7 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow.python.framework import dtypes, op_def_registry, tensor_util
 
 from replicate.errors import InputError
+from replicate.graph import hubs as _hubs
 from replicate.graph.node import Node, _input_ref, make_attr, node_of, parse_tensor, tensor_name
 
 __all__ = ["IR", "Node", "parse_tensor", "tensor_name", "node_of", "make_attr"]
@@ -52,9 +53,16 @@ class IR:
     # ------------------------------------------------------------------ build / write
     @classmethod
     def from_graph_def(cls, graph_def: graph_pb2.GraphDef,
-                       meta: meta_graph_pb2.MetaGraphDef | None = None) -> IR:
-        """Build an IR from a GraphDef (and the rest of its MetaGraphDef, if any)."""
+                       meta: meta_graph_pb2.MetaGraphDef | None = None, *,
+                       hubs: bool = False) -> IR:
+        """Build an IR from a GraphDef (and the rest of its MetaGraphDef, if any).
+
+        With ``hubs``, control sets that many nodes share go through one hub node each
+        (:mod:`replicate.graph.hubs`); :meth:`to_graph_def` writes their members back.
+        """
         ir = cls()
+        members, names = _hubs.plan(graph_def) if hubs else ([], [])
+        pending = dict(zip(names, members))
         ir.library = graph_def.library
         ir.versions = graph_def.versions
         ir._functions = {f.signature.name: f for f in graph_def.library.function}
@@ -71,23 +79,33 @@ class IR:
                     control.append(ref[1:])
                 else:
                     inputs.append(ref)
+            if members and len(control) >= _hubs.MIN_MEMBERS:
+                control = _hubs.substitute(control, members, names)
+                for hub in [c for c in control if c in pending]:
+                    ir._insert(Node(hub, "NoOp", [], list(pending.pop(hub)), "", _hubs.hub_attrs()))
             ir._insert(Node(nd.name, nd.op, inputs, control, nd.device,
                             {k: v for k, v in nd.attr.items() if k != "_output_shapes"}))
         return ir
 
     def to_graph_def(self) -> graph_pb2.GraphDef:
-        """Serialize the IR to a new GraphDef, in IR order."""
+        """Serialize the IR to a new GraphDef, in IR order; hubs give way to their members."""
         gd = graph_pb2.GraphDef()
+        hub_control = {n.name: n.control for n in self.nodes.values() if _hubs.is_hub(n.attrs)}
         if self.versions is not None:
             gd.versions.CopyFrom(self.versions)
         if self.library is not None:
             gd.library.CopyFrom(self.library)
         for node in self.nodes.values():
+            if hub_control and node.name in hub_control:
+                continue
+            control = node.control
+            if hub_control and any(c in hub_control for c in control):
+                control = _hubs.expand(control, hub_control)
             nd = gd.node.add()
             nd.name = node.name
             nd.op = node.op
             nd.input.extend(node.inputs)
-            nd.input.extend("^" + c for c in node.control)
+            nd.input.extend("^" + c for c in control)
             if node.device:
                 nd.device = node.device
             for key in sorted(node.attrs):

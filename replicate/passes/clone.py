@@ -24,7 +24,7 @@ import logging
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from replicate.graph import ops
+from replicate.graph import hubs, ops
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 from replicate.graph.kernels import has_kernel, host_of
 from replicate.passes.pipeline import PassResult
@@ -53,9 +53,12 @@ class Clone:
         moved = 0
         runnable: dict[tuple[str, str], bool] = {}      # (node, device type): has a kernel
         gone = (analysis.region_set - analysis.keep) | analysis.dead
+        hub_control = {n.name: n.control for n in ir.nodes.values() if hubs.is_hub(n.attrs)}
         for k, (prefix, device) in enumerate(zip(towers.prefixes, towers.devices)):
             members = [n for n in region if k == 0 or n in analysis.needed]
             inside = set(members)
+            # a hub this tower does not copy stands for its members, as if it were not there
+            uncopied = {h: c for h, c in hub_control.items() if h not in inside}
             slices = towers.inputs[k]
             # a batch input is cut per tower: colocation with the whole of it (a TF1
             # TensorArray's unstack of the batch) would pull a tower's op off its device
@@ -66,11 +69,14 @@ class Clone:
                 for position, (variable, barriers) in analysis.phase_reads.get(name, {}).items():
                     inputs[position] = self._late_read(ir, node.inputs[position], variable,
                                                        barriers, prefix)
-                control = [f"{prefix}/{c}" if c in inside else c for c in node.control
+                waits = node.control
+                if uncopied and any(c in uncopied for c in waits):
+                    waits = hubs.expand(waits, uncopied)
+                control = [f"{prefix}/{c}" if c in inside else c for c in waits
                            if c in inside or c not in analysis.region_set]
-                if node.control and not control and not inputs:
+                if waits and not control and not inputs:
                     control = [f"{prefix}/{c}" for c in
-                               self._nearest_copied(ir, node.control, inside, analysis.region_set)]
+                               self._nearest_copied(ir, waits, inside, analysis.region_set)]
                 attrs = self._attrs(node, k, prefix, inside, split, name in analysis.draws)
                 where = anchors[name] or device
                 if where == device:
