@@ -15,7 +15,7 @@ from tensorflow.core.framework import types_pb2
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["gradient_scopes", "scope_loss", "scope_seeds", "forward_op_of", "sparse_roles",
+__all__ = ["seed_sources", "gradient_scopes", "scope_loss", "scope_seeds", "forward_op_of", "sparse_roles",
            "FLOAT_TYPES", "variable_of"]
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,7 @@ def scope_seeds(ir: IR, prefix: str) -> list[tuple[str, str | None]]:
         if shape is not None and shape.op == "Shape" and shape.inputs:
             loss = tensor_name(*parse_tensor(shape.inputs[0]))
         else:
-            found = list(dict.fromkeys(op for c in ir.consumers(name)
-                                       if (op := forward_op_of(ir, prefix, c.name)) is not None))
+            found = seed_sources(ir, prefix, name)
             if len(found) == 1:
                 loss = tensor_name(found[0], 0)
             elif found:
@@ -137,6 +136,12 @@ def scope_seeds(ir: IR, prefix: str) -> list[tuple[str, str | None]]:
                 loss = tensor_name(joined, 0) if joined is not None else None
         out.append((tensor_name(name, 0), loss))
     return out
+
+
+def seed_sources(ir: IR, prefix: str, seed: str) -> list[str]:
+    """The forward ops whose gradient code reads the seed ``seed`` of scope ``prefix``."""
+    return list(dict.fromkeys(op for c in ir.consumers(seed)
+                              if (op := forward_op_of(ir, prefix, c.name)) is not None))
 
 
 #: Ops whose gradient passes the incoming gradient on unchanged, creating no op when the
@@ -153,7 +158,9 @@ def _joined(ir: IR, ops_: list[str], prefix: str) -> str | None:
         while work:
             cur = work.pop(0)
             for c in ir.consumers(cur):
-                if c.name not in dist and c.op in _PASS_THROUGH and not c.name.startswith(prefix + "/"):
+                # ``a - b`` passes the gradient to ``a`` unchanged (``b`` gets a Neg, an op)
+                through = c.op in _PASS_THROUGH or (c.op == "Sub" and node_of(c.inputs[0]) == cur)
+                if c.name not in dist and through and not c.name.startswith(prefix + "/"):
                     dist[c.name] = dist[cur] + 1
                     work.append(c.name)
         reach.append(dist)

@@ -23,7 +23,7 @@ from replicate.batchflow.loss import (
     sync_sources,
     weigh,
 )
-from replicate.batchflow.roles import scope_seeds
+from replicate.batchflow.roles import scope_seeds, seed_sources
 from replicate.errors import AnalysisError
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
@@ -57,6 +57,9 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
             continue
         found = [l for _, l in seeds]
         if loss is not None:
+            for (seed, l) in seeds:
+                if l is None:
+                    _check_fits(ir, graph, prefix, seed, loss)
             found = [loss if (l is None or _same(ir, l, loss)) else l for l in found]
         scope = GradScope(prefix, next((l for l in found if l), None), "mean",
                           seeds=[s for s, _ in seeds], losses=found)
@@ -73,6 +76,26 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
                             + (f" ('{differentiated}')" if differentiated else "")
                             + "; omit loss= or name that tensor")
     return out
+
+
+def _check_fits(ir: IR, graph: nx.DiGraph, prefix: str, seed: str, loss: str) -> None:
+    """Refuse a ``loss=`` that cannot be what seed ``seed`` differentiates: a shape other than
+    the seed's, or a tensor that does not depend on every forward op whose gradient code reads
+    the seed (a per-example residual named instead of the mean built from it was taken at its
+    word, and trained 0.9 away from one device, claimed exact)."""
+    want, have = ir.static_shape(seed), ir.static_shape(loss)
+    if want is not None and have is not None and (len(want) != len(have) or any(
+            a is not None and b is not None and a != b for a, b in zip(want, have))):
+        raise AnalysisError(f"loss '{loss}' has shape {have}, but the gradients in '{prefix}' "
+                            f"differentiate a tensor of shape {want}; name that tensor")
+    sources = seed_sources(ir, prefix, node_of(seed))
+    above = ir.ancestors([node_of(loss)], graph)
+    missing = [s for s in sources if s not in above]
+    if missing:
+        raise AnalysisError(f"loss '{loss}' is not what the gradients in '{prefix}' "
+                            f"differentiate: it does not depend on '{missing[0]}', whose gradient "
+                            "the differentiation starts from; name the tensor passed to "
+                            "tf.gradients or minimize")
 
 
 def _same(ir: IR, a: str, b: str) -> bool:
