@@ -83,3 +83,40 @@ def test_a_wrong_guess_of_the_layout_stops_with_a_message_naming_it():
         sess.run(init)
         with pytest.raises(tf.errors.InvalidArgumentError, match="y:0.* holds another number of examples"):
             sess.run(res.train_op, _feeds("crossed")[0])
+
+
+def _tagger(steps):
+    """A sequence tagger fed padded batches: token ids ``[None, steps]``, their lengths, per-token
+    tags, batch-major ``dynamic_rnn`` with ``sequence_length``, a loss masked by the lengths."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(31)
+        words = v1.placeholder(tf.int32, [None, steps], name="words")
+        lengths = v1.placeholder(tf.int32, [None], name="lengths")
+        tags = v1.placeholder(tf.int32, [None, steps], name="tags")
+        x = tf.nn.embedding_lookup(v1.get_variable("emb", [20, 5]), words)
+        out, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.BasicRNNCell(4), x, sequence_length=lengths,
+                                   dtype=tf.float32)
+        logits = tf.reshape(tf.matmul(tf.reshape(out, [-1, 4]), v1.get_variable("w", [4, 3])),
+                            [-1, tf.shape(words)[1], 3])
+        mask = tf.sequence_mask(lengths, tf.shape(words)[1], dtype=tf.float32)
+        loss = v1.losses.sparse_softmax_cross_entropy(tags, logits, weights=mask)
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("steps", [None, 6])
+def test_token_ids_with_both_axes_dynamic_are_not_split_by_their_time_steps(steps):
+    """Review 26: ``words`` declared ``[None, None]`` beside its lengths was taken to be
+    time-major (a lone label) and split by its time steps, apart from its lengths: the rewrite
+    failed at step 1 where one device runs. It now stays with its lengths on axis 0."""
+    graph = _tagger(steps)
+    res = replicate.transform(graph, DEVICES)
+    assert _axes(res) == {"words:0": 0, "lengths:0": 0, "tags:0": 0}
+    rng = np.random.RandomState(0)
+    feeds = [{"words:0": rng.randint(0, 20, (7, 6)), "lengths:0": rng.randint(1, 7, 7),
+              "tags:0": rng.randint(0, 3, (7, 6))} for _ in range(2)]
+    result = compare(graph, res.graph, "train", feeds)
+    assert (result.max_rel <= 1e-5) or not res.report.exact
+    if steps is not None:
+        assert res.report.exact and result.max_rel <= 1e-5

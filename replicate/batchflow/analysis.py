@@ -194,9 +194,14 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         # a lone label or mask fed time-major beside batch-major inputs ([T, B] compared with
         # transposed logits): split by its time steps, the rewrite failed at step 1. Only
         # integer and boolean inputs: a float input moved so made a mismatch of the program's
-        # own layouts look consistent (a guess the warning states; review 10)
+        # own layouts look consistent (a guess the warning states; review 10). Lone: an input
+        # the batch flow already pairs with another (token ids with their lengths) is not,
+        # and moved, a [B, T] matrix of ids with both axes dynamic was split by its time
+        # steps and the rewrite failed at step 1 (review 26)
+        alone = {c for c, members in flow.classes_of_inputs().items() if len(members) == 1}
         for t in [t for t in pool if pool[t] == 0 and t in flow.inputs and _laid_out_like(ir, t, {None})
-                  and ir.output_dtype(t) in _LABEL_TYPES]:
+                  and ir.output_dtype(t) in _LABEL_TYPES
+                  and flow.classes.find(flow.inputs[t][1]) in alone]:
             trial_pool = {**pool, t: 1}
             trial = settle(trial_pool)
             if _proves_more(trial, flow):
