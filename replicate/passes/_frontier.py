@@ -245,6 +245,14 @@ def _pair_shared_ids(frontier: list[Frontier], pairs: list[tuple[str, str]]) -> 
     the rows, and the update failed (review 19). Ids the update reads outside the towers (a
     shared input's) have their rows summed."""
     role = {f.tensor: f.role for f in frontier}
+    tails = {f.tensor: f.tail for f in frontier}
+    # values whose rows the flow cannot follow (examples mixed upstream, an inexact rewrite)
+    # still end with the shared rows their ids end with: taken without them, a tower's rows
+    # outnumbered the ids and the update failed at step 1 (nce_loss after tf.reverse, review 26)
+    adopt = {v: tails[i] for v, i in pairs if i is not None and role.get(v) == "sparse_values"
+             and tails.get(i) and not tails.get(v)}
+    frontier = [dataclasses.replace(f, tail=adopt[f.tensor]) if f.tensor in adopt else f
+                for f in frontier]
     concatenated = {i for v, i in pairs if role.get(v) == "sparse_values" and role.get(i) == "first"}
     # ids read whole by the update, outside the towers: each tower's rows for them are summed
     summed = {v for v, i in pairs if i is None and role.get(v) == "sparse_values"} - \
