@@ -184,6 +184,8 @@ def _row_numbers_kept(ctx: Context, node: Node, ins: list[Fact | None],
     are not values of its examples. A result computed from them as values must still say so
     (carry the row-number tag), or it is mixed: every rule that drops the tag falls here."""
     lookups = ROW_NUMBER_OPERANDS.get(node.op, ())
+    if node.op in ("DynamicStitch", "ParallelDynamicStitch"):
+        lookups = tuple(range(len(ins) // 2))       # the positions its rows go to
     if not any(row_numbers(f) for i, f in enumerate(ins) if i not in lookups):
         return out
     offsets = strided.kept(ctx, node, ins, out)

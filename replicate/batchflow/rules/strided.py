@@ -317,6 +317,11 @@ def range_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if any(f.src is None and f.merge == "other" for f in reds):
         return [mixed(node.name, "Range up to a length computed from the tower's own batch size "
                       "(the batch size minus a constant)", taint_of(ins))]
+    if any(f.src is None and f.merge == "size" for f in reds):
+        # tf.range(tf.size(x)) where the size has no symbolic value (a dynamic axis beside
+        # the batch): each tower numbers its own elements; taken for shared, a loss term of
+        # those numbers was claimed exact (review of review 26's cases)
+        return [mixed(node.name, "Range up to the count of the tower's own elements", taint_of(ins))]
     if reds:        # a length computed from the batch (the longest sequence): a coupling
         taint = taint_of(ins) | ({f.src for f in reds if f.src} if not ctx.in_gradient(node) else set())
         return [shared(taint=taint)]
