@@ -23,6 +23,7 @@ from replicate.batchflow.rules import (
     shape,
     slicing,
     sparse,
+    stitch,
     strided,
     tail,
 )
@@ -93,7 +94,7 @@ RULES.update({
     "LookupTableFindV2": index.lookup, "LookupTableFind": index.lookup,
     "GatherNd": index.gather_nd, "ResourceGatherNd": index.gather_nd, "Where": index.where,
     "Unique": index.unique, "UniqueV2": index.unique, "UniqueWithCounts": index.unique,
-    "DynamicPartition": index.dynamic_partition,
+    "DynamicPartition": stitch.dynamic_partition,
     "DenseBincount": index.bincount, "Bincount": index.bincount,
     "UnsortedSegmentSum": index.segment, "UnsortedSegmentMax": index.segment,
     "UnsortedSegmentMin": index.segment, "UnsortedSegmentProd": index.segment,
@@ -113,8 +114,8 @@ RULES.update({
     **{op: index.candidate_sampler for op in (
         "LogUniformCandidateSampler", "UniformCandidateSampler", "LearnedUnigramCandidateSampler",
         "FixedUnigramCandidateSampler", "ThreadUnsafeUnigramCandidateSampler", "AllCandidateSampler")},
-    "ConcatOffset": index.concat_offset, "DynamicStitch": index.dynamic_stitch,
-    "ParallelDynamicStitch": index.dynamic_stitch, "InvertPermutation": index.invert_permutation,
+    "ConcatOffset": index.concat_offset, "DynamicStitch": stitch.dynamic_stitch,
+    "ParallelDynamicStitch": stitch.dynamic_stitch, "InvertPermutation": index.invert_permutation,
     "Enter": _identity, "RefEnter": _identity, "Exit": _identity, "RefExit": _identity,
     "NextIteration": _identity, "RefNextIteration": _identity, "LoopCond": _identity,
     "Merge": control.merge, "RefMerge": control.merge,
