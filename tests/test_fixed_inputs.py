@@ -61,3 +61,52 @@ def test_a_fixed_length_vector_is_read_whole_by_every_tower(use, n):
     r = compare(_graph(use, n), res.graph, "train", _feeds(n), fetch=("loss:0", "logits:0"), cpus=4)
     assert r.max_rel <= 1e-5, (r.max_rel, r.worst)
 
+
+
+def _fine_tune():
+    """Fine-tuning the top layer from cached features: the driver feeds 'features:0' (a ReLU's
+    output) instead of 'x:0', and only the top layer trains."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 5], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        base = v1.get_variable("base_w", [5, 7], initializer=v1.truncated_normal_initializer(seed=1))
+        h = tf.nn.relu(tf.matmul(x, base), name="features")
+        top = v1.get_variable("top_w", [7, 3], initializer=v1.truncated_normal_initializer(seed=2))
+        logits = tf.matmul(h, top, name="logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.2).minimize(loss, var_list=[top], name="train")
+    return graph
+
+
+def test_an_inner_tensor_named_as_a_batch_input_can_be_fed_in_place_of_the_inputs():
+    """Review 26: a driver feeding cached features in place of the images got "You must feed a
+    value for placeholder 'x'" from the rewrite. Named with batch_inputs=, the towers start at
+    the features: exact when the driver feeds them (batches of 7 and 2 on 3 towers), and the
+    inputs still work where it feeds those instead."""
+    from replicate.check.equivalence import compare
+    graph = _fine_tune()
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"],
+                              batch_inputs=["features:0", "y:0"])
+    assert res.report.exact, res.report.reasons
+    assert {b.tensor for b in res.analysis.batch_inputs} == {"features:0", "y:0"}
+    rng = np.random.RandomState(0)
+    for batch in (7, 2):
+        fed = [{"features:0": rng.rand(batch, 7), "y:0": rng.randint(0, 3, batch)} for _ in range(3)]
+        assert compare(graph, res.meta_graph_def, "train", fed).max_rel <= 1e-5
+    raw = [{"x:0": rng.randn(7, 5), "y:0": rng.randint(0, 3, 7)} for _ in range(3)]
+    assert compare(graph, res.meta_graph_def, "train", raw).max_rel <= 1e-5
+
+
+def test_a_batch_input_of_a_multi_output_op_is_refused_naming_it():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        a, b = tf.split(x, 2, axis=1, name="halves")
+        w = v1.get_variable("w", [2, 1])
+        loss = tf.reduce_mean(tf.matmul(a, w) + tf.matmul(b, w), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    with pytest.raises(replicate.AnalysisError, match="one of several outputs of 'halves'"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1"], batch_inputs=["halves:1"])

@@ -155,6 +155,23 @@ def forced(ir: IR, names: Mapping[str, int] | Sequence[str]) -> dict[str, int]:
     return out
 
 
+def interior(ir: IR, forced: Mapping[str, int]) -> set[str]:
+    """Ops whose output the user names as a batch input though they compute it (cached
+    features fed in place of the images): the towers start there, and read its slices; the op
+    stays outside them, computed whole where it is not fed."""
+    out = set()
+    for ref in forced:
+        node = ir.nodes[node_of(ref)]
+        if node.op in ops.INPUT_SOURCE_OPS or node.op in ops.VARIABLE_OPS:
+            continue
+        if len(ir.output_types(node)) != 1:
+            raise AnalysisError(f"batch input '{ref}' is one of several outputs of "
+                                f"'{node.name}' ({node.op}); name a tensor of its own "
+                                "(tf.identity of it) as the batch input")
+        out.add(node.name)
+    return out
+
+
 def named_shared(ir: IR, names: Sequence[str], forced: Mapping[str, int] | None) -> list[str]:
     """The user's ``shared_inputs``: tensors every tower reads whole, checked."""
     out = []

@@ -131,11 +131,12 @@ class Analyze:
                     if c.name not in in_grad for r in c.inputs if node_of(r) == n]
         crossing = list(dict.fromkeys(sorted(crossing, key=_order(ir))))
         barriers = _phases.barriers(ir, graph, apply_ops, in_grad)
+        forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
         region, sources = self._region(ir, graph, [node_of(t) for t in crossing + losses]
-                                       + sorted(pulled, key=_order(ir)), barriers)
+                                       + sorted(pulled, key=_order(ir)), barriers,
+                                       _inputs.interior(ir, forced or {}))
         phases, phase_reads = _phases.phases(ir, graph, region, barriers, apply_ops)
         candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
-        forced = _inputs.forced(ir, self.batch_inputs) if self.batch_inputs is not None else None
         if self.shared_inputs:       # never split what the user says every tower reads whole
             named = _inputs.named_shared(ir, self.shared_inputs, forced)
             candidates = [t for t in candidates if t not in named]
@@ -333,9 +334,9 @@ class Analyze:
                                                in_grad, flow.inputs)
 
     # ------------------------------------------------------------------ pieces
-    def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str], barriers: set[str]
-                ) -> tuple[list[str], set[str]]:
-        stop: set[str] = set(barriers)
+    def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str], barriers: set[str],
+                cut: set[str]) -> tuple[list[str], set[str]]:
+        stop: set[str] = set(barriers) | cut
         for name, node in ir.nodes.items():
             if node.op in ops.VARIABLE_OPS or node.op in ops.INPUT_SOURCE_OPS or _large_const(ir, node):
                 stop.add(name)
