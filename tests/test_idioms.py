@@ -62,6 +62,16 @@ def _graph(kind: str, batch=None) -> tf.Graph:
             pick = {"gather_one": lambda: tf.gather(err, [1]), "slice_one": lambda: tf.slice(err, [1], [1]),
                     "gather_nd_one": lambda: tf.gather_nd(err, [[1]])}[kind]()
             loss = tf.reduce_mean(err) + 0.1 * tf.reduce_sum(pick)
+        elif kind in ("dqn_pick", "dqn_pick_reversed"):
+            # DQN's action pick, row numbers from another input's size (review 26: reported
+            # "picks examples of the batch by position"); reversed, it does pick by position
+            q = x * w
+            action = tf.cast(y, tf.int32)
+            numbers = tf.range(tf.shape(action)[0])
+            if kind == "dqn_pick_reversed":
+                numbers = tf.reverse(numbers, [0])
+            q_sa = tf.gather_nd(q, tf.stack([numbers, action], axis=1))
+            loss = tf.reduce_mean(tf.square(q_sa - y))
         elif kind == "grad_scope":
             # gradients under a scope of another name were not found ("no train op found")
             loss = tf.identity(tf.reduce_mean(tf.square(pred - y)), name="loss")
@@ -76,6 +86,7 @@ def _graph(kind: str, batch=None) -> tf.Graph:
                                                ("class_weights", 3, False),
                                                ("class_weights", 7, False),
                                                ("grad_scope", 7, False),
+                                               ("dqn_pick", 7, False), ("dqn_pick", 2, False),
                                                ("ones_matmul", 8, True),
                                                ("baked_reshape", 8, False),
                                                ("assert_dep", 7, False), ("assert_dep", 2, False)])
@@ -100,14 +111,16 @@ def test_idiom_trains_exactly(kind, batch, static):
 
 @pytest.mark.parametrize("kind,batch,static", [("last_example", 7, False), ("last_example", 8, True),
                                                ("gather_one", 7, False), ("slice_one", 7, False),
-                                               ("gather_nd_one", 7, False), ("slice_one", 8, True)])
+                                               ("gather_nd_one", 7, False), ("slice_one", 8, True),
+                                               ("dqn_pick_reversed", 7, False)])
 def test_an_inexact_pick_by_position_still_runs(kind, batch, static):
     """``loss[-1]``, ``tf.gather(loss, [1])``...: each tower picks its own example (a
     reason), and the rewrite runs with the original feeds at an uneven split."""
     graph = _graph(kind, batch if static else None)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
-    assert any("pick" in r.what or "keeps only some" in r.what for r in res.report.reasons), \
+    assert any("pick" in r.what or "keeps only some" in r.what or "reverses the order" in r.what
+               for r in res.report.reasons), \
         res.report.reasons
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(batch, 4).astype(np.float32),

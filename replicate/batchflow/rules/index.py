@@ -149,6 +149,13 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     depth, i_rank = i_shape[-1], len(i_shape)
     if p.kind == PART:
         if p.axis < depth:
+            tag = i.index if i.kind == PART else None
+            if tag is not None and tag[0] == "cols" and tag[1] == p.axis and p.outer == 1 \
+                    and not ctx.classes.same(tag[2], p.cls) and tag[3] == rows(p):
+                # row numbers of another hypothetical batch in the index tuples (DQN's
+                # gather_nd(q, stack([range(tf.shape(a)[0]), a], 1))): evidence that both are
+                # one batch, as for gather
+                ctx.classes.evidence.append(ctx.classes.union(tag[2], p.cls, node.name))
             if _local(i, p, ctx, col=p.axis) and i.axis < i_rank - 1:
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
