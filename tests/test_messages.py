@@ -185,3 +185,61 @@ def test_shared_values_after_the_batch_are_not_called_tower_0_values():
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
     assert res.report.exact
     assert not any("Rank" in w for w in res.report.warnings if "cannot be merged" in w)
+
+
+def _loss_chosen_by_a_cond():
+    """A multi-task loss chosen by a v2 tf.cond: a class-weighted ratio in one branch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 5], name="x")
+        a = v1.placeholder(tf.int32, [None], name="a")
+        t = v1.placeholder(tf.float32, [None], name="t")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        q = tf.matmul(x, v1.get_variable("w", [5, 4]))
+        weights = tf.gather(tf.constant([1.0, 2.0, 0.5, 3.0]), a)
+        loss = tf.cond(flag, lambda: tf.reduce_sum(tf.square(t - q[:, 0]) * weights) / tf.reduce_sum(weights),
+                       lambda: tf.reduce_mean(tf.abs(t - q[:, 1])))
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+def test_a_loss_chosen_by_a_v2_cond_names_tf1_control_flow_as_the_fix():
+    """Review 26: the reason suggested rewriting the loss or batch_norm='sync'; the fix that
+    works, building the cond as a TF1 cond, was not named."""
+    res = replicate.transform(_loss_chosen_by_a_cond(), ["/cpu:0", "/cpu:1"])
+    assert not res.report.exact
+    assert any("disable_control_flow_v2()" in r.fix for r in res.report.reasons), res.report.reasons
+    from breadth_models import control_flow_v1
+    from replicate.check.equivalence import compare
+    import numpy as np
+    with control_flow_v1():
+        graph = _loss_chosen_by_a_cond()
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(7, 5), "a:0": rng.randint(0, 4, 7), "t:0": rng.randn(7)}
+             for _ in range(3)]
+    assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5
+
+
+def test_a_scatter_update_of_state_in_the_towers_says_what_to_do():
+    """Review 26: a center loss's ``scatter_sub`` of its centers was reported with batch-norm
+    wording ("statistics come from 1/N of the batch") in place of a fix."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        feats = tf.matmul(x, v1.get_variable("w", [3, 2]))
+        centers = v1.get_variable("centers", [4, 2], trainable=False, use_resource=False,
+                                  initializer=v1.zeros_initializer())
+        picked = tf.gather(centers, y)
+        # facenet's center loss: each center moves by its mean difference over the batch
+        _, idx, counts = tf.unique_with_counts(y)
+        times = tf.cast(tf.gather(counts, idx), tf.float32)[:, None]
+        update = v1.scatter_sub(centers, y, 0.5 * (picked - feats) / (1.0 + times))
+        loss = tf.reduce_mean(tf.reduce_sum(tf.square(feats - picked), 1))
+        with tf.control_dependencies([update]):
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+    reason = next(r for r in res.report.reasons if "state update" in r.what)
+    assert "1/N of the examples" in reason.fix and "outside the model" in reason.fix, reason

@@ -245,9 +245,15 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
         if synced(ref, name):
             return
         what = fact.why or f"{node.op} of a value reduced over the batch"
-        fail(fact.src or name, f"the loss is not a sum, mean or ratio over the batch: {what}",
-             "make the loss a linear combination of batch means or sums, or pass batch_norm='sync' "
-             "if it is a batch statistic")
+        fix = "make the loss a linear combination of batch means or sums, or pass " \
+            "batch_norm='sync' if it is a batch statistic"
+        if node.op in ("If", "StatelessIf"):
+            # a tf.cond choosing the loss (a multi-task flag): replicate follows the branches
+            # of a TF1 cond, not of a v2 one whose branch returns something other than a
+            # plain sum or mean (review 26: the fix that works was not named)
+            fix = "build the model with tf.compat.v1.disable_control_flow_v2() (replicate " \
+                "follows each branch of a TF1 cond), or " + fix
+        fail(fact.src or name, f"the loss is not a sum, mean or ratio over the batch: {what}", fix)
 
     walk(loss, 0)
     return terms, (failure[0] if failure else None)

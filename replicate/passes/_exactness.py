@@ -130,8 +130,14 @@ def collect(ir: IR, analysis: Analysis) -> None:
                                   "move the update out of the function or loop, or make it "
                                   "depend on merged values only"))
             continue
-        reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower 0's "
-                              "slice of the batch only", "statistics come from 1/N of the batch"))
+        scatter = "Scatter" in ir.nodes[name].op
+        reasons.append(Reason(
+            name, f"state update{where} in the replicated region runs on tower 0's slice of the "
+            "batch only",
+            "it sees 1/N of the examples: compute the update outside the model from values fetched for the whole batch "
+            "(a center loss's centers), or train this graph on one device" if scatter else
+            "pass batch_norm='sync' if it averages a batch statistic (moving averages), or "
+            "compute it outside the model from values fetched for the whole batch"))
     for name in analysis.couplings:
         if size_coupling(analysis, name):
             reasons.append(Reason(name, *SIZE_COUPLING))

@@ -146,7 +146,11 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
         raise AnalysisError(f"cannot combine the towers' gradient '{t}': {fact.why} at "
                             f"'{fact.src}', while another part of it has shared rows after the "
                             "batch rows (replicate follows such rows through gathers, slices, "
-                            "reshapes, concatenations and elementwise ops only)")
+                            "reshapes, concatenations and elementwise ops only). "
+                            + ("Keep the variable the sampled loss reads in one piece (no "
+                               "partitioner: the loss then gathers from it directly), or "
+                               if "Dynamic" in fact.why else "")
+                            + "train this graph on one device")
     # a node a recompute plan runs once on merged inputs gives every output the batch's value:
     # merging an output of it from the towers too replaced it by the towers' copies (a
     # defun's outputs: tower 0's rows met the batch's labels in the recomputed loss)
