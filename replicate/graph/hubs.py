@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from tensorflow.core.framework import attr_value_pb2, graph_pb2
+from tensorflow.core.framework import attr_value_pb2
 
 __all__ = ["MARK", "MIN_MEMBERS", "MIN_USES", "plan", "expand", "is_hub"]
 
@@ -39,26 +39,24 @@ _FRAME_OPS = frozenset({"Enter", "RefEnter", "Exit", "RefExit", "Switch", "RefSw
                         "RefMerge", "NextIteration", "RefNextIteration", "LoopCond"})
 
 
-def plan(graph_def: graph_pb2.GraphDef) -> tuple[list[tuple[str, ...]], list[str]]:
-    """The hubs to make for ``graph_def``: their member tuples (largest first) and names."""
+def plan(nodes: list[tuple[str, str, list[str]]]) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The hubs to make for a graph's ``(name, op, control inputs)``: their member tuples
+    (largest first) and names."""
     counts: Counter = Counter()
-    for nd in graph_def.node:
-        if nd.op in _FRAME_OPS:
+    first: dict[frozenset, tuple[str, ...]] = {}
+    for _, op, control in nodes:
+        if op in _FRAME_OPS:
             return [], []
-        if len(nd.input) >= MIN_MEMBERS:
-            control = frozenset(ref[1:] for ref in nd.input if ref.startswith("^"))
-            if len(control) >= MIN_MEMBERS:
-                counts[control] += 1
+        if len(control) >= MIN_MEMBERS:
+            key = frozenset(control)
+            if len(key) >= MIN_MEMBERS:
+                counts[key] += 1
+                # members in the order the first consumer lists them
+                first.setdefault(key, tuple(dict.fromkeys(control)))
     shared = [s for s, uses in counts.items() if uses >= MIN_USES]
     if not shared:
         return [], []
-    names = {nd.name for nd in graph_def.node}
-    first = {}
-    for nd in graph_def.node:           # members in the order the first consumer lists them
-        control = [ref[1:] for ref in nd.input if ref.startswith("^")]
-        key = frozenset(control)
-        if key in counts and key not in first and counts[key] >= MIN_USES:
-            first[key] = tuple(dict.fromkeys(control))
+    names = {name for name, _, _ in nodes}
     members = sorted((first[s] for s in shared), key=lambda m: (-len(m), m))
     out, i = [], 0
     for _ in members:

@@ -61,8 +61,6 @@ class IR:
         (:mod:`replicate.graph.hubs`); :meth:`to_graph_def` writes their members back.
         """
         ir = cls()
-        members, names = _hubs.plan(graph_def) if hubs else ([], [])
-        pending = dict(zip(names, members))
         ir.library = graph_def.library
         ir.versions = graph_def.versions
         ir._functions = {f.signature.name: f for f in graph_def.library.function}
@@ -70,15 +68,21 @@ class IR:
             ir.meta = meta_graph_pb2.MetaGraphDef()
             ir.meta.CopyFrom(meta)
             ir.meta.ClearField("graph_def")
+        parsed = []
         for nd in graph_def.node:
-            if nd.name in ir.nodes:
-                raise InputError(f"duplicate node name '{nd.name}' in the input graph")
             inputs, control = [], []
             for ref in nd.input:
                 if ref.startswith("^"):
                     control.append(ref[1:])
                 else:
                     inputs.append(ref)
+            parsed.append((nd, inputs, control))
+        members, names = _hubs.plan([(nd.name, nd.op, control) for nd, _, control in parsed]) \
+            if hubs else ([], [])
+        pending = dict(zip(names, members))
+        for nd, inputs, control in parsed:
+            if nd.name in ir.nodes:
+                raise InputError(f"duplicate node name '{nd.name}' in the input graph")
             if members and len(control) >= _hubs.MIN_MEMBERS:
                 control = _hubs.substitute(control, members, names)
                 for hub in [c for c in control if c in pending]:
