@@ -11,6 +11,7 @@ from tensorflow.python.framework import dtypes
 from replicate.batchflow.facts import ApplyOp, VarInfo
 from replicate.errors import AnalysisError
 from replicate.graph import ops
+from replicate.graph.frames import opening
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step", "independent_terms",
@@ -168,6 +169,9 @@ def interior(ir: IR, forced: Mapping[str, int]) -> set[str]:
             raise AnalysisError(f"batch input '{ref}' is one of several outputs of "
                                 f"'{node.name}' ({node.op}); name a tensor of its own "
                                 "(tf.identity of it) as the batch input")
+        if opening(ir, node.name) is not None:
+            raise AnalysisError(f"batch input '{ref}' is computed inside a TF1 while loop; name "
+                                "a tensor outside the loop as the batch input")
         out.add(node.name)
     return out
 

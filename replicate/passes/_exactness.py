@@ -130,14 +130,13 @@ def collect(ir: IR, analysis: Analysis) -> None:
                                   "move the update out of the function or loop, or make it "
                                   "depend on merged values only"))
             continue
-        scatter = "Scatter" in ir.nodes[name].op
-        reasons.append(Reason(
-            name, f"state update{where} in the replicated region runs on tower 0's slice of the "
-            "batch only",
-            "it sees 1/N of the examples: compute the update outside the model from values fetched for the whole batch "
-            "(a center loss's centers), or train this graph on one device" if scatter else
-            "pass batch_norm='sync' if it averages a batch statistic (moving averages), or "
-            "compute it outside the model from values fetched for the whole batch"))
+        fix = ("it sees 1/N of the examples: compute the update outside the model from values "
+               "fetched for the whole batch (a center loss's centers), or train this graph on one "
+               "device" if "Scatter" in ir.nodes[name].op else
+               "pass batch_norm='sync' if it averages a batch statistic (moving averages), or "
+               "compute it outside the model from values fetched for the whole batch")
+        reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower "
+                              "0's slice of the batch only", fix))
     for name in analysis.couplings:
         if size_coupling(analysis, name):
             reasons.append(Reason(name, *SIZE_COUPLING))

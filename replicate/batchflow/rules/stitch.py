@@ -90,7 +90,8 @@ def _reassembled(ctx: Context, node: Node, indices: list[Fact], data: list[Fact]
             source = ir.nodes.get(parse_tensor(ref)[0])
             if source is None or source.op not in _ROW_SOURCE:
                 break
-            if source.op == "GatherV2" and ctx.int_value(source.inputs[2]) != (0,):
+            if source.op == "GatherV2" and (ctx.int_value(source.inputs[2]) != (0,)
+                                            or int(source.attr("batch_dims", 0) or 0)):
                 return None
             ref = source.inputs[_ROW_SOURCE[source.op]]
         found = ir.nodes.get(parse_tensor(ref)[0])
