@@ -248,3 +248,19 @@ def test_a_loss_option_that_is_not_the_differentiated_tensor_is_refused():
     with pytest.raises(AnalysisError, match="does not depend on 'sub_1'"):
         _weights._check_fits(ir, graph, "gradients", "gradients/grad_ys_0:0", "Mean:0")
     _weights._check_fits(ir, graph, "gradients", "gradients/grad_ys_0:0", "sub_1:0")
+
+
+def test_a_loss_not_recognized_is_named_in_the_no_batch_refusal(monkeypatch):
+    """Review 26: a loss the seed walk did not recover (then a difference of scalars) was
+    refused with "no batch input found" alone, as if the inputs held no examples. The
+    refusal now says the loss was not recognized and names loss= (simulated here: every seed's
+    loss taken as not recovered)."""
+    from replicate.passes import _weights
+    original = _weights.scope_seeds
+    monkeypatch.setattr(_weights, "scope_seeds",
+                        lambda ir, prefix: [(seed, None) for seed, _ in original(ir, prefix)])
+    with pytest.raises(AnalysisError, match="the loss the gradients in 'gradients' differentiate "
+                                            "was not recognized: name it with loss="):
+        replicate.transform(_difference_loss(), CPUS)
+    res = replicate.transform(_difference_loss(), CPUS, loss="sub_1:0")
+    assert res.report.exact, res.report.reasons

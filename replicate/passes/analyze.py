@@ -169,10 +169,12 @@ class Analyze:
                     "placeholder inside its branches, where replicate cannot split it; build "
                     "the graph with tf.compat.v1.disable_control_flow_v2(), or choose the "
                     "iterator with a string handle (tf.data.Iterator.from_string_handle)")
-            # say which candidates were set aside, and why (a batch concatenated with a
-            # static-size replay buffer was refused as if it had no batch: review 12)
+            # say which candidates were set aside and why (review 12), and a loss not found
+            lost = next((s.prefix for s in grad_scopes if not s.fetched and not s.loss), None)
             raise AnalysisError("no batch input found: no placeholder or iterator output whose "
                                 "examples the loss reduces (name them with batch_inputs=)"
+                                + (f"; the loss the gradients in '{lost}' differentiate was not "
+                                   "recognized: name it with loss=" if lost else "")
                                 + _inputs.set_aside(ir, flow.demoted))
         shared_inputs = [t for t in dict.fromkeys(shared_inputs + candidates + sorted(followers))
                          if t not in flow.inputs]
