@@ -243,3 +243,32 @@ def test_a_scatter_update_of_state_in_the_towers_says_what_to_do():
     res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
     reason = next(r for r in res.report.reasons if "state update" in r.what)
     assert "1/N of the examples" in reason.fix and "outside the model" in reason.fix, reason
+
+
+def _noise_shaped_by(kind):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [3], initializer=v1.ones_initializer())
+        count = tf.cast(tf.reduce_sum(tf.ones_like(y)), tf.int32) if kind == "count" else tf.shape(y)[0]
+        noise = tf.random.normal([count], seed=3)
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(x * w, 1) - y) * noise, name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+def test_a_draw_shaped_by_a_count_of_the_batch_says_so_and_the_fix_is_exact():
+    """Reviews 21 and 24: noise shaped by ``reduce_sum(ones_like(y))`` was said to draw "per
+    example from per-example values or permutes examples"; only a count shapes it."""
+    import numpy as np
+    from replicate.check.equivalence import compare
+    res = replicate.transform(_noise_shaped_by("count"), ["/cpu:0", "/cpu:1", "/cpu:2"])
+    reason = next(r for r in res.report.reasons if "random op" in r.what)
+    assert "shaped by a value reduced over the batch" in reason.what and "tf.shape(x)[0]" in reason.fix
+    graph = _noise_shaped_by("shape")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(7, 3), "y:0": rng.randn(7)} for _ in range(3)]
+    assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5

@@ -36,10 +36,10 @@ import dataclasses
 
 from replicate.batchflow.effects import draws
 from replicate.batchflow.facts import Reason
-from replicate.batchflow.lattice import PART, SHARED
+from replicate.batchflow.lattice import PART, RED, SHARED
 from replicate.batchflow.table import PARAM_DRAWS, SHAPE_SOURCES
 from replicate.graph import ops
-from replicate.graph.ir import IR
+from replicate.graph.ir import IR, node_of
 from replicate.passes._frames import frames
 
 __all__ = ["Draw", "reproducible", "unseeded_once"]
@@ -243,6 +243,15 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
     shape_arg = SHAPE_SOURCES.get(node.op)
     rank = ir.static_shape(f"{node.name}:0")
     others = [r for i, r in enumerate(node.inputs) if i != shape_arg]
+    shape = flow.fact(node.inputs[shape_arg]) if shape_arg is not None else None
+    if shape is not None and shape.kind == RED and (fact is None or fact.kind != PART):
+        # shaped by a count the batch gives (reduce_sum(ones_like(y))): no per-example value
+        # is involved, and the reason said there was (review 24)
+        return (f"random op ({node.op}) is shaped by a value reduced over the batch "
+                f"('{shape.src or node_of(node.inputs[shape_arg])}'), which each tower computes "
+                "from its own examples; each tower draws its own stream",
+                "shape the draw by tf.shape(x)[0] of a batch input: replicate then draws the "
+                "batch's values once and gives each tower its rows")
     if shape_arg is None or fact is None or fact.kind != PART:
         return (f"random op ({node.op}) draws per example from per-example values or permutes "
                 "examples; each tower draws its own stream",
