@@ -272,3 +272,39 @@ def test_a_draw_shaped_by_a_count_of_the_batch_says_so_and_the_fix_is_exact():
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(7, 3), "y:0": rng.randn(7)} for _ in range(3)]
     assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5
+
+
+def _sampled_action_in_a_cond():
+    """REINFORCE with an action sampled by tf.random.categorical in a tf.cond branch."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        logits = tf.matmul(x, v1.get_variable(
+            "w", [4, 5], initializer=v1.random_normal_initializer(seed=11)))
+        action = tf.cond(flag, lambda: tf.random.categorical(logits, 1, seed=7),
+                         lambda: tf.argmax(logits, 1)[:, None])
+        picked = tf.gather(tf.nn.log_softmax(logits), action, batch_dims=1)
+        loss = tf.identity(-tf.reduce_mean(picked * x[:, :1]), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+def test_categorical_sampling_in_a_v2_cond_names_the_tf1_cond_as_the_fix():
+    """Review 24: the reason said only that "the analysis could not follow the function's
+    draws". It now says what is not reproduced and where it is; following it is exact."""
+    import numpy as np
+    from breadth_models import control_flow_v1
+    from replicate.check.equivalence import compare
+    res = replicate.transform(_sampled_action_in_a_cond(), ["/cpu:0", "/cpu:1", "/cpu:2"])
+    reason = next(r for r in res.report.reasons if "Multinomial" in r.what)
+    assert "samples by per-example parameters" in reason.what
+    assert "disable_control_flow_v2()" in reason.fix
+    with control_flow_v1():
+        graph = _sampled_action_in_a_cond()
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(7, 4)} for _ in range(3)]
+    assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5

@@ -141,7 +141,17 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
                           "device does not reproduce its own draws either",
                           "set a graph seed (tf.compat.v1.set_random_seed) or an op seed")
         body = flow.ctx.functions.get(("inner", fname))
-        if body is None or op not in body.ir.nodes or e.op in PARAM_DRAWS:
+        if e.op in PARAM_DRAWS:
+            # sampling by per-example parameters (categorical, multinomial) is reproduced at
+            # the top level and in a TF1 cond, not inside a function body (review 24: the
+            # reason only said the analysis could not follow it)
+            return None, (f"random op '{op}' ({e.op}) inside function {fname} samples by "
+                          "per-example parameters, which replicate reproduces outside function "
+                          "bodies only; each tower draws its own stream",
+                          "draw it outside the function, or build a tf.cond with "
+                          "tf.compat.v1.disable_control_flow_v2() (a TF1 cond), where it is "
+                          "reproduced exactly")
+        if body is None or op not in body.ir.nodes:
             return None, not_yet
         why = _obstacle(body.ir, body, body.ir.nodes[op], dataclasses.replace(e, path=(op,)))
         fact = body.fact(f"{op}:0")
