@@ -84,3 +84,25 @@ def test_a_custom_gradient_over_the_batch_is_a_reason():
     assert any("reduces over the batch" in r.what for r in res.report.reasons), res.report.reasons
     cmp = compare(graph, res.graph, "train", _feeds())
     assert cmp.max_rel > 1e-4            # and the graph does train differently
+
+
+def test_recompute_grad_is_named_as_the_reason():
+    """Review 21: ``tf.recompute_grad`` (its function differentiated again inside the custom
+    gradient) was reported as "the loss ... was not recognized (gradients seeded by a given
+    grad_ys?)", with loss= as the fix, which does not help."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [None], name="y")
+        w = tf.compat.v1.get_variable("w", [3, 4], use_resource=True)
+
+        @tf.recompute_grad
+        def block(h):
+            return tf.nn.relu(tf.matmul(h, w))
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(block(x), 1) - y), name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+    assert not res.report.exact
+    reason = next(r for r in res.report.reasons if "custom gradient, seeded by" in r.what)
+    assert "tf.recompute_grad" in reason.fix
+    assert not any("was not recognized" in r.what for r in res.report.reasons)

@@ -78,6 +78,15 @@ def scopes(ir: IR, prefixes: list[str], train_ops: list[str], graph: nx.DiGraph,
     return out
 
 
+def _nested(ir: IR, prefix: str, prefixes: list[str]) -> bool:
+    """Whether gradient scope ``prefix`` reads another scope's tensors (it differentiates
+    inside that scope's custom gradient)."""
+    others = tuple(p + "/" for p in prefixes if p != prefix)
+    inside = prefix + "/"
+    return any(node_of(r).startswith(others) for name, node in ir.nodes.items()
+               if name.startswith(inside) for r in node.inputs)
+
+
 def _check_fits(ir: IR, graph: nx.DiGraph, prefix: str, seed: str, loss: str) -> None:
     """Refuse a ``loss=`` that cannot be what seed ``seed`` differentiates: a shape other than
     the seed's, or a tensor that does not depend on every forward op whose gradient code reads
@@ -140,9 +149,22 @@ def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reaso
         terms = []
         failed = False
         if any(l is None for l in scope.losses) or not scope.losses:
-            reasons.append(Reason(scope.prefix, "the loss this gradient computation differentiates "
-                                  "was not recognized (gradients seeded by a given grad_ys?)",
-                                  "pass loss= naming the tensor, or differentiate a loss tensor"))
+            if _nested(flow.ctx.ir, scope.prefix, [s.prefix for s in grad_scopes]):
+                # tf.recompute_grad differentiates its function again inside the custom
+                # gradient (review 21: the reason blamed an unrecognized loss)
+                reasons.append(Reason(scope.prefix, "this gradient computation runs inside a "
+                                      "custom gradient, seeded by the outer one's gradient "
+                                      "(tf.recompute_grad, or a tf.custom_gradient that "
+                                      "differentiates its own function); each tower applies it "
+                                      "to its own share",
+                                      "drop tf.recompute_grad (it saves memory and does not "
+                                      "change the values) for exact replication"))
+            else:
+                reasons.append(Reason(scope.prefix, "the loss this gradient computation "
+                                      "differentiates was not recognized (gradients seeded by a "
+                                      "given grad_ys?)",
+                                      "pass loss= naming the tensor, or differentiate a loss "
+                                      "tensor"))
             failed = True
         for loss in scope.losses:
             if loss is None:
