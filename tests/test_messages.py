@@ -308,3 +308,30 @@ def test_categorical_sampling_in_a_v2_cond_names_the_tf1_cond_as_the_fix():
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(7, 4)} for _ in range(3)]
     assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5
+
+
+def test_inputs_joined_by_row_numbers_are_checked_with_a_message():
+    """Review 27: ``gather_nd(q, stack([range(tf.shape(a)[0]), a], 1))`` makes ``a`` and ``x``
+    one batch. A feed of other sizes (one device picks q's first rows) failed in the split
+    with a message that said nothing; now the report states the assumption, and the step
+    stops with a message naming the op."""
+    import numpy as np
+    from replicate.check.equivalence import compare
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        a = v1.placeholder(tf.int32, [None], name="a")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        q = tf.matmul(x, v1.get_variable("w", [4, 3], initializer=v1.ones_initializer()))
+        picked = tf.gather_nd(q, tf.stack([tf.range(tf.shape(a)[0]), a], 1))
+        loss = tf.reduce_mean(tf.square(picked - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact
+    assert any("are taken to be one batch because 'GatherNd'" in w for w in res.report.warnings)
+    rng = np.random.RandomState(0)
+    same = [{"x:0": rng.randn(7, 4), "a:0": rng.randint(0, 3, 7), "y:0": rng.randn(7)}]
+    assert compare(graph, res.graph, "train", same).max_rel <= 1e-5
+    other = [{"x:0": rng.randn(9, 4), "a:0": rng.randint(0, 3, 3), "y:0": rng.randn(3)}]
+    with pytest.raises(Exception, match=r"taken to be one batch because .*GatherNd.* picks rows"):
+        compare(graph, res.graph, "train", other)

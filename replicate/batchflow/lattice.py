@@ -232,10 +232,22 @@ class Classes:
         #: one input picking rows of another): their inputs are split by the same counts, so
         #: a feed of other sizes fails in the split instead of pairing other examples.
         self.evidence: list[int] = []
+        #: The ops that gave that evidence, in the same order.
+        self.evidence_at: list[str] = []
 
     def by_evidence(self, c: int) -> bool:
         """Whether class ``c`` was joined to another by evidence (see ``evidence``)."""
         return any(self.find(e) == self.find(c) for e in self.evidence)
+
+    def join_by_evidence(self, a: int, b: int, where: str) -> None:
+        """Make ``a`` and ``b`` one class on evidence from op ``where``."""
+        self.evidence.append(self.union(a, b, where))
+        self.evidence_at.append(where)
+
+    def evidence_of(self, c: int) -> str | None:
+        """The first op whose evidence joined class ``c`` to another, or None."""
+        return next((w for e, w in zip(self.evidence, self.evidence_at)
+                     if self.find(e) == self.find(c)), None)
 
     def new(self, static: int | None) -> int:
         """A new class of ``static`` examples (None when dynamic)."""

@@ -89,6 +89,8 @@ class Split:
                                  analysis.granule)
             guessed = getattr(analysis.flow, "guessed", None) or {}
             dense = [b for b in members if b.sparse is None]
+            evidence = analysis.flow.classes.evidence_of(cls) if analysis.flow is not None \
+                and analysis.flow.classes.by_evidence(cls) else None
             for batch_input in members:
                 if batch_input.sparse is None:
                     common = batch_input is dense[0] or analysis.classes.get(cls) is not None \
@@ -104,7 +106,24 @@ class Split:
                                        analysis.region_set)
                     if batch_input is not dense[0] and any(b.tensor in guessed for b in dense):
                         self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
-                                          guessed)
+                                          "; ".join(f"'{t}' was taken to be time-major, its "
+                                                    f"batch on axis 1 ({why})"
+                                                    for t, why in guessed.items())
+                                          + "; if an input is fed batch-major, say so with "
+                                          "batch_inputs={'<name>': 0}")
+                    elif batch_input is not dense[0] and evidence is not None:
+                        # one batch on evidence only (row numbers of one input picking rows of
+                        # another): one device also runs a feed of other sizes, picking the
+                        # first rows; the towers cannot (review 27: a split error said nothing)
+                        self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
+                                          f"they were taken to be one batch because "
+                                          f"'{evidence}' picks rows of one by the other's row "
+                                          "numbers; feed them the same number of examples, or "
+                                          "train this graph on one device")
+                        analysis.warnings.append(
+                            f"'{batch_input.tensor}' and '{dense[0].tensor}' are taken to be one "
+                            f"batch because '{evidence}' picks rows of one by the other's row "
+                            "numbers: feed them the same number of examples")
                 elif batch_input.tensor == batch_input.sparse[0]:
                     _sparse.split(ir, towers, batch_input.sparse, towers.class_counts[cls],
                                   self.controller)
@@ -205,7 +224,7 @@ class Split:
             towers.inputs[k][batch_input.tensor] = tensor_name(node.name, k)
 
 
-    def _check_agree(self, ir: IR, member, first, batch: str, guessed: dict[str, str]) -> None:
+    def _check_agree(self, ir: IR, member, first, batch: str, said: str) -> None:
         """Before ``member`` is split, check it holds as many examples along its axis as
         ``first`` does: the layout of a guessed time-major input (``[T, B]`` and ``[B, T]``
         look alike when both are dynamic) is decided by the feed, and a wrong guess failed in
@@ -215,12 +234,9 @@ class Split:
         scope = f"{SCOPE}/{name}_{idx}/check"
         size = _size(ir, member.tensor, member.axis, scope, "size", dev)
         same = ir.add(f"{scope}/same", "Equal", [size, batch], device=dev, attrs=i32).name
-        said = "; ".join(f"'{t}' was taken to be time-major, its batch on axis 1 ({why})"
-                         for t, why in guessed.items())
         text = (f"replicate: batch input '{member.tensor}' holds another number of examples along "
                 f"axis {member.axis} than '{first.tensor}' along axis {first.axis} (the two sizes "
-                f"follow): {said}; if an input is fed batch-major, say so with "
-                f"batch_inputs={{'<name>': 0}}")
+                f"follow): {said}")
         message = ir.const(f"{scope}/message", text, dtypes.string, dev)
         check = ir.add(f"{scope}/assert", "Assert", [same, message, size, batch], device=dev,
                        attrs={"T": [dtypes.string, dtypes.int32, dtypes.int32], "summarize": 3})

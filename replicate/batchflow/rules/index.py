@@ -93,7 +93,7 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # (``tf.where(sequence_mask(lengths))`` gathering from ``ids``): evidence
                 # that both are one batch, as for an elementwise op, not that ``p`` is a
                 # table (shared, its lookups by each tower's own row numbers failed to run)
-                ctx.classes.evidence.append(ctx.classes.union(i.index[1], p.cls, node.name))
+                ctx.classes.join_by_evidence(i.index[1], p.cls, node.name)
             spread = strided.gather(ctx, node, p, i, axis, taint)
             if spread is not None:      # by example numbers, or offsets into a flattened batch
                 return spread
@@ -155,7 +155,7 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # row numbers of another hypothetical batch in the index tuples (DQN's
                 # gather_nd(q, stack([range(tf.shape(a)[0]), a], 1))): evidence that both are
                 # one batch, as for gather
-                ctx.classes.evidence.append(ctx.classes.union(tag[2], p.cls, node.name))
+                ctx.classes.join_by_evidence(tag[2], p.cls, node.name)
             if _local(i, p, ctx, col=p.axis) and i.axis < i_rank - 1:
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
