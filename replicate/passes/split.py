@@ -226,9 +226,10 @@ class Split:
 
     def _check_agree(self, ir: IR, member, first, batch: str, said: str) -> None:
         """Before ``member`` is split, check it holds as many examples along its axis as
-        ``first`` does: the layout of a guessed time-major input (``[T, B]`` and ``[B, T]``
-        look alike when both are dynamic) is decided by the feed, and a wrong guess failed in
-        ``SplitV`` with a message that did not say why."""
+        ``first`` does, ``said`` telling why they were taken to be one batch: the layout of a
+        guessed time-major input (``[T, B]`` and ``[B, T]`` look alike when both are dynamic),
+        or row numbers of one picking rows of the other, is decided by the feed, and a wrong
+        guess failed in ``SplitV`` with a message that did not say why."""
         dev, i32 = self.controller, {"T": dtypes.int32}
         name, idx = parse_tensor(member.tensor)
         scope = f"{SCOPE}/{name}_{idx}/check"
