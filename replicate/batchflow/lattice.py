@@ -230,24 +230,18 @@ class Classes:
         self.granules: list[tuple[int, int, str]] = []
         #: Classes made one by evidence, not by an op that needs equal sizes (row numbers of
         #: one input picking rows of another): their inputs are split by the same counts, so
-        #: a feed of other sizes fails in the split instead of pairing other examples.
-        self.evidence: list[int] = []
-        #: The ops that gave that evidence, in the same order.
-        self.evidence_at: list[str] = []
-
-    def by_evidence(self, c: int) -> bool:
-        """Whether class ``c`` was joined to another by evidence (see ``evidence``)."""
-        return any(self.find(e) == self.find(c) for e in self.evidence)
+        #: a feed of other sizes fails in the split instead of pairing other examples. Each
+        #: entry is (the joined class, the op that gave the evidence).
+        self.evidence: list[tuple[int, str]] = []
 
     def join_by_evidence(self, a: int, b: int, where: str) -> None:
         """Make ``a`` and ``b`` one class on evidence from op ``where``."""
-        self.evidence.append(self.union(a, b, where))
-        self.evidence_at.append(where)
+        self.evidence.append((self.union(a, b, where), where))
 
     def evidence_of(self, c: int) -> str | None:
-        """The first op whose evidence joined class ``c`` to another, or None."""
-        return next((w for e, w in zip(self.evidence, self.evidence_at)
-                     if self.find(e) == self.find(c)), None)
+        """The first op whose evidence joined class ``c`` to another (see ``evidence``), or
+        None when no evidence joined it."""
+        return next((w for e, w in self.evidence if self.find(e) == self.find(c)), None)
 
     def new(self, static: int | None) -> int:
         """A new class of ``static`` examples (None when dynamic)."""

@@ -89,12 +89,11 @@ class Split:
                                  analysis.granule)
             guessed = getattr(analysis.flow, "guessed", None) or {}
             dense = [b for b in members if b.sparse is None]
-            evidence = analysis.flow.classes.evidence_of(cls) if analysis.flow is not None \
-                and analysis.flow.classes.by_evidence(cls) else None
+            evidence = analysis.flow.classes.evidence_of(cls) if analysis.flow is not None else None
             for batch_input in members:
                 if batch_input.sparse is None:
                     common = batch_input is dense[0] or analysis.classes.get(cls) is not None \
-                        or (analysis.flow is not None and analysis.flow.classes.by_evidence(cls))
+                        or evidence is not None
                     self._split(ir, towers, batch_input, sizes if common else
                                 self._own_sizes(ir, batch_input, analysis.granule))
                     if not common:

@@ -77,7 +77,7 @@ def _reassembled(ctx: Context, node: Node, indices: list[Fact], data: list[Fact]
     refs = [parse_tensor(r) for r in node.inputs[:n]]
     split = ir.nodes.get(refs[0][0])
     if split is None or split.op != "DynamicPartition" or int(split.attr("num_partitions", 0)) != n \
-            or [r for r in refs] != [(split.name, p) for p in range(n)]:
+            or refs != [(split.name, p) for p in range(n)]:
         return None
     numbers = ctx.fact(split.inputs[0])
     if numbers is None or numbers.kind != PART or numbers.filtered or numbers.index is None \
