@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from replicate.batchflow.loss import behind
+from replicate.batchflow.table import behind
 from replicate.graph.ir import IR, node_of, parse_tensor
 
 __all__ = ["Probe", "probe_of", "import_body"]

@@ -64,9 +64,6 @@ class Position:
 
 #: Ops whose output dimensions need not be their input 0's: a fed ``placeholder_with_default``,
 #: a ``Merge`` of two cond branches or of a loop's entry and its next iteration.
-_OWN_DIMENSIONS = frozenset({"PlaceholderWithDefault", "Merge", "RefMerge"})
-
-
 class Context:
     """Facts, shapes and recorded obligations of one run of the dataflow.
 
@@ -98,6 +95,11 @@ class Context:
         #: (:func:`replicate.batchflow.rules.sparse.source`).
         self.solve = None
         self.sparse_source = None
+        #: Set by the solver as well: ``body(ctx, function, refs)`` is a called function's
+        #: IR, arguments and results (:func:`replicate.batchflow.rules.functional.body_of`).
+        self.body = None
+        #: Named dimensions followed back so far (:mod:`replicate.batchflow.dims`).
+        self.dim_sources: dict[tuple[str, int], tuple[str, int]] = {}
         self.notes: list[tuple[str, str]] = []
         #: Placeholders without a static rank that left an op's layout unknown.
         self.shapeless: set[str] = set()
@@ -159,36 +161,11 @@ class Context:
         return None
 
     def dim_token(self, ref: str, index: int) -> str:
-        """A name for unknown dimension ``index`` of ``ref``, the same wherever that dimension
-        is carried unchanged (identities and elementwise ops of one input, a reshape to a
-        target that reads it: ``tf.reshape(y, [-1, tf.shape(x)[1], C])``)."""
-        from replicate.batchflow import table
+        """A name for unknown dimension ``index`` of ``ref``, the same for two dimensions only
+        when they are proved equal at run time (:mod:`replicate.batchflow.dims`)."""
+        from replicate.batchflow import dims
 
-        for _ in range(32):
-            node = self.ir.nodes.get(node_of(ref))
-            if node is not None and node.op == "Reshape" and len(node.inputs) > 1:
-                target = self.ir.nodes.get(node_of(node.inputs[1]))
-                if target is not None and target.op == "Pack" and index < len(target.inputs):
-                    read = self.shape_dimension(target.inputs[index])
-                    if read is not None:
-                        ref, index = read
-                        continue
-            if node is not None and node.op == "Transpose" and len(node.inputs) > 1:
-                perm = self.int_value(node.inputs[1])       # the dimension it moved there
-                if perm is None or index >= len(perm) or not isinstance(perm[index], int) \
-                        or isinstance(perm[index], bool):
-                    break
-                ref, index = node.inputs[0], int(perm[index])
-                continue
-            if node is None or not node.inputs or node.op in _OWN_DIMENSIONS or not (
-                    node.op in table.UNARY or node.op in table.PASS_THROUGH
-                    or node.op in ("Enter", "Exit", "Identity", "Switch")):
-                break
-            # IdentityN's output k is its input k (following input 0 named tf.identity_n's
-            # second output like its first, review 17)
-            out = parse_tensor(ref)[1]
-            ref = node.inputs[out] if node.op == "IdentityN" and out < len(node.inputs) else node.inputs[0]
-        return f"{tensor_name(*parse_tensor(ref))}#{index}"
+        return dims.token(self, ref, index)
 
     def shape_dimension(self, ref: str) -> tuple[str, int] | None:
         """``(t, k)`` when scalar ``ref`` is ``tf.shape(t)[k]`` (through casts), else None."""

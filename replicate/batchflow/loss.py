@@ -31,6 +31,7 @@ from tensorflow.core.framework import types_pb2
 from replicate.batchflow.context import Context
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import INSIDE, MIXED, PART, RED, SHARED, Sym
+from replicate.batchflow.table import behind
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
@@ -369,24 +370,6 @@ def weigh(terms: list[Term]) -> Weighting:
 #: Ops whose output is never negative (a 0/1 mask made from a comparison, squares, norms).
 _NONNEGATIVE = frozenset({"Relu", "Relu6", "Square", "Abs", "Exp", "Sigmoid", "Softplus",
                           "OnesLike", "ZerosLike", "Size", "Shape"})
-_THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics", "StopGradient"})
-#: The plain identities (a function body's returns pass through them).
-IDENTITIES = frozenset({"Identity", "IdentityN"})
-
-
-def behind(ir: IR, ref: str, through: frozenset = _THROUGH) -> str:
-    """``ref`` behind the ops of ``through`` (identities; output ``k`` of an ``IdentityN`` is
-    its input ``k``), as ``name:index``."""
-    for _ in range(16):
-        name, idx = parse_tensor(ref)
-        node = ir.nodes.get(name)
-        if node is None or node.op not in through or not node.inputs:
-            break
-        ref = node.inputs[idx if node.op == "IdentityN" else 0]
-    return tensor_name(*parse_tensor(ref))
-
-
-
 def _nonnegative(ir: IR, ref: str) -> bool:
     """``ref`` has no negative entry: a cast of booleans (``sequence_mask``, ``not_equal``) or
     of another such value, an op in :data:`_NONNEGATIVE`, a non-negative constant."""

@@ -79,6 +79,7 @@ def solve(ir: IR, region: list[str], inputs: dict[str, tuple[int, int]], gradien
     ctx = Context(ir, inputs, gradient, classes, resized, seeds, all_gradient, functions)
     ctx.sparse = sparse or {}
     ctx.solve, ctx.sparse_source = solve, rules.sparse.source
+    ctx.body = rules.functional.body_of
     ctx.region_names = frozenset(region)
     sequence = visit if visit is not None else order(ir, region)
     loopy = any(ir.nodes[n].op in _LOOPY for n in sequence)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["UNARY", "BROADCAST", "SAME_SHAPE", "REDUCTIONS", "ARG_REDUCTIONS", "SCANS",
            "LAST_AXIS", "ROWWISE", "BATCH_CONTRACTIONS", "SHAPE_SOURCES", "PASS_THROUGH",
-           "SOURCES", "STATEFUL_PASS", "RowSpec", "PARAM_DRAWS"]
+           "SOURCES", "STATEFUL_PASS", "RowSpec", "PARAM_DRAWS", "IDENTITIES", "behind"]
 
 import dataclasses
 
@@ -197,3 +197,21 @@ SOURCES = frozenset({"Const", "HostConst", "VariableV2", "Variable", "VarHandleO
 #: Stateful ops whose outputs carry their first input's value (assignments in the region).
 STATEFUL_PASS = frozenset({"Assign", "AssignAdd", "AssignSub", "AssignVariableOp",
                            "AssignAddVariableOp", "AssignSubVariableOp"})
+
+
+#: Ops that hand on their input unchanged, for :func:`behind`.
+_THROUGH = frozenset({"Identity", "Snapshot", "CheckNumerics", "StopGradient"})
+#: The plain identities (a function body's returns pass through them).
+IDENTITIES = frozenset({"Identity", "IdentityN"})
+
+
+def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
+    """``ref`` behind the ops of ``through`` (identities; output ``k`` of an ``IdentityN`` is
+    its input ``k``), as ``name:index``."""
+    for _ in range(16):
+        name, idx = parse_tensor(ref)
+        node = ir.nodes.get(name)
+        if node is None or node.op not in through or not node.inputs:
+            break
+        ref = node.inputs[idx if node.op == "IdentityN" else 0]
+    return tensor_name(*parse_tensor(ref))

@@ -17,13 +17,13 @@ from replicate.batchflow.loss import (
     ONES,
     UNIFORM,
     Term,
-    behind,
     positive_shift,
     shares_suffice,
     sync_sources,
     weigh,
 )
 from replicate.batchflow.roles import scope_seeds, seed_sources
+from replicate.batchflow.table import behind
 from replicate.errors import AnalysisError
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 

@@ -17,12 +17,12 @@ import logging
 from replicate.batchflow.bodies import import_body, probe_of
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import EMPTY_LIST, INSIDE, MIXED, PART, SHARED, Fact, join, mixed
-from replicate.batchflow.loss import IDENTITIES, behind
+from replicate.batchflow.table import IDENTITIES, behind
 from replicate.batchflow.rules.common import condition, taint_of
 from replicate.batchflow.rules.rowloop import rows_loop
 from replicate.graph.ir import IR, Node, parse_tensor, tensor_name
 
-__all__ = ["while_", "if_", "call"]
+__all__ = ["while_", "if_", "call", "body_of"]
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 MAX_ITERATIONS = 12
 
 
-def _body(ctx: Context, name: str, refs: list[str]) -> tuple[IR, list[str], list[str]] | None:
+def body_of(ctx: Context, name: str, refs: list[str]) -> tuple[IR, list[str], list[str]] | None:
     """The IR of library function ``name`` called with tensors ``refs``, with static shapes,
     its argument and result tensors. The variables and lists it is passed keep their shapes
     (:mod:`replicate.batchflow.bodies`)."""
@@ -78,7 +78,7 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
         for ref in ctx.functions.get(("shapeless",) + key, ()):
             ctx.trace_shapeless(ref)
         return ctx.functions[key]
-    found = _body(ctx, name, refs)
+    found = body_of(ctx, name, refs)
     if found is None:
         return None
     body, args, outs = found
@@ -158,7 +158,7 @@ def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
     body, cond = node.attr("body"), node.attr("cond")
     refs = node.inputs[:len(ins)]
     kept = _passed_through(ctx, node, refs)
-    over_rows = rows_loop(ctx, node, ins, _body, call, kept)
+    over_rows = rows_loop(ctx, node, ins, body_of, call, kept)
     if over_rows is not None:
         return over_rows
     facts: list[Fact | None] = list(ins)
@@ -185,7 +185,7 @@ def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
 def _passed_through(ctx: Context, node: Node, refs: list[str]) -> set[int]:
     """The loop variables the body returns unchanged (a variable's handle, a captured weight):
     however often the loop runs, they leave it as they entered."""
-    found = _body(ctx, node.attr("body"), refs)
+    found = body_of(ctx, node.attr("body"), refs)
     if found is None:
         return set()
     body, args, outs = found

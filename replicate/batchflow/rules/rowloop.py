@@ -41,7 +41,7 @@ from replicate.batchflow.lattice import (
     red,
     shared,
 )
-from replicate.batchflow.loss import IDENTITIES, behind
+from replicate.batchflow.table import IDENTITIES, behind
 from replicate.graph.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["rows_loop", "ROW"]

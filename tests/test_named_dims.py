@@ -1,0 +1,139 @@
+"""Named dimensions (replicate/batchflow/dims.py): two unknown dimensions get one name only when
+they are proved equal at run time.
+
+The name lets the reshape rules see that ``tf.reshape(y, [-1, tf.shape(words)[1], C])`` undoes
+the fold of ``y``'s batch and time axes. A padded tagger fed ``[None, None]`` token ids was only
+honest-inexact (review 26): its time axis was lost through the embedding lookup, dropout and
+``dynamic_rnn``'s TensorList. Each step back must be a proof, so the negative cases matter as
+much as the positive ones: a name given to two different dimensions would make a false exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+import replicate
+from replicate.batchflow.lattice import Classes
+from replicate.batchflow.solver import solve
+from replicate.check.equivalence import compare
+from replicate.graph.ir import IR
+
+v1 = tf.compat.v1
+DEVICES = ["/cpu:0", "/cpu:1", "/cpu:2"]
+
+
+def _solved(build, inputs=("words",)):
+    """The analysis context of the graph ``build()`` makes, ``inputs`` one batch class."""
+    graph = tf.Graph()
+    with graph.as_default():
+        build()
+    ir = IR.from_graph_def(graph.as_graph_def())
+    ir.load_static_shapes(graph)
+    classes = Classes()
+    cls = classes.new(None)
+    region = [n for n in ir.nodes if n not in inputs]
+    return solve(ir, region, {f"{n}:0": (0, cls) for n in inputs}, set(), classes)
+
+
+def _ids():
+    return v1.placeholder(tf.int32, [None, None], name="words")
+
+
+def test_a_lookup_dropout_and_dynamic_rnn_keep_the_time_axis_of_the_ids():
+    def build():
+        x = tf.nn.embedding_lookup(v1.get_variable("emb", [20, 5]), _ids())
+        x = tf.identity(tf.nn.dropout(x, rate=0.2, seed=3), name="dropped")
+        out, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.BasicRNNCell(4), x, dtype=tf.float32)
+        tf.concat([out, out], -1, name="both")
+        tf.matmul(tf.reshape(out, [-1, 4]), v1.get_variable("w", [4, 3]), name="proj")
+
+    ctx = _solved(build)
+    assert ctx.dim_token("dropped:0", 1) == "words:0#1"
+    assert ctx.dim_token("both:0", 1) == "words:0#1"     # through the loop's TensorList
+
+
+def test_two_unknown_dimensions_that_broadcast_stay_apart():
+    """``a + b`` with both dimensions unknown: either may be 1 at run time, so the sum's is
+    neither operand's, and a broadcast against a static 1 keeps the other operand's."""
+    def build():
+        a = v1.placeholder(tf.float32, [None, None], name="words")
+        b = v1.placeholder(tf.float32, [None, None], name="other")
+        tf.add(a, b, name="sum")
+        tf.add(a, tf.ones([1, 1]), name="plus_one")
+        tf.add(a, tf.reverse(a, [0]), name="twice")
+
+    ctx = _solved(build, inputs=("words", "other"))
+    assert ctx.dim_token("sum:0", 1) not in ("words:0#1", "other:0#1")
+    assert ctx.dim_token("plus_one:0", 1) == "words:0#1"
+    assert ctx.dim_token("twice:0", 1) == "words:0#1"
+
+
+def test_a_list_written_past_its_size_is_not_its_reserved_length():
+    """A ``dynamic_size`` TensorArray grows beyond the size it was made with (its writes may
+    resize the list), so the stacked length is not the reserved one."""
+    def build():
+        words = _ids()
+        steps = tf.shape(words)[1]
+        ta = tf.TensorArray(tf.int32, size=steps, dynamic_size=True, element_shape=[None])
+
+        def body(i, ta):
+            return i + 1, ta.write(i, words[:, 0])
+
+        _, ta = tf.while_loop(lambda i, _: i < steps + 2, body, [0, ta])
+        tf.identity(ta.stack(), name="grown")
+        fixed = tf.TensorArray(tf.int32, size=steps, element_shape=[None])
+        _, fixed = tf.while_loop(lambda i, _: i < steps, lambda i, t: (i + 1, t.write(i, words[:, 0])),
+                                 [0, fixed])
+        tf.identity(fixed.stack(), name="kept")
+
+    ctx = _solved(build)
+    assert ctx.dim_token("grown:0", 0) != "words:0#1"
+    assert ctx.dim_token("kept:0", 0) == "words:0#1"
+
+
+def test_the_concat_axis_is_not_copied():
+    def build():
+        words = v1.placeholder(tf.float32, [None, None], name="words")
+        tf.concat([words, words], 1, name="wide")
+        tf.concat([words, words], 0, name="tall")
+
+    ctx = _solved(build)
+    assert ctx.dim_token("wide:0", 1) != "words:0#1"
+    assert ctx.dim_token("tall:0", 1) == "words:0#1"
+
+
+def _tagger(time_of):
+    """A padded tagger whose logits are unfolded by ``tf.shape(time_of)[1]``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(31)
+        words = v1.placeholder(tf.int32, [None, None], name="words")
+        chars = v1.placeholder(tf.int32, [None, None], name="chars")
+        lengths = v1.placeholder(tf.int32, [None], name="lengths")
+        x = tf.nn.embedding_lookup(v1.get_variable("emb", [20, 5]), words)
+        x = x + tf.reduce_mean(tf.nn.embedding_lookup(v1.get_variable("cemb", [20, 5]), chars), 1,
+                               keepdims=True)
+        x = tf.nn.dropout(x, rate=0.25, seed=5)
+        out, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.BasicRNNCell(4), x, sequence_length=lengths,
+                                   dtype=tf.float32, parallel_iterations=1)
+        steps = tf.shape(words if time_of == "words" else chars)[1]
+        logits = tf.reshape(tf.matmul(tf.reshape(out, [-1, 4]), v1.get_variable("w", [4, 3])),
+                            [-1, steps, 3])
+        probs = tf.nn.softmax(tf.reduce_sum(logits, 2), axis=1)     # over each row's steps
+        loss = tf.reduce_mean(tf.square(probs - 0.5))
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def test_a_tagger_unfolded_by_its_own_time_axis_is_exact_and_by_another_is_not():
+    rng = np.random.RandomState(0)
+    feeds = [{"words:0": rng.randint(0, 20, (7, 4)), "chars:0": rng.randint(0, 20, (7, 2)),
+              "lengths:0": rng.randint(1, 5, 7)} for _ in range(2)]
+    graph = _tagger("words")
+    res = replicate.transform(graph, DEVICES)
+    assert res.report.exact, res.report.reasons
+    assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5
+    other = replicate.transform(_tagger("chars"), DEVICES)
+    assert not other.report.exact
+    assert "Reshape" in " ".join(str(r) for r in other.report.reasons)
