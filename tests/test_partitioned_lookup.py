@@ -18,7 +18,7 @@ v1 = tf.compat.v1
 V, E = 30, 4
 
 
-def _model(strategy="mod", ids_shape=(None,), head="softmax", optimizer="sgd", shards=3):
+def _model(strategy="mod", ids_shape=(None,), head="softmax", optimizer="sgd", shards=3, where="top"):
     graph = tf.Graph()
     with graph.as_default():
         v1.set_random_seed(7)
@@ -26,7 +26,7 @@ def _model(strategy="mod", ids_shape=(None,), head="softmax", optimizer="sgd", s
         labels = v1.placeholder(tf.int32, [None, 1], name="labels")
         emb = v1.get_variable("emb", [V, E], partitioner=v1.fixed_size_partitioner(shards),
                               initializer=v1.random_uniform_initializer(-1, 1, seed=1))
-        rows = v1.nn.embedding_lookup(emb, ids, partition_strategy=strategy)
+        rows = _lookup(emb, ids, strategy, where)
         if len(ids_shape) == 2:
             rows = tf.reduce_mean(rows, 1)                     # a bag of words per example
         w = v1.get_variable("out_w", [V, E], initializer=v1.random_uniform_initializer(-1, 1, seed=2))
@@ -43,6 +43,18 @@ def _model(strategy="mod", ids_shape=(None,), head="softmax", optimizer="sgd", s
     return graph
 
 
+def _lookup(emb, ids, strategy, where):
+    """The lookup at the top level, in both branches of a v2 cond, or in a defun's body."""
+    def look(i):
+        return v1.nn.embedding_lookup(emb, i, partition_strategy=strategy)
+    if where == "cond":
+        training = v1.placeholder_with_default(True, [], name="training")
+        return tf.cond(training, lambda: look(ids), lambda: 0.5 * look(ids))
+    if where == "defun":
+        return tf.function(look)(ids)
+    return look(ids)
+
+
 def _feeds(batch, ids_shape=(None,), steps=3):
     rng = np.random.RandomState(0)
     shape = (batch,) if len(ids_shape) == 1 else (batch, 3)   # 3 ids per example
@@ -53,7 +65,8 @@ def _feeds(batch, ids_shape=(None,), steps=3):
 
 @pytest.mark.parametrize("case", [
     dict(), dict(strategy="div"), dict(ids_shape=(None, 3)), dict(head="nce"),
-    dict(optimizer="adagrad"), dict(shards=2, accumulate=2),
+    dict(optimizer="adagrad"), dict(shards=2, accumulate=2), dict(where="cond"),
+    dict(where="defun", strategy="div"),
 ])
 def test_a_partitioned_lookup_is_exact(case):
     case = dict(case)
