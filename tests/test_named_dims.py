@@ -10,7 +10,10 @@ much as the positive ones: a name given to two different dimensions would make a
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import replicate
@@ -18,6 +21,7 @@ from replicate.batchflow.lattice import Classes
 from replicate.batchflow.solver import solve
 from replicate.check.equivalence import compare
 from replicate.graph.ir import IR
+from breadth_models import control_flow_v1
 
 v1 = tf.compat.v1
 DEVICES = ["/cpu:0", "/cpu:1", "/cpu:2"]
@@ -69,9 +73,11 @@ def test_two_unknown_dimensions_that_broadcast_stay_apart():
     assert ctx.dim_token("twice:0", 1) == "words:0#1"
 
 
-def test_a_list_written_past_its_size_is_not_its_reserved_length():
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_list_written_past_its_size_is_not_its_reserved_length(version):
     """A ``dynamic_size`` TensorArray grows beyond the size it was made with (its writes may
-    resize the list), so the stacked length is not the reserved one."""
+    resize the list), so the stacked length is not the reserved one (TF2: a TensorList set
+    with resizing; TF1: a TensorArray whose size is read after the loop)."""
     def build():
         words = _ids()
         steps = tf.shape(words)[1]
@@ -87,7 +93,8 @@ def test_a_list_written_past_its_size_is_not_its_reserved_length():
                                  [0, fixed])
         tf.identity(fixed.stack(), name="kept")
 
-    ctx = _solved(build)
+    with control_flow_v1() if version == 1 else contextlib.nullcontext():
+        ctx = _solved(build)
     assert ctx.dim_token("grown:0", 0) != "words:0#1"
     assert ctx.dim_token("kept:0", 0) == "words:0#1"
 
@@ -103,10 +110,11 @@ def test_the_concat_axis_is_not_copied():
     assert ctx.dim_token("tall:0", 1) == "words:0#1"
 
 
-def _tagger(time_of):
-    """A padded tagger whose logits are unfolded by ``tf.shape(time_of)[1]``."""
+def _tagger(time_of, version=2):
+    """A padded tagger whose logits are unfolded by ``tf.shape(time_of)[1]``; ``version`` 1
+    builds its loop with TF1 frames and a TensorArray."""
     graph = tf.Graph()
-    with graph.as_default():
+    with graph.as_default(), (control_flow_v1() if version == 1 else contextlib.nullcontext()):
         v1.set_random_seed(31)
         words = v1.placeholder(tf.int32, [None, None], name="words")
         chars = v1.placeholder(tf.int32, [None, None], name="chars")
@@ -126,14 +134,15 @@ def _tagger(time_of):
     return graph
 
 
-def test_a_tagger_unfolded_by_its_own_time_axis_is_exact_and_by_another_is_not():
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_tagger_unfolded_by_its_own_time_axis_is_exact_and_by_another_is_not(version):
     rng = np.random.RandomState(0)
     feeds = [{"words:0": rng.randint(0, 20, (7, 4)), "chars:0": rng.randint(0, 20, (7, 2)),
               "lengths:0": rng.randint(1, 5, 7)} for _ in range(2)]
-    graph = _tagger("words")
+    graph = _tagger("words", version)
     res = replicate.transform(graph, DEVICES)
     assert res.report.exact, res.report.reasons
     assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5
-    other = replicate.transform(_tagger("chars"), DEVICES)
+    other = replicate.transform(_tagger("chars", version), DEVICES)
     assert not other.report.exact
     assert "Reshape" in " ".join(str(r) for r in other.report.reasons)

@@ -23,7 +23,9 @@ Each step back is a fact about an op's output shape that TensorFlow's kernel gua
   different unknowns prove nothing);
 - ``TensorListStack``'s leading dimension is the list's length: the ``num_elements`` of the
   ``TensorListReserve`` that made it, or the rows of the tensor it was made from, through
-  loops whose body only sets items of it (``dynamic_rnn``'s outputs).
+  loops whose body only sets items of it (``dynamic_rnn``'s outputs); with TF1 loops, a
+  ``TensorArray``'s gather of ``range(size)`` has the size it was made with, unless it was
+  made ``dynamic_size``.
 
 Where no step is proved, the dimension is named after the tensor that has it, which equals
 no other name: a missing step costs precision, never soundness.
@@ -46,6 +48,9 @@ _SAME_AS_FIRST = frozenset({"BiasAdd", "BiasAddV1", "ReverseSequence", "ReverseV
 _OWN = frozenset({"PlaceholderWithDefault", "Merge", "RefMerge"})
 
 _LOOPS = frozenset({"While", "StatelessWhile"})
+
+#: Where a TF1 TensorArray's handle passes unchanged (into and out of a TF1 loop).
+_HANDLE_PATH = frozenset({"Identity", "Enter", "RefEnter", "Exit", "RefExit"})
 
 _MAX_STEPS = 48
 
@@ -114,7 +119,27 @@ def _back(ctx, ref: str, index: int) -> tuple[str, int] | None:
         return _broadcast(ctx, ref, node, index)
     if op == "TensorListStack" and index == 0:
         return _list_length(ctx, node.inputs[0])
+    if op == "TensorArrayGatherV3" and index == 0:
+        return node.inputs[1], 0
+    if op == "Range" and index == 0 and len(node.inputs) == 3 \
+            and ctx.int_value(node.inputs[0]) == (0,) and ctx.int_value(node.inputs[2]) == (1,):
+        return _length(ctx, node.inputs[1])
     return None
+
+
+def _length(ctx, scalar: str):
+    """The dimension scalar ``scalar`` holds: ``tf.shape(t)[k]``, or the size of a TF1
+    ``TensorArray`` made with that size (not ``dynamic_size``: a write past it fails)."""
+    read = ctx.shape_dimension(scalar)
+    if read is not None:
+        return read
+    node = ctx.ir.nodes.get(node_of(behind(ctx.ir, scalar, IDENTITIES)))
+    if node is None or node.op != "TensorArraySizeV3" or not node.inputs:
+        return None
+    made = ctx.ir.nodes.get(node_of(behind(ctx.ir, node.inputs[0], _HANDLE_PATH)))
+    if made is None or made.op != "TensorArrayV3" or made.attr("dynamic_size", False):
+        return None
+    return ctx.shape_dimension(made.inputs[0])
 
 
 def _is_int(v) -> bool:
@@ -198,7 +223,7 @@ def _list_length(ctx, handle: str):
         if node is None:
             return None
         if node.op == "TensorListReserve" and len(node.inputs) > 1:
-            return ctx.shape_dimension(node.inputs[1])
+            return _length(ctx, node.inputs[1])
         if node.op == "TensorListFromTensor":
             return node.inputs[0], 0
         if node.op not in _LOOPS or k >= len(node.inputs) or not _keeps_length(ctx, node, k):
