@@ -99,15 +99,19 @@ def test_a_list_written_past_its_size_is_not_its_reserved_length(version):
     assert ctx.dim_token("kept:0", 0) == "words:0#1"
 
 
-def test_the_concat_axis_is_not_copied():
+def test_the_concat_axis_is_not_copied_and_a_stack_shifts_the_dimensions_after_its_axis():
     def build():
         words = v1.placeholder(tf.float32, [None, None], name="words")
         tf.concat([words, words], 1, name="wide")
         tf.concat([words, words], 0, name="tall")
+        tf.stack([words, words], axis=1, name="pairs")
+        tf.stack([words, words], axis=-1, name="last")
 
     ctx = _solved(build)
     assert ctx.dim_token("wide:0", 1) != "words:0#1"
     assert ctx.dim_token("tall:0", 1) == "words:0#1"
+    assert ctx.dim_token("pairs:0", 2) == "words:0#1"
+    assert ctx.dim_token("last:0", 1) == "words:0#1"
 
 
 def _tagger(time_of, version=2):

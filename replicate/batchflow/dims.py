@@ -104,8 +104,11 @@ def _back(ctx, ref: str, index: int) -> tuple[str, int] | None:
     if op in ("ConcatV2", "Concat"):
         return _concat(ctx, node, index)
     if op == "Pack":
-        axis = int(node.attr("axis", 0))
-        axis = axis + (ctx.rank(ref) or 0) if axis < 0 else axis
+        axis, rank = int(node.attr("axis", 0)), ctx.rank(ref)
+        if axis < 0:
+            if rank is None:
+                return None
+            axis += rank
         return None if index == axis else (node.inputs[0], index - (index > axis))
     if op in ("GatherV2", "ResourceGather", "Gather"):
         return _gather(ctx, node, index)
