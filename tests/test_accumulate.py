@@ -174,6 +174,44 @@ def test_each_train_op_runs_with_its_own_feeds():
         many.close()
 
 
+def _clean_and_noisy() -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        noise = v1.random_uniform(tf.shape(x), seed=5)
+        w = v1.get_variable("w", [4, 1], initializer=tf.ones_initializer())
+        u = v1.get_variable("u", [4, 1], initializer=tf.ones_initializer())
+        clean = tf.reduce_mean(tf.square(tf.matmul(x, u)))
+        noisy = tf.reduce_mean(tf.matmul(x * noise, w))
+        v1.train.GradientDescentOptimizer(0.1).minimize(clean, var_list=[u], name="train")
+        v1.train.GradientDescentOptimizer(0.1).minimize(noisy, var_list=[w], name="train_noisy")
+    return graph
+
+
+def test_a_train_op_runs_no_draw_of_another_train_op():
+    """Review 28: two train ops read ``x``, one also a seeded draw. Micro-batch 1's ``x`` of
+    the clean op waited for micro-batch 0's gradients of both, so each clean step ran the
+    draw too, and the noisy op's next step drew other numbers (claimed exact, 0.02 off)."""
+    from replicate.check.equivalence import relative_difference
+    res = replicate.transform(_clean_and_noisy(), CPUS[:2], accumulate=2)
+    assert res.report.exact, res.report.reasons
+    one, many = Trainer(_clean_and_noisy(), "train", 4), Trainer(res.meta_graph_def, "train", 4)
+    many.load(one.values())
+    rng = np.random.RandomState(0)
+    try:
+        for batch in (5, 3, 5):
+            x = rng.rand(batch, 4).astype(np.float32)
+            for trainer in (one, many):
+                trainer.session.run("train", {"x:0": x})
+                trainer.session.run("train_noisy", {"x:0": x})
+        expected, got = one.values(), many.values()
+        assert max(relative_difference(expected[n], got[n]) for n in expected) < 1e-5
+    finally:
+        one.close()
+        many.close()
+
+
 def test_a_side_effect_of_the_loss_value_runs_only_when_the_loss_is_fetched():
     """A counter that only the loss's value reads (``loss + 0 * counter.assign_add(1)``): one
     device's train op never computes the loss's value. The micro-batch gates waited for the
