@@ -117,6 +117,11 @@ class Context:
         self.row_shapes: dict[str, tuple[int, ...]] = {}
         #: Gradient ``Pad`` ops of slices of such rows: node -> the forward ``Slice``.
         self.slice_pads: dict[str, str] = {}
+        #: Gathers of a batch's rows by row numbers fed in a batch input of the same class
+        #: (``tf.gather_nd(q, idx)``, ``idx`` fed ``[[0, a0], [1, a1], ...]``): node -> (class,
+        #: the fed tensor).
+        #: Each tower reads them less its first row's number, checked (``passes/_rows.py``).
+        self.fed_rows: dict[str, tuple[int, str]] = {}
         self.changed = False
 
     # ------------------------------------------------------------------ reading

@@ -85,7 +85,7 @@ def solve(ir: IR, region: list[str], inputs: dict[str, tuple[int, int]], gradien
     loopy = any(ir.nodes[n].op in _LOOPY for n in sequence)
     for attempt in range(MAX_PASSES if loopy else 1):
         changed = False
-        for found in (ctx.demands, ctx.positions, ctx.attr_positions, ctx.row_shapes, ctx.slice_pads,
+        for found in (ctx.demands, ctx.positions, ctx.attr_positions, ctx.row_shapes, ctx.slice_pads, ctx.fed_rows,
                       ctx.refusals):
             found.clear()           # obligations of the settled pass only, not of partial facts
         ctx.notes.clear()

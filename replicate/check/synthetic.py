@@ -85,6 +85,10 @@ class InputSpec:
     #: For a part of a batch input fed as a SparseTensor: (``indices``/``values``/``shape``,
     #: the indices' tensor, the dense shape's dimensions after the batch where known).
     sparse: tuple | None = None
+    #: Row numbers of the batch, as a gather of its rows reads them (``passes/_rows.py``):
+    #: "column" (the first of a ``GatherNd``'s index tuples) or "whole"; each example names
+    #: its own row.
+    rows: str | None = None
 
     def describe(self) -> str:
         """``x:0 float32 [?, 784] (batch)`` for reports."""
@@ -142,7 +146,7 @@ def _extent(ir: IR, ref: str, axis: int | None) -> int | None:
 
 
 def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (),
-                sparse: Iterable[tuple] = ()) -> list[InputSpec]:
+                sparse: Iterable[tuple] = (), rows: Mapping[str, str] | None = None) -> list[InputSpec]:
     """The tensors to feed when running ``targets``, in graph order.
 
     Args:
@@ -151,6 +155,8 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
         batch_tensors: tensors whose axis 0 carries examples (the analysis' batch inputs).
         sparse: batch inputs fed as a SparseTensor, (indices, values, dense shape) each; all
             three are fed together, even a dense shape with a default.
+        rows: batch inputs holding row numbers of the batch -> "column" or "whole" (see
+            :attr:`InputSpec.rows`).
     """
     batch = {tensor_name(*parse_tensor(t)) for t in batch_tensors}
     roles = {t: (ops.sparse_role(i), triple[0], _dense_dims(ir, triple[2]))
@@ -170,7 +176,8 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
             high = _bound(ir, ref) if dtype.is_integer else None
             onehot = dtype.is_floating and _is_distribution(ir, ref)
             specs.append(InputSpec(ref, dtype.name, ir.static_shape(ref),
-                                   0 if ref in batch else None, high, onehot, roles.get(ref)))
+                                   0 if ref in batch else None, high, onehot, roles.get(ref),
+                                   (rows or {}).get(ref)))
     return specs
 
 
@@ -219,6 +226,9 @@ def permute(specs: Iterable[InputSpec], feed: Mapping[str, Any], order: np.ndarr
                 and np.ndim(feed[spec.tensor]):
             out[spec.tensor] = np.asarray(feed[spec.tensor])[order]
     inverse = np.argsort(order)
+    for spec in specs:          # row numbers follow their rows to their new places
+        if spec.rows is not None and spec.tensor in out and np.ndim(out[spec.tensor]):
+            out[spec.tensor] = _own_rows(spec, out[spec.tensor], np.arange(len(order)))
     for spec in specs:
         if spec.sparse and spec.sparse[0] == "indices" and spec.tensor in feed:
             indices = np.array(feed[spec.tensor])
@@ -274,13 +284,28 @@ def make_feed(specs: Iterable[InputSpec], batch: int, rng: np.random.RandomState
         elif kind == "b":
             feed[spec.tensor] = rng.randint(0, 2, shape).astype(bool)
         elif kind in "iu":
-            feed[spec.tensor] = rng.randint(0, spec.high or 2, shape).astype(spec.dtype)
+            feed[spec.tensor] = _own_rows(spec, rng.randint(0, spec.high or 2, shape).astype(spec.dtype))
         elif spec.onehot and shape and shape[-1]:
             hot = rng.randint(0, shape[-1], shape[:-1])
             feed[spec.tensor] = np.eye(shape[-1], dtype=spec.dtype)[hot]
         else:
             feed[spec.tensor] = rng.standard_normal(shape).astype(spec.dtype)
     return feed
+
+
+def _own_rows(spec: InputSpec, values: np.ndarray, numbers: np.ndarray | None = None) -> np.ndarray:
+    """``values`` with each example's row number (``numbers``, by default its position) where
+    ``spec`` holds row numbers of the batch."""
+    if spec.rows is None or not values.ndim:
+        return values
+    values = np.array(values)
+    numbers = np.arange(len(values)) if numbers is None else numbers
+    own = numbers.reshape([-1] + [1] * (values.ndim - (2 if spec.rows == "column" else 1)))
+    if spec.rows == "column":
+        values[..., 0] = own
+    else:
+        values[...] = own
+    return values
 
 
 def unsafe_ops(ir: IR, targets: Iterable[str], fed: Iterable[str] = ()) -> list[tuple[str, str]]:

@@ -49,6 +49,7 @@ from replicate.graph.ir import IR, Node, node_of
 from replicate.passes._body_draws import rewire_call, rewrite_branches
 from replicate.passes._frames import enter, frames
 from replicate.passes.pipeline import PassResult
+from replicate.passes.split import tower_offsets
 
 __all__ = ["Draw", "SCOPE"]
 
@@ -72,7 +73,7 @@ class Draw:
         groups: dict[tuple, list[tuple]] = {}     # once-per-step draws cut together
         for draw in rows:
             if draw.cls not in offsets:
-                offsets[draw.cls] = self._offsets(ir, towers, draw.cls)
+                offsets[draw.cls] = tower_offsets(ir, towers, draw.cls)
             mine = [c[draw.name] for c in copies if draw.name in c]
             if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls], groups):
                 done += mine
@@ -113,22 +114,6 @@ class Draw:
                     rewire_call(ir, copy, rewrite_branches(ir, draw.name, draw, k))
                     done.append(copy)
         return done
-
-    @staticmethod
-    def _offsets(ir: IR, towers, cls: int) -> list[str]:
-        """Where each tower's examples start, on the controller."""
-        scope = f"{SCOPE}/class_{cls}"
-        counts = towers.class_counts[cls]
-        device = ir.nodes[counts[0].split(":")[0]].device
-        static = towers.class_static.get(cls)
-        if static is not None:
-            return [ir.const(f"{scope}/offset_{k}", int(sum(static[:k])), dtypes.int32, device)
-                    for k in range(len(counts))]
-        out = [ir.const(f"{scope}/offset_0", 0, dtypes.int32, device)]
-        for k in range(1, len(counts)):
-            out.append(ir.add(f"{scope}/offset_{k}", "AddV2", [out[-1], counts[k - 1]],
-                              device=device, attrs={"T": dtypes.int32}).name)
-        return out
 
     @staticmethod
     def _once(ir: IR, draw, copies: list[dict[str, str]], towers, offsets: list[str],

@@ -16,7 +16,8 @@ nonzero step, a stack of an empty list or a TensorArray's gather a full element 
 along another axis its number of indices, a segment op a count of at least 0, a CTC loss a padding example, and a depthwise filter
 gradient zeros (its kernel leaves the output unwritten), where an empty tower would fail (:mod:`replicate.passes._empty`); and every tower gather of a flattened batch by offsets
 ``range(batch) * stride + offset`` checks that each offset stays inside its own example
-(:mod:`replicate.passes._strided`).
+(:mod:`replicate.passes._strided`); and every tower gather by row numbers fed for the whole
+batch reads them less its first row's number, checked (:mod:`replicate.passes._rows`).
 
 When the gradient's ``orig_output`` is the forward pooling op's output (``MaxPool``,
 ``MaxPoolV2``, ``MaxPool3D`` in the same tower, reading the same ``orig_input``) -- the usual
@@ -48,6 +49,7 @@ from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, non
                                      nonzero_steps, pad_ctc_losses, shape_array_gathers,
                                      stack_empty_lists, zero_unwritten_outputs)
 from replicate.passes._picks import assert_examples
+from replicate.passes._rows import local_rows
 from replicate.passes._strided import check_offsets
 from replicate.passes.pipeline import PassResult
 
@@ -90,6 +92,10 @@ class Guard:
             log.info("guard: %d tower ops that pick examples by position check their tower's count",
                      picks)
             done += picks
+        fed = local_rows(ir)
+        if fed:
+            log.info("guard: %d tower gathers read fed row numbers as their own rows", fed)
+            done += fed
         offsets = check_offsets(ir)
         if offsets:
             log.info("guard: %d tower gathers check their offsets into the flattened batch", offsets)

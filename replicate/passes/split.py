@@ -32,7 +32,7 @@ from replicate.passes import _sparse
 from replicate.passes._meets import check_meetings
 from replicate.passes.pipeline import PassResult
 
-__all__ = ["Split", "tower_prefixes", "SCOPE"]
+__all__ = ["Split", "tower_prefixes", "tower_offsets", "SCOPE"]
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,27 @@ class Split:
         check = ir.add(f"{scope}/assert", "Assert", [same, message, size, batch], device=dev,
                        attrs={"T": [dtypes.string, dtypes.int32, dtypes.int32], "summarize": 3})
         ir.set_control(f"{SCOPE}/{name}_{idx}", [check.name])
+
+
+def tower_offsets(ir: IR, towers: Towers, cls: int) -> list[str]:
+    """Where each tower's examples of batch class ``cls`` start in the global batch (int32
+    scalars on the controller), made once per class."""
+    if cls in towers.class_offsets:
+        return towers.class_offsets[cls]
+    scope = f"{SCOPE}/offsets/class_{cls}"
+    counts = towers.class_counts[cls]
+    device = ir.nodes[counts[0].split(":")[0]].device
+    static = towers.class_static.get(cls)
+    if static is not None:
+        out = [ir.const(f"{scope}/offset_{k}", int(sum(static[:k])), dtypes.int32, device)
+               for k in range(len(counts))]
+    else:
+        out = [ir.const(f"{scope}/offset_0", 0, dtypes.int32, device)]
+        for k in range(1, len(counts)):
+            out.append(ir.add(f"{scope}/offset_{k}", "AddV2", [out[-1], counts[k - 1]],
+                              device=device, attrs={"T": dtypes.int32}).name)
+    towers.class_offsets[cls] = out
+    return out
 
 
 def _train_ops_reading(ir: IR, analysis) -> dict[str, int]:

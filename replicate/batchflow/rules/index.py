@@ -26,6 +26,7 @@ from replicate.batchflow.rules.common import (
     size_fact,
     taint_of,
 )
+from replicate.batchflow.table import IDENTITIES, behind
 from replicate.graph.ir import Node
 
 __all__ = ["gather", "gather_nd", "where", "unique", "segment", "sparse_to_dense",
@@ -55,6 +56,29 @@ def _local(index: Fact, data: Fact, ctx: Context, col: int | None = None) -> boo
     # batch axis) is accepted: such a count is the same in every tower unless the batch decides
     # it, and then it is a coupling, synchronized or reported.
     return ctx.classes.same(cls, data.cls) and per == rows(data) and data.outer == 1
+
+
+def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
+    """``node`` picks rows of ``data`` (its batch on axis 0) by row numbers fed in a batch
+    input of the same class, one row of numbers per example (DQN's ``[[0, a0], [1, a1], ...]``
+    fed beside the states): taken to number the rows of the global batch, as one device reads
+    them. Recorded, so that each tower subtracts its first row's number and checks that its
+    numbers stay among its own rows (``passes/_rows.py``). Not in gradient code, in a function
+    body or a TF1 loop (where the check cannot be added), nor for numbers computed in the
+    graph: those are values of the examples, which need not be row numbers."""
+    if index.kind != PART or index.index is not None or index.axis != 0 or data.outer != 1 \
+            or ctx.in_gradient(node) or strided.unchecked(ctx, node):
+        return False
+    tensor = behind(ctx.ir, node.inputs[1], IDENTITIES)
+    fed = ctx.inputs.get(tensor)
+    if fed is None or fed[0] != 0 or tensor in ctx.sparse:
+        return False
+    if not ctx.classes.same(index.cls, data.cls):
+        # the numbers and the rows they number: one batch on this evidence (the split then
+        # checks every step that both hold as many examples)
+        ctx.classes.join_by_evidence(index.cls, data.cls, node.name)
+    ctx.fed_rows[node.name] = (data.cls, tensor)
+    return True
 
 
 def _rows_of_another(index: Fact, data: Fact, ctx: Context) -> bool:
@@ -100,6 +124,8 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             if _local(i, p, ctx):      # a tower's own rows: row numbers among them stay so
                 return [part(axis + i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint,
                              index=p.index if axis == 0 and i.axis == 0 else None)]
+            if axis == 0 and _fed_rows(ctx, node, p, i):
+                return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             if i.kind == PART and not ctx.classes.same(p.cls, i.cls):
                 # one hypothetical batch looked up by another's values: evidence that the
                 # table (a [3] class-weights placeholder fed with a batch of 3) is no batch
@@ -156,7 +182,8 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # gather_nd(q, stack([range(tf.shape(a)[0]), a], 1))): evidence that both are
                 # one batch, as for gather
                 ctx.classes.join_by_evidence(tag[2], p.cls, node.name)
-            if _local(i, p, ctx, col=p.axis) and i.axis < i_rank - 1:
+            if (_local(i, p, ctx, col=p.axis) or (p.axis == 0 and _fed_rows(ctx, node, p, i))) \
+                    and i.axis < i_rank - 1:
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
         if i.kind == PART:

@@ -1,0 +1,85 @@
+"""Row numbers of the whole batch fed to a gather (passes/_rows.py).
+
+A DQN driver feeds ``[[0, a0], [1, a1], ...]`` beside the states, and the graph picks each
+row's action value with ``tf.gather_nd(q, idx)``. Each tower holds only its rows of ``q``, so the
+same numbers named other rows or none: the rewrite failed at step 1 with TensorFlow's "does not
+index into param shape" where one device runs. Each tower now reads the numbers less its first
+row's number, checked every step: exact for numbers within each example's own rows, and a
+message naming the op and the input for numbers that cross towers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.check.equivalence import compare
+from replicate.passes._rows import MARKER
+
+v1 = tf.compat.v1
+
+
+def _dqn(op="gather_nd", computed=False):
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        idx = v1.placeholder(tf.int32, [None, 2] if op == "gather_nd" else [None], name="idx")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.random_normal_initializer(seed=1))
+        q = tf.matmul(x, w)
+        if computed:                            # numbers computed from the examples' values
+            idx = tf.cast(tf.argmax(x, 1), tf.int32)
+        if op == "gather_nd":
+            pick = tf.gather_nd(q, idx)
+        else:
+            pick = tf.reduce_sum(tf.gather(q, idx), 1)
+        loss = tf.reduce_mean(tf.square(pick - y), name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    return graph
+
+
+def _feeds(batch, op="gather_nd", crossing=False, steps=3):
+    rng = np.random.RandomState(0)
+    out = []
+    for _ in range(steps):
+        rows = np.arange(batch)[::-1] if crossing else np.arange(batch)
+        idx = np.stack([rows, rng.randint(0, 3, batch)], 1) if op == "gather_nd" else rows
+        out.append({"x:0": rng.randn(batch, 4).astype(np.float32), "idx:0": idx,
+                    "y:0": rng.randn(batch).astype(np.float32)})
+    return out
+
+
+@pytest.mark.parametrize("op,devices,batch,accumulate", [
+    ("gather_nd", 3, 7, 1), ("gather_nd", 3, 2, 1), ("gather_nd", 2, 5, 2), ("gather", 3, 7, 1)])
+def test_rows_numbered_for_the_whole_batch_are_exact(op, devices, batch, accumulate):
+    graph = _dqn(op)
+    res = replicate.transform(graph, [f"/cpu:{i}" for i in range(devices)], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    assert any("row numbers fed in 'idx:0'" in w for w in res.report.warnings)
+    result = compare(graph, res.meta_graph_def, "train", _feeds(batch, op))
+    assert result.max_rel <= 1e-5, (result.worst, result.max_rel)
+
+
+def test_numbers_that_name_another_towers_rows_stop_with_a_message():
+    """Reversed rows: one device runs them; no tower holds the rows its numbers name."""
+    graph = _dqn()
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+    with pytest.raises(replicate.ReplicateError, match=f"{MARKER[:30]}.*GatherNd.*idx:0"):
+        compare(graph, res.meta_graph_def, "train", _feeds(6, crossing=True))
+
+
+def test_numbers_computed_from_the_examples_are_not_taken_for_row_numbers():
+    res = replicate.transform(_dqn("gather", computed=True), ["/cpu:0", "/cpu:1"])
+    assert not res.report.exact
+    assert "picks examples of the batch by position" in " ".join(str(r) for r in res.report.reasons)
+
+
+def test_the_certificate_feeds_each_example_its_own_row_number():
+    """The synthetic feed of ``replicate convert``'s check gives the row column each
+    example's own number (random ones named other towers' rows, and the check failed)."""
+    res = replicate.transform(_dqn(), ["/cpu:0", "/cpu:1", "/cpu:2"], check=True)
+    assert res.report.exact, res.report.reasons
+    assert all(run["max_rel"] <= 1e-5 for run in res.report.check["runs"]), res.report.check
