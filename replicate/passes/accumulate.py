@@ -262,13 +262,14 @@ class _Feeds:
         # count too (a GAN's real images beside its noise, when the analysis shares them)
         whole = {t: t for t in analysis.shared_inputs if node_of(t) in ir.nodes}
         self._inputs = [self._depends({**whole, **towers.inputs[t]}) for t in range(len(towers.inputs))]
-        # the stateful draws each train op runs (several train ops): a gate must not make one
-        # run another's draw, which advances its stream (review 28: a clean train op at k = 2
-        # ran the noisy one's draw, and the noisy op's next step drew other numbers; exact
-        # claimed, 0.02 off)
+        # the stateful draws and state writes each train op runs (several train ops): a gate
+        # must not make one run another's, which advances a draw's stream or a counter
+        # (review 28: a clean train op at k = 2 ran the noisy one's draw, and the noisy op's
+        # next step drew other numbers; exact claimed, 0.02 off)
         trains = [t for t in analysis.train_ops if t in ir.nodes]
         self._runs = {t: ir.ancestors([t], self.graph) for t in trains} if len(trains) > 1 else {}
-        self._draws = {n.name for n in ir if n.op in ops.RANDOM_OPS and not n.op.startswith("Stateless")}
+        self._effects = {n.name for n in ir if (n.op in ops.RANDOM_OPS and not n.op.startswith("Stateless"))
+                         or state_writes(ir, n)} if self._runs else set()
         self._forbidden: dict[frozenset, set[str]] = {}
 
     def _depends(self, inputs: dict[str, str]) -> dict[str, frozenset]:
@@ -313,23 +314,23 @@ class _Feeds:
         """The ops of ``done`` (tower ``t``'s) that tower ``t + 1``'s slice ``tensor`` may wait for."""
         original = next(o for o, s in self.towers.inputs[t + 1].items() if s == tensor)
         allowed, needs = self._allowed_inputs(t, original), self._needs(t)
-        forbidden = self._foreign_draws(t + 1, tensor)
+        forbidden = self._foreign_effects(t + 1, tensor)
         return [d for d in done if needs.get(d, frozenset()) <= allowed and d not in forbidden]
 
-    def _foreign_draws(self, t: int, tensor: str) -> set[str]:
-        """The ops that depend on a stateful draw that some train op reading tower ``t``'s
-        slice ``tensor`` does not run by itself."""
+    def _foreign_effects(self, t: int, tensor: str) -> set[str]:
+        """The ops that depend on a stateful draw or a state write that some train op reading
+        tower ``t``'s slice ``tensor`` does not run by itself."""
         if not self._runs:
             return set()
         readers = {c.name for c, _ in self.ir.data_consumers(tensor)
                    if c.name.startswith(self.towers.prefixes[t] + "/")}
         running = [run for run in self._runs.values() if readers & run]
-        own = set.intersection(*(self._draws & run for run in running)) if running else set()
-        key = frozenset(self._draws - own)
+        own = set.intersection(*(self._effects & run for run in running)) if running else set()
+        key = frozenset(self._effects - own)
         if key not in self._forbidden:
             found: set[str] = set(key)
-            for draw in key:
-                found |= nx.descendants(self.graph, draw)
+            for effect in key:
+                found |= nx.descendants(self.graph, effect)
             self._forbidden[key] = found
         return self._forbidden[key]
 
