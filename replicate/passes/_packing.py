@@ -27,20 +27,22 @@ MAX_BUFFER_ELEMENTS = 1 << 22
 
 
 def pack(ir: IR, towers: Towers, frontier: list[Frontier], copies: list[dict[str, str]],
-         device_of, controller: str, scope: str, keys=None) -> dict[str, str]:
+         device_of, controller: str, scope: str, keys=None, group_of=None) -> dict[str, str]:
     """Aggregate packable dense gradients of ``frontier``; return tensor -> aggregate.
 
     Gradients need a fully known static shape to be packed; others are left to the caller.
     ``keys`` (an iterator of collective instance keys) makes each buffer's sum an all-reduce.
+    ``group_of(f)`` keeps gradients of different groups (gradient computations) apart.
     """
     groups: dict[tuple, list[tuple[str, list[int]]]] = defaultdict(list)
     for f in frontier:
         shape = ir.static_shape(f.tensor)
         if f.role != "dense" or f.tail or not shape or None in shape or np.prod(shape) > MAX_BUFFER_ELEMENTS:
             continue
-        groups[(ir.output_dtype(f.tensor), f.weights, device_of(f))].append((f.tensor, shape))
+        group = group_of(f) if group_of is not None else ""
+        groups[(ir.output_dtype(f.tensor), f.weights, device_of(f), group)].append((f.tensor, shape))
     out: dict[str, str] = {}
-    for index, ((dtype, weights, device), members) in enumerate(groups.items()):
+    for index, ((dtype, weights, device, _), members) in enumerate(groups.items()):
         if len(members) < 2:
             continue
         for chunk, part in enumerate(_chunks(members)):
