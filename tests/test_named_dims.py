@@ -150,3 +150,26 @@ def test_a_tagger_unfolded_by_its_own_time_axis_is_exact_and_by_another_is_not(v
     other = replicate.transform(_tagger("chars", version), DEVICES)
     assert not other.report.exact
     assert "Reshape" in " ".join(str(r) for r in other.report.reasons)
+
+
+def test_an_empty_tower_reshapes_back_by_its_dynamic_time_axis():
+    """Review 28: ``tf.reshape(flat, [tf.shape(x)[0], -1, C])`` over a dynamic time axis. A
+    tower without examples has no elements to infer the ``-1`` from; TensorFlow made it 1, and
+    the step failed at the loss's shape check. The guard now pins it to the tower's
+    ``tf.shape(x)[1]``, a named dimension of the input, when the input is empty."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, None, 4], name="x")
+        y = v1.placeholder(tf.int32, [None, None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.reshape(tf.matmul(tf.reshape(x, [-1, 4]), w), [tf.shape(x)[0], -1, 3])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        tf.argmax(logits, -1, name="pred")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, DEVICES)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(2, 5, 4).astype(np.float32), "y:0": rng.randint(0, 3, (2, 5))}
+             for _ in range(2)]
+    result = compare(graph, res.graph, "train", feeds, fetch=("pred:0",))
+    assert result.max_rel <= 1e-5

@@ -73,6 +73,7 @@ one the array holds.
 
 from __future__ import annotations
 
+import collections
 import math
 
 from tensorflow.core.framework import attr_value_pb2
@@ -106,51 +107,85 @@ def infer_reshapes(ir: IR) -> int:
     """Pin the ``-1`` of the towers' run-time reshape targets (see the module docstring);
     returns how many tower ops changed."""
     done = 0
+    towers, flow = ir.facts["towers"], ir.facts["analysis"].flow
     for prefix, copy in list(_tower_ops(ir, "Reshape", 1, gradient=False)):
         source, target = (r[len(prefix):] if r.startswith(prefix) else r for r in copy.inputs[:2])
-        value = _inferred(ir, ir.facts["analysis"].flow, source, target)
-        if value is not None:
-            _pin(ir, copy, value)
+        found = _inferred(ir, flow, source, target)
+        if found is None:
+            continue
+        k = towers.prefixes.index(prefix[:-1])
+        dims = [_tower_dimension(ir, flow, k, token) for token in found[1]]
+        if None not in dims:
+            _pin(ir, copy, found[0], dims)
             done += 1
     return done
 
 
-def _inferred(ir: IR, flow, data: str, shape_of: str) -> int | None:
+def _inferred(ir: IR, flow, data: str, shape_of: str) -> tuple[int, list[str]] | None:
     """The value of the ``-1`` of the target ``shape_of`` of a reshape of ``data`` (names of
-    the input graph), when the analysis proves it."""
+    the input graph), when the analysis proves it: a constant times named dimensions
+    (``tf.shape(x)[1]``, :mod:`replicate.batchflow.dims`) of a dynamic time axis."""
     source, target = flow.fact(data), flow.fact(shape_of)
-    if source is None or source.kind != PART or not isinstance(source.block, int) \
+    if source is None or source.kind != PART or not isinstance(source.block, (int, str)) \
             or not isinstance(source.outer, int) or target is None or target.value is None:
         return None
-    shape = ir.static_shape(data)
-    if shape is None or any(d is None for i, d in enumerate(shape) if i != source.axis):
+    shape = flow.ctx.named_shape(data, skip=source.axis)
+    if shape is None:
         return None
     # rows per example along the axis: ``block`` of each, in ``outer`` copies of the batch (a
     # time-major ``[T, B, H]`` holds T * H elements of each example, as ``[B, T, H]`` does)
     rest_dims = [d for i, d in enumerate(shape) if i != source.axis]
-    per_example = source.block * source.outer * math.prod(rest_dims)
+    block = source.block if isinstance(source.block, int) else 1     # else a named dimension
+    per_example = block * source.outer * math.prod(d for d in rest_dims if isinstance(d, int))
+    named = collections.Counter(d for d in rest_dims + [source.block] if isinstance(d, str))
     rest, syms = 1, 0
     for element in target.value:
         if isinstance(element, Sym):
             if element.coef is None or element.cls != source.cls:
                 return None
             rest, syms = rest * element.coef, syms + 1
-        elif element is None:
+        elif isinstance(element, str) and named[element] > 0:
+            named[element] -= 1             # a dynamic dimension of the input, kept
+        elif not isinstance(element, int) or isinstance(element, bool):
             return None
         elif element != -1:
             rest *= element
     if syms != 1 or list(target.value).count(-1) != 1 or rest <= 0 or per_example % rest:
         return None
-    return per_example // rest
+    return per_example // rest, sorted(named.elements())
 
 
-def _pin(ir: IR, copy, value: int) -> None:
-    """Replace the ``-1`` of ``copy``'s target by ``value`` when its input has no elements
-    (with some, TensorFlow infers the same value itself)."""
+def _tower_dimension(ir: IR, flow, k: int, token: str) -> tuple[str, int] | None:
+    """Tower ``k``'s tensor and axis holding named dimension ``token`` (``t:0#axis``), or None
+    where it is the batch axis of ``t`` (a tower's own count) or ``t`` is not found."""
+    ref, _, axis = token.rpartition("#")
+    fact = flow.fact(ref)
+    if fact is None or (fact.kind == PART and fact.axis == int(axis)):
+        return None
+    towers, copies = ir.facts["towers"], ir.facts["copies"][k]
+    name, _, out = ref.partition(":")
+    if ref in towers.inputs[k]:
+        return towers.inputs[k][ref], int(axis)
+    if name in copies:
+        return f"{copies[name]}:{out or 0}", int(axis)
+    return (ref, int(axis)) if name in ir.nodes and fact.kind == SHARED else None
+
+
+def _pin(ir: IR, copy, value: int, dims: list[tuple[str, int]] = ()) -> None:
+    """Replace the ``-1`` of ``copy``'s target by ``value`` times the sizes of ``dims``
+    ((tensor, axis) of the tower) when its input has no elements (with some, TensorFlow
+    infers the same value itself)."""
     scope = f"{copy.name}/{SCOPE}"
     dtype = dtypes.as_dtype(copy.attr("Tshape", dtypes.int32))
     dev, target = copy.device, copy.inputs[1]
     data_type = dtypes.as_dtype(ir.output_dtype(copy.inputs[0]))
+    fill = ir.const(f"{scope}/value", value, dtype, dev)
+    for j, (tensor, axis) in enumerate(dims):
+        size = _dimension(ir, tensor, axis, f"{scope}/dim_{j}", dev)
+        if dtype != dtypes.int32:
+            size = ir.add(f"{scope}/dim_{j}/cast", "Cast", [size], device=dev,
+                          attrs={"SrcT": dtypes.int32, "DstT": dtype, "Truncate": False}).name
+        fill = ir.add(f"{scope}/value_{j}", "Mul", [fill, size], device=dev, attrs={"T": dtype}).name
     size = ir.add(f"{scope}/size", "Size", [copy.inputs[0]], device=dev,
                   attrs={"T": data_type, "out_type": dtype}).name
     empty = ir.add(f"{scope}/empty", "Equal", [size, ir.const(f"{scope}/zero", 0, dtype, dev)],
@@ -159,8 +194,7 @@ def _pin(ir: IR, copy, value: int) -> None:
                    [target, ir.const(f"{scope}/minus_one", -1, dtype, dev)], device=dev,
                    attrs={"T": dtype, "incompatible_shape_error": True}).name
     unknown = ir.add(f"{scope}/unknown", "LogicalAnd", [minus, empty], device=dev).name
-    pinned = ir.add(f"{scope}/target", "SelectV2",
-                    [unknown, ir.const(f"{scope}/value", value, dtype, dev), target], device=dev,
+    pinned = ir.add(f"{scope}/target", "SelectV2", [unknown, fill, target], device=dev,
                     attrs={"T": dtype}).name
     ir.set_input(copy.name, 1, pinned)
 
