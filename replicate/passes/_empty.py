@@ -82,7 +82,7 @@ from tensorflow.python.framework import dtypes, tensor_shape
 from replicate.batchflow.lattice import PART, SHARED, Sym
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["infer_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
+__all__ = ["infer_reshapes", "infer_sparse_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
            "nonnegative_segments", "pad_ctc_losses", "zero_unwritten_outputs", "shape_array_gathers"]
 
 SCOPE = "replicate/reshape"
@@ -153,6 +153,40 @@ def _inferred(ir: IR, flow, data: str, shape_of: str) -> tuple[int, list[str]] |
     if syms != 1 or list(target.value).count(-1) != 1 or rest <= 0 or per_example % rest:
         return None
     return per_example // rest, sorted(named.elements())
+
+
+def infer_sparse_reshapes(ir: IR) -> int:
+    """In every tower copy of a forward ``SparseReshape`` to ``[n, -1]`` where ``n`` is the
+    tower's count of examples and the input's dense shape starts with it (feature columns'
+    ``sparse_reshape(ids, [tf.shape(ids)[0], -1])``), the ``-1`` becomes the product of the
+    input's other dimensions. TensorFlow infers the same from a batch with examples; from an
+    empty one it cannot ("reshape cannot infer the missing input size for an empty tensor",
+    review 28: a hashed column in ``linear_model``). Returns how many tower ops changed."""
+    done, flow = 0, ir.facts["analysis"].flow
+    for prefix, copy in list(_tower_ops(ir, "SparseReshape", 2, gradient=False)):
+        shape, target = (r[len(prefix):] if r.startswith(prefix) else r for r in copy.inputs[1:3])
+        have, want = flow.fact(shape), flow.fact(target)
+        if have is None or want is None or not have.value or not want.value or len(want.value) != 2 \
+                or want.value[1] != -1 or not isinstance(want.value[0], Sym) \
+                or not isinstance(have.value[0], Sym) or want.value[0] != have.value[0]:
+            continue
+        scope, dev = f"{copy.name}/{SCOPE}", copy.device
+        i64 = dtypes.int64
+        rest = ir.add(f"{scope}/rest", "StridedSlice", [
+            copy.inputs[1], ir.const(f"{scope}/begin", [1], i64, dev), ir.const(f"{scope}/end", [0], i64, dev),
+            ir.const(f"{scope}/step", [1], i64, dev)], device=dev,
+            attrs={"T": i64, "Index": i64, "end_mask": 1}).name
+        per = ir.add(f"{scope}/per_example", "Prod", [rest, ir.const(f"{scope}/axis", 0, dtypes.int32, dev)],
+                     device=dev, attrs={"T": i64, "Tidx": dtypes.int32, "keep_dims": False}).name
+        count = ir.add(f"{scope}/count", "StridedSlice", [
+            copy.inputs[2], ir.const(f"{scope}/first", [0], i64, dev), ir.const(f"{scope}/second", [1], i64, dev),
+            ir.const(f"{scope}/one", [1], i64, dev)], device=dev, attrs={"T": i64, "Index": i64}).name
+        pinned = ir.add(f"{scope}/target", "ConcatV2", [count, ir.add(f"{scope}/per_vector", "Reshape", [
+            per, ir.const(f"{scope}/vector", [1], dtypes.int32, dev)], device=dev, attrs={"T": i64, "Tshape": dtypes.int32}).name,
+            ir.const(f"{scope}/concat_axis", 0, dtypes.int32, dev)], device=dev, attrs={"T": i64, "N": 2, "Tidx": dtypes.int32}).name
+        ir.set_input(copy.name, 2, pinned)
+        done += 1
+    return done
 
 
 def _tower_dimension(ir: IR, flow, k: int, token: str) -> tuple[str, int] | None:

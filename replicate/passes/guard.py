@@ -11,7 +11,8 @@ the kernel sees one example instead of zero.
 
 Also: every tower copy of an op that picks examples by position checks first that its tower
 holds enough examples, with a message that says so (:mod:`replicate.passes._picks`); and a
-tower's run-time reshape target gets the ``-1`` the analysis proved, a gradient range a
+tower's run-time reshape target gets the ``-1`` the analysis proved (a sparse one to ``[n, -1]``
+the product of its input's other dimensions), a gradient range a
 nonzero step, a stack of an empty list or a TensorArray's gather a full element shape, and the gradient of a gather
 along another axis its number of indices, a segment op a count of at least 0, a CTC loss a padding example, and a depthwise filter
 gradient zeros (its kernel leaves the output unwritten), where an empty tower would fail (:mod:`replicate.passes._empty`); and every tower gather of a flattened batch by offsets
@@ -45,7 +46,7 @@ import logging
 from tensorflow.python.framework import dtypes
 
 from replicate.graph.ir import IR
-from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, nonnegative_segments,
+from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, infer_sparse_reshapes, nonnegative_segments,
                                      nonzero_steps, pad_ctc_losses, shape_array_gathers,
                                      stack_empty_lists, zero_unwritten_outputs)
 from replicate.passes._picks import assert_examples
@@ -65,6 +66,7 @@ SCOPE = "replicate/guard"
 #: Guards of ops an empty tower would run wrongly or not at all (``passes/_empty.py``).
 EMPTY_GUARDS = (
     (infer_reshapes, "reshapes get their inferred dimension from the analysis"),
+    (infer_sparse_reshapes, "sparse reshapes to [examples, -1] the product of the other dimensions"),
     (nonzero_steps, "gradient ranges and integer divisions a nonzero step or divisor"),
     (stack_empty_lists, "list stacks a full element shape when empty"),
     (shape_array_gathers, "TensorArray gathers a full element shape"),
