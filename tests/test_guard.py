@@ -495,3 +495,34 @@ def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column():
     feeds = [{"job:0": jobs[rng.randint(0, 3, (b, 1))], "y:0": rng.randint(0, 2, (b, 1)).astype(np.float32)}
              for b in (2, 7)]
     assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5
+
+
+def test_an_empty_tower_pools_with_argmax():
+    """Review 28: ``tf.nn.max_pool_with_argmax`` (SegNet's pooling) and its gradient reject an
+    empty batch ("tensor_in must not be empty"); a tower without examples now pools one zero
+    example and slices it away."""
+    import numpy as np
+    import tensorflow as tf
+
+    import replicate
+    from replicate.check.equivalence import compare
+    v1 = tf.compat.v1
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
+            y = v1.placeholder(tf.int32, [None], name="y")
+            scale = v1.get_variable("scale", [2], initializer=tf.ones_initializer())
+            pooled, _ = tf.nn.max_pool_with_argmax(x * scale, [1, 2, 2, 1], [1, 2, 2, 1], "SAME")
+            w = v1.get_variable("w", [8, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+            logits = tf.matmul(tf.reshape(pooled, [-1, 8]), w)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+            v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        return g
+
+    res = replicate.transform(build(), ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.rand(b, 4, 4, 2).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (2, 7)]
+    assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5

@@ -15,7 +15,8 @@ tower's run-time reshape target gets the ``-1`` the analysis proved (a sparse on
 the product of its input's other dimensions), a gradient range a
 nonzero step, a stack of an empty list or a TensorArray's gather a full element shape, and the gradient of a gather
 along another axis its number of indices, a segment op a count of at least 0, a CTC loss a padding example, and a depthwise filter
-gradient zeros (its kernel leaves the output unwritten), where an empty tower would fail (:mod:`replicate.passes._empty`); and every tower gather of a flattened batch by offsets
+gradient zeros (its kernel leaves the output unwritten), where an empty tower would fail (:mod:`replicate.passes._empty`), and
+``max_pool_with_argmax`` and its gradient one zero example (:mod:`replicate.passes._pad`); and every tower gather of a flattened batch by offsets
 ``range(batch) * stride + offset`` checks that each offset stays inside its own example
 (:mod:`replicate.passes._strided`); and every tower gather by row numbers fed for the whole
 batch reads them less its first row's number, checked (:mod:`replicate.passes._rows`).
@@ -49,6 +50,7 @@ from replicate.graph.ir import IR
 from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, infer_sparse_reshapes, nonnegative_segments,
                                      nonzero_steps, pad_ctc_losses, shape_array_gathers,
                                      stack_empty_lists, zero_unwritten_outputs)
+from replicate.passes._pad import pad_empty_batches
 from replicate.passes._picks import assert_examples
 from replicate.passes._rows import local_rows
 from replicate.passes._strided import check_offsets
@@ -73,6 +75,7 @@ EMPTY_GUARDS = (
     (gather_gradient_widths, "gather gradients their number of indices"),
     (nonnegative_segments, "segment ops a count of at least 0"),
     (pad_ctc_losses, "CTC losses a padding example when empty"),
+    (pad_empty_batches, "kernels that reject an empty batch one zero example"),
     (zero_unwritten_outputs, "kernels that leave their output unwritten when empty read zeros"),
 )
 
