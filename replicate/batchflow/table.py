@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = ["UNARY", "BROADCAST", "SAME_SHAPE", "REDUCTIONS", "ARG_REDUCTIONS", "SCANS",
            "LAST_AXIS", "ROWWISE", "BATCH_CONTRACTIONS", "SHAPE_SOURCES", "PASS_THROUGH",
-           "SOURCES", "STATEFUL_PASS", "RowSpec", "PARAM_DRAWS", "IDENTITIES", "behind"]
+           "SOURCES", "STATEFUL_PASS", "RowSpec", "PARAM_DRAWS", "IDENTITIES", "behind", "INNER_AXES"]
 
 import dataclasses
 
@@ -145,6 +145,19 @@ ROWWISE: dict[str, RowSpec] = {
     "FusedBatchNormGradV2": RowSpec(data=(0, 1), params=(2,), reduced=(1, 2)),
     "FusedBatchNormGradV3": RowSpec(data=(0, 1), params=(2,), reduced=(1, 2)),
     "L2Normalize": RowSpec(),
+}
+
+#: Ops over the innermost axes of their inputs, batched over the others (FFTs, matrix
+#: algebra on ``[B, n, n]``): op -> (how many innermost axes, positions of shared operands).
+#: Per example when the batch is one of the other axes; across examples when it is inside.
+INNER_AXES = {
+    **{op: (1, ()) for op in ("FFT", "IFFT")}, **{op: (1, (1,)) for op in ("RFFT", "IRFFT")},
+    **{op: (2, ()) for op in ("FFT2D", "IFFT2D")}, **{op: (2, (1,)) for op in ("RFFT2D", "IRFFT2D")},
+    **{op: (3, ()) for op in ("FFT3D", "IFFT3D")}, **{op: (3, (1,)) for op in ("RFFT3D", "IRFFT3D")},
+    **{op: (2, ()) for op in ("MatrixInverse", "MatrixDeterminant", "LogMatrixDeterminant", "Cholesky",
+                              "MatrixSolve", "MatrixTriangularSolve", "Qr", "SelfAdjointEigV2", "Svd",
+                              "MatrixExponential", "MatrixLogarithm", "MatrixSquareRoot", "CholeskyGrad",
+                              "MatrixSolveLs")},
 }
 
 #: Ops that contract the batch away: their output sums over examples (filter gradients).

@@ -6,8 +6,8 @@ short batch of an epoch). One device never runs these ops on no examples.
 Requires: the clone pass's tower copies (``ir.facts["copies"]``) and ``ir.facts["analysis"]``
 (its settled dataflow, ``analysis.flow``).
 
-Produces, for reshapes (:func:`infer_reshapes`): in every tower copy of a forward ``Reshape``
-whose target is computed at run time (``tf.reshape(flat, [tf.shape(x)[0], -1])``), the
+Produces, for reshapes (:func:`infer_reshapes`): in every tower copy of a ``Reshape`` (forward
+or gradient code: ``extract_patches``' gradient) whose target is computed at run time (``tf.reshape(flat, [tf.shape(x)[0], -1])``), the
 ``-1`` is replaced, when the input has no elements, by the value the analysis proved it has:
 the number of elements per example of the input (the rows each example holds, in each copy of
 the batch the axis holds, times the static size of one row) over the target's other
@@ -108,7 +108,8 @@ def infer_reshapes(ir: IR) -> int:
     returns how many tower ops changed."""
     done = 0
     towers, flow = ir.facts["towers"], ir.facts["analysis"].flow
-    for prefix, copy in list(_tower_ops(ir, "Reshape", 1, gradient=False)):
+    reshapes = list(_tower_ops(ir, "Reshape", 1, gradient=False)) + list(_tower_ops(ir, "Reshape", 1, gradient=True))
+    for prefix, copy in reshapes:
         source, target = (r[len(prefix):] if r.startswith(prefix) else r for r in copy.inputs[:2])
         found = _inferred(ir, flow, source, target)
         if found is None:

@@ -116,12 +116,12 @@ class Split:
                         # first rows; the towers cannot (review 27: a split error said nothing)
                         self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
                                           f"they were taken to be one batch because "
-                                          f"'{evidence}' picks rows of one by the other's row "
+                                          f"'{evidence}' picks rows of one input by another's row "
                                           "numbers; feed them the same number of examples, or "
                                           "train this graph on one device")
                         analysis.warnings.append(
                             f"'{batch_input.tensor}' and '{dense[0].tensor}' are taken to be one "
-                            f"batch because '{evidence}' picks rows of one by the other's row "
+                            f"batch because '{evidence}' picks rows of one input by another's row "
                             "numbers: feed them the same number of examples")
                 elif batch_input.tensor == batch_input.sparse[0]:
                     _sparse.split(ir, towers, batch_input.sparse, towers.class_counts[cls],

@@ -68,6 +68,7 @@ RULES.update({op: reduce.arg_reduction for op in table.ARG_REDUCTIONS})
 RULES.update({op: reduce.scan for op in table.SCANS})
 RULES.update({op: reduce.last_axis for op in table.LAST_AXIS})
 RULES.update({op: reduce.rowwise for op in table.ROWWISE})
+RULES.update({op: reduce.inner_axes for op in table.INNER_AXES})
 RULES.update({op: reduce.contraction for op in table.BATCH_CONTRACTIONS})
 RULES.update({op: shape.shape_source for op in table.SHAPE_SOURCES})
 RULES.update({op: _identity for op in table.PASS_THROUGH})
@@ -103,7 +104,7 @@ RULES.update({
     "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
     "SparseTensorDenseMatMul": sparse.dense_matmul, "SparseReduceSum": sparse.reduce_,
     "SparseReduceMax": sparse.reduce_, "SparseFillEmptyRows": sparse.fill_empty_rows,
-    "SparseReshape": sparse.reshape,
+    "SparseReshape": sparse.reshape, "CTCLoss": sparse.ctc_loss,
     **{op: sparse.segment for op in (
         "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
         "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments")},
@@ -171,7 +172,7 @@ ROW_NUMBER_OPERANDS = {
     "UnsortedSegmentMin": (1,), "UnsortedSegmentProd": (1,), "SegmentSum": (1,), "SegmentMax": (1,),
     "SegmentMin": (1,), "SegmentMean": (1,), "SegmentProd": (1,), "SparseToDense": (0,), "ScatterNd": (0,),
     "SparseTensorDenseMatMul": (0,), "SparseReduceSum": (0,), "SparseReduceMax": (0,),
-    "SparseFillEmptyRows": (0,), "SparseReshape": (0,),
+    "SparseFillEmptyRows": (0,), "SparseReshape": (0,), "CTCLoss": (1,),
     **{op: (2,) for op in (
         "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
         "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments", "SparseSegmentSumGrad",

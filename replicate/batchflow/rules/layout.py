@@ -15,9 +15,9 @@ from __future__ import annotations
 import collections
 from typing import Iterable
 
-from replicate.batchflow.lattice import Fact, Sym
+from replicate.batchflow.lattice import PART, Fact, Sym
 
-__all__ = ["Prod", "map_reshape", "sized_rows", "strided_entries"]
+__all__ = ["Prod", "map_reshape", "sized_rows", "strided_entries", "value_pieces"]
 
 
 class Prod:
@@ -193,3 +193,28 @@ def strided_entries(rank: int, n: int, ellipsis: int, new_axis: int, shrink: int
         din += 1
         dout += 1
     return entries
+
+
+def value_pieces(ctx, node, f: Fact, n: int) -> list[tuple] | None:
+    """The symbolic values of the pieces of a shape vector ``f`` split by constant sizes (the
+    outer dimensions, the frame axis and the inner ones of ``tf.signal.frame``): each keeps
+    its elements, so a piece without the batch size is a shared value (it was a batch
+    reduction, and a range over a signal's frames was refused as one over the batch)."""
+    if f.kind == PART or f.value is None or (ctx.rank(f"{node.name}:0") or 0) > 1:
+        return None
+    value = list(f.value)
+    if node.op == "Split":
+        if n <= 0 or len(value) % n:
+            return None
+        sizes = [len(value) // n] * n
+    else:
+        sizes = ctx.int_value(node.inputs[1])
+        if sizes is None or len(sizes) != n or not all(isinstance(s, int) for s in sizes):
+            return None
+        sizes = list(sizes)
+        if sizes.count(-1) == 1:
+            sizes[sizes.index(-1)] = len(value) - (sum(sizes) + 1)
+        if any(s < 0 for s in sizes) or sum(sizes) != len(value):
+            return None
+    starts = [sum(sizes[:i]) for i in range(n)]
+    return [tuple(value[s:s + k]) for s, k in zip(starts, sizes)]

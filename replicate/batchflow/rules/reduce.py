@@ -157,6 +157,31 @@ def last_axis(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return [f.with_(value=None, index=None)] * n
 
 
+def inner_axes(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """An op over the innermost axes (:data:`replicate.batchflow.table.INNER_AXES`): per
+    example when every batch operand holds its examples on one of the other axes."""
+    k, params = table.INNER_AXES[node.op]
+    n = ctx.n_outputs(node)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad] * n
+    taint = taint_of(ins)
+    if any(ins[i].kind not in (SHARED,) for i in params if i < len(ins)):
+        return [mixed(node.name, f"{node.op} with per-example sizes", taint)] * n
+    parts_ = [(i, f) for i, f in enumerate(ins) if f.kind == PART and i not in params]
+    if not parts_:
+        reds = [f for f in ins if f.kind == RED]
+        return [red(reds[0].cls, "other", reds[0].src, taint=taint) if reds else shared(taint=taint)] * n
+    for i, f in parts_:
+        rank = ctx.rank(node.inputs[i])
+        if rank is None or f.axis >= rank - k or f.axis != parts_[0][1].axis \
+                or not ctx.classes.same(f.cls, parts_[0][1].cls):
+            return [mixed(node.name, f"{node.op} over axes that hold the examples", taint)] * n
+    if any(f.kind == RED for f in ins):
+        return [mixed(node.name, f"{node.op} of per-example and batch-reduced values", taint)] * n
+    return [parts_[0][1].with_(value=None, index=None, taint=taint)] * n
+
+
 def rowwise(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     spec = table.ROWWISE[node.op]
     n = ctx.n_outputs(node)

@@ -27,7 +27,7 @@ from replicate.batchflow.rules.common import (
     taint_of,
     unless_partitioned,
 )
-from replicate.batchflow.rules.layout import map_reshape, sized_rows
+from replicate.batchflow.rules.layout import map_reshape, sized_rows, value_pieces
 from replicate.batchflow.rules.slicing import element
 from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
@@ -69,6 +69,9 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         out = unless_partitioned(ctx, node, ins)
         if f.kind == SHARED and f.value is not None and ins[1].kind == SHARED:
             return [shared(f.value, taint_of(ins))]
+        if f.kind == RED and f.merge == "size" and f.value is not None and len(f.value) == 1 \
+                and ins[1].kind == SHARED:
+            return [size_fact(f.value, taint_of(ins))]     # one element, as a scalar or vector
         return out
     target = ctx.int_value(node.inputs[1]) or ()
     out_dims = ctx.shape(f"{node.name}:0")
@@ -339,6 +342,9 @@ def _pack_index(ins: list[Fact], axis: int) -> tuple | None:
 
 def unpack(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     n = ctx.n_outputs(node)
+    if ins[0].kind != PART and ins[0].value is not None and len(ins[0].value) == n \
+            and (ctx.rank(node.inputs[0]) or 0) == 1:      # a shape vector's elements, each kept
+        return [size_fact((v,), ins[0].taint) for v in ins[0].value]
     out = unless_partitioned(ctx, node, ins, n)
     if out is not None:
         return out
@@ -355,6 +361,9 @@ def split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     n = ctx.n_outputs(node)
     data, axis_ref = (1, node.inputs[0]) if node.op == "Split" else (0, node.inputs[2])
     f = ins[data]
+    pieces = value_pieces(ctx, node, f, n)
+    if pieces is not None:
+        return [size_fact(p, taint_of(ins)) for p in pieces]
     out = unless_partitioned(ctx, node, [f] + [x for i, x in enumerate(ins) if i != data], n)
     if out is not None:
         return out

@@ -36,7 +36,7 @@ from replicate.batchflow.rules.common import (
 from replicate.batchflow.rules.index import ENTRIES, FILLED, UNIQUE, uncounted_rows
 from replicate.graph.ir import Node
 
-__all__ = ["source", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
+__all__ = ["source", "ctc_loss", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
            "ENTRIES"]
 
 
@@ -66,6 +66,25 @@ def _rows_of(ctx: Context, indices: Fact, values: Fact) -> int | None:
     elif values.dependent:
         return None
     return cls
+
+
+def ctc_loss(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``CTCLoss(inputs [T, B, C], labels_indices, labels_values, sequence_length [B])`` -> the
+    loss per example and its gradient ``[T, B, C]``: each example's loss reads its own time
+    steps, its own labels (the sparse entries whose column 0 names it) and its own length,
+    so the towers compute their examples' losses exactly (review 28: "no batch rule")."""
+    logits, ind, val, lengths = ins[:4]
+    taint, settled = prologue(ctx, node, ins)
+    if settled is not None:
+        return settled
+    cls = _rows_of(ctx, ind, val)
+    if cls is None or logits.kind != PART or logits.axis != 1 or logits.outer != 1 or logits.block != 1 \
+            or lengths.kind != PART or lengths.axis != 0 or lengths.block != 1:
+        return [mixed(node.name, "CTCLoss of inputs whose examples are not on the batch axis "
+                      "of its time-major inputs, labels and lengths", taint)] * 2
+    for other in (logits.cls, lengths.cls):
+        ctx.classes.union(cls, other, node.name)
+    return [part(0, cls, taint=taint), part(1, cls, taint=taint)]
 
 
 def dense_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
