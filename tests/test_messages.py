@@ -335,3 +335,26 @@ def test_inputs_joined_by_row_numbers_are_checked_with_a_message():
     other = [{"x:0": rng.randn(9, 4), "a:0": rng.randint(0, 3, 3), "y:0": rng.randn(3)}]
     with pytest.raises(Exception, match=r"taken to be one batch because .*GatherNd.* picks rows"):
         compare(graph, res.graph, "train", other)
+
+
+def test_graphs_batched_by_concatenating_their_nodes_are_refused_with_the_op():
+    """Review 28: nodes ``[N, F]`` of several graphs, ``graph_ids [N]``, labels ``[G]``, edges
+    into the nodes. The ids and labels were split as batches of their own and the nodes kept
+    whole: inexact, and every step failed with TensorFlow's "data.shape does not start with
+    segment_ids.shape". No split pairs them; the transform says which op and what to name."""
+    graph = tf.Graph()
+    with graph.as_default():
+        items = v1.placeholder(tf.float32, [None, 5], name="items")
+        graph_ids = v1.placeholder(tf.int32, [None], name="graph_ids")
+        labels = v1.placeholder(tf.int32, [None], name="labels")
+        src = v1.placeholder(tf.int32, [None], name="edge_src")
+        dst = v1.placeholder(tf.int32, [None], name="edge_dst")
+        h = tf.nn.relu(tf.matmul(items, v1.get_variable("w", [5, 8])))
+        h = h + tf.math.unsorted_segment_sum(tf.gather(h, src), dst, tf.shape(items)[0])
+        pooled = tf.math.unsorted_segment_sum(h, graph_ids, tf.shape(labels)[0])
+        logits = tf.matmul(pooled, v1.get_variable("out", [8, 2]))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    with pytest.raises(replicate.ReplicateError, match=r"UnsortedSegmentSum.*pairs the rows of .*whole.*"
+                                                      r"graph_ids.*batch_inputs="):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])

@@ -74,6 +74,10 @@ def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     if fed is None or fed[0] != 0 or tensor in ctx.sparse:
         return False
     if not ctx.classes.same(index.cls, data.cls):
+        if node.op != "GatherNd":
+            # a vector of row numbers of another size (a graph's edges into its nodes) is no
+            # evidence that both are one batch; index tuples with one row per example are
+            return False
         # the numbers and the rows they number: one batch on this evidence (the split then
         # checks every step that both hold as many examples)
         ctx.classes.join_by_evidence(index.cls, data.cls, node.name)
@@ -315,6 +319,18 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if ids.kind == PART and data.kind == PART and ids.axis == data.axis == 0:
         ctx.classes.union(ids.cls, data.cls, node.name)
         return [red(data.cls, merge, node.name, taint=taint)]
+    if ids.kind == PART and ids.axis == 0 and data.kind in (SHARED, RED) and (ctx.rank(node.inputs[0]) or 0) \
+            and not ctx.in_gradient(node):
+        # the rows of a tensor every tower holds whole, paired with a tower's slice of the ids
+        # (graphs batched by concatenating their nodes: the nodes' states by graph ids split
+        # as a batch of their own); the op needs as many of each, which no tower has (review
+        # 28: the step failed with TensorFlow's "data.shape does not start with segment_ids")
+        what = (f"{node.op} pairs the rows of '{node.inputs[0]}', which every tower holds whole, "
+                f"with segment ids split by example ('{node.inputs[1]}')")
+        ctx.refuse(node.name, what, "name with batch_inputs= the inputs whose rows are the examples "
+                   "those ids number (and with shared_inputs= the ids if they are no batch), or "
+                   "train this graph on one device")
+        return [mixed(node.name, what, taint)]
     return [mixed(node.name, f"{node.op} of per-example values by shared segment ids", taint)]
 
 
