@@ -358,3 +358,21 @@ def test_graphs_batched_by_concatenating_their_nodes_are_refused_with_the_op():
     with pytest.raises(replicate.ReplicateError, match=r"UnsortedSegmentSum.*pairs the rows of .*whole.*"
                                                       r"graph_ids.*batch_inputs="):
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def test_a_train_op_named_that_applies_hand_accumulated_gradients_names_the_accumulating_op():
+    """Review 28: hand-written accumulation (``accum_ops`` adds each micro-batch's gradients to
+    variables, ``train_step`` applies the sums). Naming ``train_step`` was refused with "updates
+    no variable from a gradient" and no hint; the message now names the op that does."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        w = v1.get_variable("w", [3, 1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+        opt = v1.train.GradientDescentOptimizer(0.1)
+        (grad, var), = opt.compute_gradients(loss, [w])
+        acc = v1.get_variable("acc", [3, 1], initializer=tf.zeros_initializer(), trainable=False)
+        tf.group(acc.assign_add(grad), name="accum_ops")
+        opt.apply_gradients([(acc.read_value(), var)], name="train_step")
+    with pytest.raises(replicate.ReplicateError, match="'accum_ops' runs the updates from a gradient"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1"], train_op="train_step")

@@ -49,13 +49,19 @@ def find_train_ops(ir: IR, graph: nx.DiGraph, in_grad: set[str], train_op: str |
         first = node_of(train_op)
         if first not in ir.nodes:
             raise AnalysisError(f"train op '{train_op}' is not a node of the graph")
-        if not any(u in ir.ancestors([first], graph) for u in updates):
-            raise AnalysisError(f"train op '{first}' updates no variable from a gradient")
     reach: set[str] = set()
     for u in updates:
         if u not in reach:
             reach |= nx.descendants(graph, u) | {u}
     sinks = [n for n in ir.nodes if n in reach and graph.out_degree(n) == 0]
+    if first is not None and not any(u in ir.ancestors([first], graph) for u in updates):
+        # name what does (hand-written accumulation: the gradients enter through the
+        # accumulating op, and the named op applies the sums; review 28)
+        found = _widest(ir, graph, sinks, updates)[:3] if len(sinks) > 1 else sinks
+        hint = (f"; {', '.join(repr(f) for f in found)} {'runs' if len(found) == 1 else 'run'} "
+                "the updates from a gradient: name it with train_op=, or leave train_op unset "
+                "to let replicate find every train op") if found else ""
+        raise AnalysisError(f"train op '{first}' updates no variable from a gradient{hint}")
     if not sinks and first is None:
         raise AnalysisError("no train op found: " + _updates_in_bodies(ir, below, in_grad))
     sinks = _widest(ir, graph, sinks, updates) if len(sinks) > 1 else sinks
