@@ -376,3 +376,21 @@ def test_a_train_op_named_that_applies_hand_accumulated_gradients_names_the_accu
         opt.apply_gradients([(acc.read_value(), var)], name="train_step")
     with pytest.raises(replicate.ReplicateError, match="'accum_ops' runs the updates from a gradient"):
         replicate.transform(graph, ["/cpu:0", "/cpu:1"], train_op="train_step")
+
+
+def test_an_inner_gradient_over_the_batch_does_not_suggest_sync():
+    """Review 28: MAML's adaptation step, a gradient of the support loss with respect to the
+    weights used in the model, was told to use batch_norm='sync' (which made it further off)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        y = v1.placeholder(tf.float32, [None, 1], name="y")
+        w = v1.get_variable("w", [3, 1])
+        inner = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+        fast = w - 0.1 * tf.gradients(inner, w)[0]
+        outer = tf.reduce_mean(tf.square(tf.matmul(x, fast) - y))
+        v1.train.GradientDescentOptimizer(0.1).minimize(outer, name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+    assert not res.report.exact
+    text = " ".join(f"{r.what} {r.fix}" for r in res.report.reasons)
+    assert "a gradient computed in the model" in text and "use batch_norm='sync'" not in text

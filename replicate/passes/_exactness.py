@@ -137,9 +137,21 @@ def collect(ir: IR, analysis: Analysis) -> None:
                "compute it outside the model from values fetched for the whole batch")
         reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower "
                               "0's slice of the batch only", fix))
+    inner = tuple(s.prefix + "/" for s in analysis.scopes)
     for name in analysis.couplings:
         if size_coupling(analysis, name):
             reasons.append(Reason(name, *SIZE_COUPLING))
+            continue
+        if name.startswith(inner):
+            # a gradient computed in the model and used there (MAML's adaptation step): sync
+            # mode synchronizes forward statistics, not this sum (review 28: it was the fix
+            # given, and was further off)
+            reasons.append(Reason(name, f"a gradient computed in the model sums over the batch "
+                                  f"({ir.nodes[name].op}) and feeds per-example values; each tower "
+                                  "differentiates its own slice (batch_norm='sync' does not change "
+                                  "that)", "train this graph on one device (a gradient with "
+                                  "respect to the inputs, of a sum over the examples, would be "
+                                  "per example)"))
             continue
         what = ("batch norm normalizes each tower by its own slice's statistics"
                 if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name
