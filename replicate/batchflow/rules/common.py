@@ -250,7 +250,7 @@ def row_numbers(f: Fact | None) -> bool:
     """True for row numbers local to a tower (``tf.range`` over the batch, ``tf.where``), and
     for offsets computed from them (:mod:`replicate.batchflow.rules.strided`): they start at 0
     in every tower, so they are no values of its examples."""
-    return f is not None and f.kind == PART and f.index is not None and f.index[0] in ("rows", "cols", "strided", "example")
+    return f is not None and f.kind == PART and f.index is not None and f.index[0] in ("rows", "cols", "strided", "example", "stacked")
 
 
 def numbered(node: Node, taint: frozenset) -> Fact:

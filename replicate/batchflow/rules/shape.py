@@ -14,6 +14,7 @@ import math
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules import tail
+from replicate.batchflow.rules.strided import EXAMPLE
 from replicate.batchflow.rules.common import (
     combine_parts,
     couple,
@@ -231,7 +232,9 @@ def transpose(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     perm = ctx.int_value(node.inputs[1])
     if perm is None or any(not isinstance(p, int) for p in perm):
         return [mixed(node.name, "Transpose by a permutation known only at run time", f.taint)]
-    return [f.with_(axis=list(perm).index(f.axis), value=None, index=None)]
+    index = ("cols",) + f.index[1:] if f.index is not None and f.index[0] == STACKED \
+        and tuple(perm) == (1, 0) else None
+    return [f.with_(axis=list(perm).index(f.axis), value=None, index=index)]
 
 
 def _join_along(ctx: Context, node: Node, refs: list[str], ins: list[Fact], axis: int | None,
@@ -326,18 +329,36 @@ def pack(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [size_fact(tuple(v[0] for v in values), taint_of(ins))]
     out = _join_along(ctx, node, node.inputs, ins, axis, 1)
     if out.kind == PART:
-        index = _pack_index(ins, axis)
+        index = _pack_index(ins, axis, rank)
         return [out.with_(index=index)]
     return [out]
 
 
-def _pack_index(ins: list[Fact], axis: int) -> tuple | None:
+def _pack_index(ins: list[Fact], axis: int, rank: int | None) -> tuple | None:
     """Stacking row numbers with other indices along the last axis makes index tuples whose
-    column ``c`` holds local rows (for ``GatherNd``)."""
+    column ``c`` holds local rows (for ``GatherNd``); so does stacking each entry's example
+    number (``tf.tile(tf.range(B)[:, None], [1, k])``: feature columns' and a pointer
+    network's indices), one row per example. Stacked along axis 0 instead (``[2, N]``), the
+    tuples are the transpose's columns (``STACKED``)."""
     for c, f in enumerate(ins):
-        if f.kind == PART and f.index is not None and f.index[0] == "rows":
-            return ("cols", c) + f.index[1:]
+        if f.kind != PART or f.index is None:
+            continue
+        if f.index[0] == "rows":
+            found = f.index[1:]
+        elif f.index[0] == EXAMPLE and f.index[2] == 1:
+            found = (f.index[1], 1)
+        else:
+            continue
+        if rank is not None and axis == rank:
+            return ("cols", c) + found
+        if rank == 1 and axis == 0:
+            return (STACKED, c) + found
     return None
+
+
+#: Index tag of row numbers stacked as row ``c`` of a ``[k, N]`` tensor: ``(STACKED, c, cls,
+#: per)``; transposed to ``[N, k]``, column ``c`` (``("cols", c, cls, per)``).
+STACKED = "stacked"
 
 
 def unpack(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -386,7 +407,17 @@ def split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
 def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     f = ins[0]
     if f.kind != PART:
-        return [_sized_by(ctx, node, node.inputs[1], ins) or unless_partitioned(ctx, node, ins)[0]]
+        sized = _sized_by(ctx, node, node.inputs[1], ins)
+        if sized is not None:
+            # B copies of the input one after the other: each example holds a whole copy,
+            # the input's rows along that axis (tf.tile(tf.range(d), [B]) holds d per example;
+            # taken for one, review 28's case)
+            dims = ctx.shape(node.inputs[0])
+            rows_in = dims[sized.axis] if dims is not None and sized.axis < len(dims) else None
+            if not isinstance(rows_in, int) or not isinstance(sized.block, int):
+                return [mixed(node.name, "Tile repeats a tensor of unknown size once per example", sized.taint)]
+            return [sized.with_(block=sized.block * rows_in)]
+        return [unless_partitioned(ctx, node, ins)[0]]
     multiples = ctx.int_value(node.inputs[1])
     if multiples is None and element(ctx, node.inputs[1], None, f.axis) == 1:
         # once along the batch, other axes a number known at run time (labels tiled to the
