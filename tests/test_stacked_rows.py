@@ -59,3 +59,22 @@ def test_example_numbers_stacked_into_indices_are_exact(kind, batch):
 def test_numbers_of_other_examples_stay_inexact():
     res = replicate.transform(_model("reversed"), ["/cpu:0", "/cpu:1", "/cpu:2"])
     assert not res.report.exact
+
+
+def test_a_mean_over_one_pick_per_example_is_a_batch_mean():
+    """Review 28: ``mean(ce) + mean(square(gather_nd(pred, stack([range(B), pos], 1))))`` was
+    inexact, the picks taken for a masked selection whose count the data decides; there is one
+    pick per example, so their mean is a batch mean."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        ids = v1.placeholder(tf.int32, [None, 3], name="ids")
+        logits = tf.matmul(x, v1.get_variable("w", [4, 6], initializer=v1.glorot_uniform_initializer(seed=2)))
+        picked = tf.gather_nd(logits, tf.stack([tf.range(tf.shape(x)[0]), ids[:, 0]], 1))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)) \
+            + 0.5 * tf.reduce_mean(tf.square(picked))
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"], accumulate=2)
+    assert res.report.exact, res.report.reasons
+    assert compare(graph, res.graph, "train", _feeds(7) + _feeds(2)).max_rel <= 1e-5

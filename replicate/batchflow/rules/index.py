@@ -186,8 +186,13 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # gather_nd(q, stack([range(tf.shape(a)[0]), a], 1))): evidence that both are
                 # one batch, as for gather
                 ctx.classes.join_by_evidence(tag[2], p.cls, node.name)
-            if (_local(i, p, ctx, col=p.axis) or (p.axis == 0 and _fed_rows(ctx, node, p, i))) \
-                    and i.axis < i_rank - 1:
+            local = _local(i, p, ctx, col=p.axis)
+            if local and i.axis < i_rank - 1 and not i.filtered and isinstance(i.block, int):
+                # index tuples stacked per example (DQN's stack([range(B), a], 1)): one pick
+                # per tuple, as many per example as tuples; a mean over them is a batch mean
+                # (review 28: it was taken for a masked selection, "a count the data decides")
+                return [part(i.axis, p.cls, i.block, ordered=i.ordered, taint=taint)]
+            if (local or (p.axis == 0 and _fed_rows(ctx, node, p, i))) and i.axis < i_rank - 1:
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
         if i.kind == PART:
