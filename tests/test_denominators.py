@@ -254,3 +254,34 @@ def test_a_sum_over_the_batch_size_beside_a_mean_is_exact(accumulate):
     feeds = [{"x:0": rng.normal(size=(b, 4)).astype(np.float32),
               "y:0": rng.integers(0, 3, b).astype(np.int64)} for b in (7, 5, 2)]
     assert compare(_distilled(), res.graph, "train", feeds, fetch=("loss:0",), cpus=4).max_rel < 1e-5
+
+
+def _scaled_mean(classes: str) -> tf.Graph:
+    """Legacy code scaling a mean loss to a nominal batch of 32: ``mean * B / 32``, beside
+    another mean; ``classes`` "other" scales by the size of another batch input."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        z = v1.placeholder(tf.float32, [None, 2], name="z")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.matmul(x, w)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        count = tf.shape(x if classes == "same" else z)[0]
+        loss = tf.reduce_mean(ce) * tf.cast(count, tf.float32) / 32.0 + tf.reduce_mean(tf.square(logits))
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_mean_scaled_back_by_the_batch_size_is_a_sum(accumulate):
+    """Review 28: ``reduce_mean(ce) * B / 32`` was "multiplies two values that depend on the
+    batch" (0.64 off); each tower's is its own sum over 32. Scaled by another input's size,
+    it is still a product of two batch values."""
+    res = replicate.transform(_scaled_mean("same"), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.default_rng(1)
+    feeds = [{"x:0": rng.normal(size=(b, 4)).astype(np.float32),
+              "y:0": rng.integers(0, 3, b).astype(np.int64)} for b in (7, 2)]
+    assert compare(_scaled_mean("same"), res.graph, "train", feeds, cpus=4).max_rel < 1e-5
+    assert not replicate.transform(_scaled_mean("other"), ["/cpu:1", "/cpu:2"]).report.exact

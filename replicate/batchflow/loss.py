@@ -220,6 +220,11 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
                 fail(name, f"the loss divides by a value that depends on the batch ('{node.inputs[1]}')",
                      "divide by a constant, a fed batch size, or a batch sum of weights")
                 return
+            if len(dependent) == 2 and node.op in ("Mul", "MulNoNan") and _mean_times_size(ctx, facts):
+                # a mean scaled back by the batch size (legacy code's mean * B / 32): each
+                # tower's is its sum, as one device's is the batch's (review 28)
+                terms.append(Term(ref, "sum", ONES, ctx.classes.find(facts[0].cls)))
+                return
             if len(dependent) != 1:
                 fail(name, f"the loss multiplies two values that depend on the batch ('{name}')",
                      "make the loss a sum of batch means or sums")
@@ -370,6 +375,19 @@ def weigh(terms: list[Term]) -> Weighting:
 #: Ops whose output is never negative (a 0/1 mask made from a comparison, squares, norms).
 _NONNEGATIVE = frozenset({"Relu", "Relu6", "Square", "Abs", "Exp", "Sigmoid", "Softplus",
                           "OnesLike", "ZerosLike", "Size", "Shape"})
+def _mean_times_size(ctx, facts) -> bool:
+    """One of ``facts`` is a plain mean over a batch class's rows, the other that class's
+    example count (times a constant)."""
+    for mean, size in (facts, facts[::-1]):
+        if mean is not None and size is not None and mean.kind == RED and mean.merge == "mean" \
+                and mean.spec[:1] == ("count",) and not mean.taint and size.kind == RED \
+                and size.merge == "size" and size.value is not None and len(size.value) == 1 \
+                and isinstance(size.value[0], Sym) and isinstance(size.value[0].coef, int) \
+                and size.value[0].coef > 0 and ctx.classes.same(size.value[0].cls, mean.cls):
+            return True
+    return False
+
+
 def _nonnegative(ir: IR, ref: str) -> bool:
     """``ref`` has no negative entry: a cast of booleans (``sequence_mask``, ``not_equal``) or
     of another such value, an op in :data:`_NONNEGATIVE`, a non-negative constant."""
