@@ -76,17 +76,17 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     out_dims = ctx.shape(f"{node.name}:0")
     if f.axis == 0 and ctx.rank(node.inputs[0]) == 1 and out_dims is not None and len(out_dims) == 2 \
             and out_dims[1] == 1 and len(target) == 2 and target[0] == -1:
-        return [f.with_(value=None, taint=f.taint | ins[1].taint)]     # rows to a column: [-1, 1]
+        return [f.with_(value=None, taint=couple(ctx, node, ins))]     # rows to a column: [-1, 1]
     in_shape = ctx.shape(node.inputs[0])
     if f.axis == 0 and in_shape is not None and len(in_shape) == 2 and in_shape[1] == 1 \
             and tuple(target) == (-1,):             # a column to rows (tf.where's coordinates)
         index = ("rows",) + f.index[2:] if f.index is not None and f.index[:2] == ("cols", 0) else None
-        return [f.with_(value=None, index=index, taint=f.taint | ins[1].taint)]
+        return [f.with_(value=None, index=index, taint=couple(ctx, node, ins))]
     in_dims = ctx.named_shape(node.inputs[0], skip=f.axis)
     syms = [j for j, v in enumerate(target) if isinstance(v, Sym) and ctx.classes.same(v.cls, f.cls)]
     if syms and sized_rows(f, in_dims, target, syms[0], out_dims):
         j = syms[0]
-        return [part(j, f.cls, target[j].coef, taint=f.taint | ins[1].taint, ordered=f.ordered,
+        return [part(j, f.cls, target[j].coef, taint=couple(ctx, node, ins), ordered=f.ordered,
                      filtered=f.filtered)]
     if out_dims is None and target:
         out_dims = [None] * len(target)
@@ -115,7 +115,7 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     # each in batch order: the layout of copies joined along the axis, which stays ordered
     # (it was marked unordered, so reshaping back to [T, B] could not be merged any more)
     return [part(j, f.cls, inner, ordered=f.ordered, filtered=f.filtered,
-                 taint=f.taint | ins[1].taint, outer=outer)]
+                 taint=couple(ctx, node, ins), outer=outer)]
 
 
 def _regroups(ctx: Context, node: Node, f: Fact, in_dims: list, target: tuple) -> None:
@@ -323,9 +323,17 @@ def pad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                           taint_of(ins))]
         return unless_partitioned(ctx, node, ins)
     pads = ctx.const(node.inputs[1])
-    if pads is None or pads.shape[0] <= f.axis or pads[f.axis].tolist() != [0, 0]:
-        return [mixed(node.name, f"{node.op} adds rows to the batch", f.taint)]
-    return [f.with_(value=None, index=None)]
+    if pads is not None:
+        row = tuple(pads[f.axis].tolist()) if pads.shape[0] > f.axis else None
+    else:       # paddings stacked at run time ([[0, 0], [0, max_len - T]]): the batch axis' row
+        stacked = ctx.ir.nodes.get(node_of(node.inputs[1]))
+        row = ctx.int_value(stacked.inputs[f.axis]) if stacked is not None and stacked.op == "Pack" \
+            and int(stacked.attr("axis", 0)) == 0 and f.axis < len(stacked.inputs) else None
+    if row != (0, 0):
+        return [mixed(node.name, f"{node.op} adds rows to the batch" if row is not None else
+                      f"{node.op} by paddings known only at run time", f.taint)]
+    # paddings computed from a batch reduction (to the batch's longest sequence): a coupling
+    return [f.with_(value=None, index=None, taint=couple(ctx, node, ins))]
 
 
 def reverse(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
