@@ -119,9 +119,9 @@ class Context:
         self.slice_pads: dict[str, str] = {}
         #: Gathers of a batch's rows by row numbers fed in a batch input of the same class
         #: (``tf.gather_nd(q, idx)``, ``idx`` fed ``[[0, a0], [1, a1], ...]``): node -> (class,
-        #: the fed tensor).
+        #: the fed tensor, "column" when its first column holds the numbers or "whole").
         #: Each tower reads them less its first row's number, checked (``passes/_rows.py``).
-        self.fed_rows: dict[str, tuple[int, str]] = {}
+        self.fed_rows: dict[str, tuple[int, str, str]] = {}
         self.changed = False
 
     # ------------------------------------------------------------------ reading

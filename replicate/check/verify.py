@@ -117,8 +117,7 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     trainable = _trainable(meta, ir, analysis)
     meta = synthetic.with_variables(meta, ir, trainable)
     targets = [analysis.train_op] + synthetic.initializers(meta)
-    rows = {tensor: "column" if ir.nodes[node].op == "GatherNd" else "whole"
-            for node, (_, tensor) in (analysis.flow.ctx.fed_rows if analysis.flow else {}).items()}
+    rows = {tensor: kind for _, tensor, kind in (analysis.flow.ctx.fed_rows if analysis.flow else {}).values()}
     specs = synthetic.input_specs(ir, targets, [b.tensor for b in analysis.batch_inputs],
                                   {b.sparse for b in analysis.batch_inputs if b.sparse}, rows)
     devices = [f"/cpu:{k}" for k in range(towers)]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from tensorflow.python.framework import dtypes
 
-from replicate.graph.ir import IR
+from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.passes.split import tower_offsets
 
 __all__ = ["MARKER", "local_rows", "warnings"]
@@ -37,7 +37,7 @@ SCOPE = "replicate/rows"
 def warnings(ir: IR, flow) -> list[str]:
     """What the report says about each gather by fed row numbers."""
     out = []
-    for name, (_, fed) in sorted(flow.ctx.fed_rows.items() if flow is not None else ()):
+    for name, (_, fed, _) in sorted(flow.ctx.fed_rows.items() if flow is not None else ()):
         out.append(f"'{name}' picks rows of the batch by the row numbers fed in '{fed}', taken to "
                    "number the rows of the whole batch as one device reads them: each tower reads "
                    "them less its first row's number, and checks every step that they name its "
@@ -53,29 +53,47 @@ def local_rows(ir: IR) -> int:
     if not fed:
         return 0
     towers, copies = ir.facts["towers"], ir.facts["copies"]
-    gradient = flow.ctx.gradient
     done = 0
     for k, names in enumerate(copies):
         prefix = f"{towers.prefixes[k]}/"
-        originals = {copy: name for name, copy in names.items()}
         made: dict[str, str] = {}
         for name in sorted(fed):
             copied = names.get(name)
             if copied is None or copied not in ir.nodes:
                 continue
             copy = ir.nodes[copied]
-            cls, tensor = fed[name]
+            cls, tensor, _ = fed[name]
             cls = flow.classes.find(cls)
             indices = copy.inputs[1]
             if indices not in made:
                 made[indices] = _checked(ir, copy, indices, tower_offsets(ir, towers, cls)[k],
                                          towers.class_counts[cls][k], k, prefix, tensor)
-                readers = [c.name for c, _ in ir.data_consumers(indices)
-                           if c.name.startswith(prefix) and originals.get(c.name) in gradient]
-                ir.replace_uses(indices, made[indices], only=readers)
-            ir.replace_uses(indices, made[indices], only=[copy.name])
+            # the gather and its own gradient, ScatterNd(indices, dy, shape(params)); not a
+            # lookup of a shared table by the same numbers, nor its gradient (review 29: the
+            # table's rows were updated at the tower's numbers)
+            ir.replace_uses(indices, made[indices], only=[copy.name] + _gradients_of(ir, copy, indices, prefix))
             done += 1
     return done
+
+
+def _gradients_of(ir: IR, gather, indices: str, prefix: str) -> list[str]:
+    """The tower's ``ScatterNd`` ops that read ``indices`` into the shape of ``gather``'s
+    params: its gradient."""
+    params = gather.inputs[0]
+    out = []
+    for reader, position in ir.data_consumers(indices):
+        if reader.op != "ScatterNd" or position != 0 or not reader.name.startswith(prefix):
+            continue
+        shape = ir.nodes.get(node_of(reader.inputs[2]))
+        while shape is not None and shape.op in ("Identity", "Cast") and shape.inputs:
+            shape = ir.nodes.get(node_of(shape.inputs[0]))
+        if shape is not None and shape.op == "Shape" and _same(shape.inputs[0], params):
+            out.append(reader.name)
+    return out
+
+
+def _same(a: str, b: str) -> bool:
+    return tensor_name(*parse_tensor(a)) == tensor_name(*parse_tensor(b))
 
 
 def _checked(ir: IR, copy, indices: str, offset: str, count: str, tower: int, prefix: str,
@@ -97,9 +115,15 @@ def _checked(ir: IR, copy, indices: str, offset: str, count: str, tower: int, pr
 
     start, rows = typed(offset, "offset"), typed(count, "count")
     if copy.op == "GatherNd":
-        depth = (ir.static_shape(fed) or [None])[-1]       # the rule saw it static
-        shift = add("shift", "Pack", [start] + [const(f"zero_{j}", 0, dtype) for j in range(1, depth)],
-                    T=dtype, N=depth, axis=0)
+        # [start, 0, ..., 0] as long as an index tuple
+        shape = add("shape", "Shape", [indices], T=dtype, out_type=i32)
+        depth = add("depth", "StridedSlice", [shape, const("last", [-1]), const("end", [0]), const("step", [1])],
+                    T=i32, Index=i32, end_mask=1, shrink_axis_mask=1)
+        first = add("is_first", "Equal", [add("columns", "Range", [const("zero_start", 0), depth, const("one", 1)],
+                                              Tidx=i32), const("zero_column", 0)], T=i32,
+                    incompatible_shape_error=True)
+        shift = add("shift", "Mul", [add("first_column", "Cast", [first], SrcT=dtypes.bool, DstT=dtype,
+                                         Truncate=False), start], T=dtype)
         local = add("local", "Sub", [indices, shift], T=dtype)
         picked = add("row_column", "GatherV2", [local, const("first", 0), const("last_axis", -1)],
                      Tparams=dtype, Tindices=i32, Taxis=i32, batch_dims=0)

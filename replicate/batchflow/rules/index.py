@@ -27,7 +27,7 @@ from replicate.batchflow.rules.common import (
     taint_of,
 )
 from replicate.batchflow.table import IDENTITIES, behind
-from replicate.graph.ir import Node
+from replicate.graph.ir import Node, node_of
 
 __all__ = ["gather", "gather_nd", "where", "unique", "segment", "sparse_to_dense",
            "scatter_nd", "candidate_sampler", "accidental_hits",
@@ -57,6 +57,10 @@ def _local(index: Fact, data: Fact, ctx: Context, col: int | None = None) -> boo
     return ctx.classes.same(cls, data.cls) and per == rows(data) and data.outer == 1
 
 
+#: Ops between a fed input and a gather that reads it as row numbers (``tf.cast(idx, int64)``).
+_FED_PATH = IDENTITIES | {"Cast"}
+
+
 def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     """``node`` picks rows of ``data`` (its batch on axis 0) by row numbers fed in a batch
     input of the same class, one row of numbers per example (DQN's ``[[0, a0], [1, a1], ...]``
@@ -66,9 +70,14 @@ def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     body or a TF1 loop (where the check cannot be added), nor for numbers computed in the
     graph: those are values of the examples, which need not be row numbers."""
     if index.kind != PART or index.index is not None or index.axis != 0 or data.outer != 1 \
-            or ctx.in_gradient(node) or strided.unchecked(ctx, node):
-        return False
-    tensor = behind(ctx.ir, node.inputs[1], IDENTITIES)
+            or data.block != 1 or ctx.in_gradient(node) or strided.unchecked(ctx, node):
+        return False            # (rows of a folded [B * T, A] batch are no examples: review 29)
+    tensor, kind = behind(ctx.ir, node.inputs[1], _FED_PATH), "column"
+    stacked = ctx.ir.nodes.get(node_of(tensor))
+    if stacked is not None and stacked.op == "Pack" and int(stacked.attr("axis", 0)) in (1, -1) \
+            and ctx.rank(stacked.inputs[0]) == 1:
+        # tf.stack([rows, actions], 1) of two fed vectors: the rows are the first's values
+        tensor, kind = behind(ctx.ir, stacked.inputs[0], _FED_PATH), "whole"
     fed = ctx.inputs.get(tensor)
     if fed is None or fed[0] != 0 or tensor in ctx.sparse:
         return False
@@ -80,8 +89,21 @@ def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
         # the numbers and the rows they number: one batch on this evidence (the split then
         # checks every step that both hold as many examples)
         ctx.classes.join_by_evidence(index.cls, data.cls, node.name)
-    ctx.fed_rows[node.name] = (data.cls, tensor)
+    ctx.fed_rows[node.name] = (data.cls, tensor, kind)
     return True
+
+
+def _refuse_fed_positions(ctx: Context, node: Node, index: Fact) -> None:
+    """Positions fed in a batch input that are not the examples' own row numbers (rows of a
+    folded ``[B * T, A]`` batch): each tower holds other rows than those numbers name, and the
+    step would fail on TensorFlow's "does not index into param shape" (review 29)."""
+    tensor = behind(ctx.ir, node.inputs[1], _FED_PATH)
+    if index.kind != PART or tensor not in ctx.inputs or ctx.in_gradient(node):
+        return
+    ctx.refuse(node.name, f"{node.op} picks rows of a batch tensor at positions fed in '{tensor}' "
+               "that do not number its examples (each tower holds other rows)",
+               "feed one index tuple per example with its own row number first ([[i, a_i]]), "
+               "compute the positions in the graph, or train this graph on one device")
 
 
 def _rows_of_another(index: Fact, data: Fact, ctx: Context) -> bool:
@@ -193,6 +215,7 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 return [part(i.axis, p.cls, i.block, ordered=i.ordered, taint=taint)]
             if (local or (p.axis == 0 and _fed_rows(ctx, node, p, i))) and i.axis < i_rank - 1:
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
+            _refuse_fed_positions(ctx, node, i)
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
         if i.kind == PART:
             return [mixed(node.name, "GatherNd of two batch axes", taint)]
