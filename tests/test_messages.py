@@ -394,3 +394,17 @@ def test_an_inner_gradient_over_the_batch_does_not_suggest_sync():
     assert not res.report.exact
     text = " ".join(f"{r.what} {r.fix}" for r in res.report.reasons)
     assert "a gradient computed in the model" in text and "use batch_norm='sync'" not in text
+
+
+def test_a_sorted_segment_sum_by_fed_ids_is_refused_with_the_op():
+    """Review 29: the same graphs pooled with the sorted ``tf.math.segment_sum(h, graph_ids)``
+    were split, and every step failed in its gradient ("indices[3] = 2 is not in [0, 2)")."""
+    graph = tf.Graph()
+    with graph.as_default():
+        nodes = v1.placeholder(tf.float32, [None, 4], name="nodes")
+        gid = v1.placeholder(tf.int32, [None], name="gid")
+        lab = v1.placeholder(tf.float32, [None], name="lab")
+        pooled = tf.math.segment_sum(tf.squeeze(tf.matmul(nodes, v1.get_variable("w", [4, 1])), 1), gid)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(pooled - lab)), name="train")
+    with pytest.raises(replicate.ReplicateError, match="SegmentSum sums by segment ids fed in 'gid:0'"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])

@@ -327,6 +327,16 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                            "or train this graph on one device")
             return [mixed(node.name, what, taint)]
         return [shared(taint=taint)]
+    if ids.kind == PART and ids.index is None and len(node.inputs) == 2 and not ctx.in_gradient(node) \
+            and behind(ctx.ir, node.inputs[1], _FED_PATH) in ctx.inputs:
+        # ids fed for the whole batch (graphs batched by their nodes, tokens fed flat with
+        # their examples' numbers): each tower's slice holds numbers of rows beyond its own,
+        # and the step failed on TensorFlow's errors (review 29: the sorted segment_sum)
+        what = (f"{node.op} sums by segment ids fed in '{behind(ctx.ir, node.inputs[1], _FED_PATH)}', "
+                "numbers of the whole batch's rows that no tower's slice pairs with")
+        ctx.refuse(node.name, what, "feed the items padded per example ([batch, items] with a mask), "
+                   "or train this graph on one device")
+        return [mixed(node.name, what, taint)]
     merge = {"UnsortedSegmentSum": "sum", "SegmentSum": "sum", "UnsortedSegmentMax": "max",
              "UnsortedSegmentMin": "min", "SegmentMax": "max", "SegmentMin": "min"}.get(node.op, "other")
     spread = strided.segment(ctx, node, ids, data, taint)
