@@ -82,7 +82,7 @@ from tensorflow.python.framework import dtypes, tensor_shape
 from replicate.batchflow.lattice import PART, SHARED, Sym
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["infer_reshapes", "infer_sparse_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
+__all__ = ["tower_copies", "dimension_of", "infer_reshapes", "infer_sparse_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
            "nonnegative_segments", "pad_ctc_losses", "zero_unwritten_outputs", "shape_array_gathers"]
 
 SCOPE = "replicate/reshape"
@@ -216,7 +216,7 @@ def _pin(ir: IR, copy, value: int, dims: list[tuple[str, int]] = ()) -> None:
     data_type = dtypes.as_dtype(ir.output_dtype(copy.inputs[0]))
     fill = ir.const(f"{scope}/value", value, dtype, dev)
     for j, (tensor, axis) in enumerate(dims):
-        size = _dimension(ir, tensor, axis, f"{scope}/dim_{j}", dev)
+        size = dimension_of(ir, tensor, axis, f"{scope}/dim_{j}", dev)
         if dtype != dtypes.int32:
             size = ir.add(f"{scope}/dim_{j}/cast", "Cast", [size], device=dev,
                           attrs={"SrcT": dtypes.int32, "DstT": dtype, "Truncate": False}).name
@@ -432,7 +432,7 @@ def pad_ctc_losses(ir: IR) -> int:
                 return ir.const(f"{scope}/{name}", value, kind, dev)
 
             inputs, indices, values, lengths = loss.inputs[:4]
-            batch = _dimension(ir, inputs, 1, scope, dev)       # time-major: [T, B, C]
+            batch = dimension_of(ir, inputs, 1, scope, dev)       # time-major: [T, B, C]
             extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
                                               incompatible_shape_error=True)],
                         SrcT=dtypes.bool, DstT=i32)
@@ -471,30 +471,32 @@ def pad_ctc_losses(ir: IR) -> int:
 UNWRITTEN_ON_EMPTY = {"DepthwiseConv2dNativeBackpropFilter": 0}
 
 
+def tower_copies(ir: IR, kinds) -> list:
+    """The tower copies (nodes) of ops whose type is in ``kinds``."""
+    return [op for names in ir.facts["copies"] for op in (ir.nodes.get(c) for c in names.values())
+            if op is not None and op.op in kinds]
+
+
 def zero_unwritten_outputs(ir: IR) -> int:
     """Read the towers' copies of :data:`UNWRITTEN_ON_EMPTY` ops as zeros when their batch is
     empty (see the module docstring); returns how many tower ops changed."""
     done, i32 = 0, dtypes.int32
-    for names in ir.facts["copies"]:
-        for copied in names.values():
-            op = ir.nodes.get(copied)
-            if op is None or op.op not in UNWRITTEN_ON_EMPTY:
-                continue
-            scope, dev = f"{op.name}/replicate/empty", op.device
-            dtype = dtypes.as_dtype(op.attr("T", dtypes.float32))
-            readers = [c.name for c, _ in ir.data_consumers(op.name)]
-            batch = _dimension(ir, op.inputs[UNWRITTEN_ON_EMPTY[op.op]], 0, scope, dev)
-            empty = ir.add(f"{scope}/empty", "Equal", [batch, ir.const(f"{scope}/zero", 0, i32, dev)],
-                           device=dev, attrs={"T": i32, "incompatible_shape_error": True}).name
-            zeros = ir.add(f"{scope}/zeros", "ZerosLike", [op.name], device=dev, attrs={"T": dtype}).name
-            chosen = ir.add(f"{scope}/output", "SelectV2", [empty, zeros, op.name], device=dev,
-                            attrs={"T": dtype}).name
-            ir.replace_uses(op.name, chosen, only=readers)
-            done += 1
+    for op in tower_copies(ir, UNWRITTEN_ON_EMPTY):
+        scope, dev = f"{op.name}/replicate/empty", op.device
+        dtype = dtypes.as_dtype(op.attr("T", dtypes.float32))
+        readers = [c.name for c, _ in ir.data_consumers(op.name)]
+        batch = dimension_of(ir, op.inputs[UNWRITTEN_ON_EMPTY[op.op]], 0, scope, dev)
+        empty = ir.add(f"{scope}/empty", "Equal", [batch, ir.const(f"{scope}/zero", 0, i32, dev)],
+                       device=dev, attrs={"T": i32, "incompatible_shape_error": True}).name
+        zeros = ir.add(f"{scope}/zeros", "ZerosLike", [op.name], device=dev, attrs={"T": dtype}).name
+        chosen = ir.add(f"{scope}/output", "SelectV2", [empty, zeros, op.name], device=dev,
+                        attrs={"T": dtype}).name
+        ir.replace_uses(op.name, chosen, only=readers)
+        done += 1
     return done
 
 
-def _dimension(ir: IR, tensor: str, axis: int, scope: str, dev: str) -> str:
+def dimension_of(ir: IR, tensor: str, axis: int, scope: str, dev: str) -> str:
     """``<scope>/batch``: ``tensor``'s size along ``axis`` at run time (int32 scalar)."""
     i32 = dtypes.int32
     shape = ir.add(f"{scope}/shape", "Shape", [tensor], device=dev,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from tensorflow.python.framework import dtypes
 
 from replicate.graph.ir import IR
+from replicate.passes._empty import dimension_of, tower_copies
 
 __all__ = ["PADDED", "pad_empty_batches"]
 
@@ -34,42 +35,35 @@ SCOPE = "replicate/pad"
 def pad_empty_batches(ir: IR) -> int:
     """Pad the tower copies of :data:`PADDED` ops (module docstring); returns how many."""
     done, i32 = 0, dtypes.int32
-    for names in ir.facts["copies"]:
-        for copied in names.values():
-            op = ir.nodes.get(copied)
-            if op is None or op.op not in PADDED:
+    for op in tower_copies(ir, PADDED):
+        ins, outs, rank = PADDED[op.op]
+        scope, dev = f"{op.name}/{SCOPE}", op.device
+
+        def add(name, kind, inputs, **attrs):
+            return ir.add(f"{scope}/{name}", kind, inputs, device=dev, attrs=attrs).name
+
+        def const(name, value):
+            return ir.const(f"{scope}/{name}", value, i32, dev)
+
+        batch = dimension_of(ir, op.inputs[ins[0]], 0, scope, dev)
+        extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
+                                          incompatible_shape_error=True)], SrcT=dtypes.bool, DstT=i32)
+        row = add("row", "Reshape", [add("pair", "Pack", [const("none", 0), extra], T=i32, N=2),
+                                     const("row_shape", [1, 2])], T=i32, Tshape=i32)
+        paddings = add("paddings", "ConcatV2", [row, const("rest", [[0, 0]] * (rank - 1)), const("axis", 0)],
+                       T=i32, N=2, Tidx=i32)
+        for i in ins:
+            ref = op.inputs[i]
+            ir.set_input(op.name, i, add(f"input_{i}", "Pad", [ref, paddings],
+                                         T=dtypes.as_dtype(ir.output_dtype(ref)), Tpaddings=i32))
+        size = add("size", "Pack", [batch] + [const(f"all_{d}", -1) for d in range(1, rank)], T=i32, N=rank)
+        for out in outs:
+            ref = f"{op.name}:{out}" if out else op.name
+            readers = [c.name for c, _ in ir.data_consumers(ref)]
+            if not readers:
                 continue
-            ins, outs, rank = PADDED[op.op]
-            scope, dev = f"{op.name}/{SCOPE}", op.device
-
-            def add(name, kind, inputs, **attrs):
-                return ir.add(f"{scope}/{name}", kind, inputs, device=dev, attrs=attrs).name
-
-            def const(name, value):
-                return ir.const(f"{scope}/{name}", value, i32, dev)
-
-            shape = add("shape", "Shape", [op.inputs[ins[0]]],
-                        T=dtypes.as_dtype(ir.output_dtype(op.inputs[ins[0]])), out_type=i32)
-            batch = add("batch", "StridedSlice", [shape, const("at", [0]), const("end", [1]), const("step", [1])],
-                        T=i32, Index=i32, shrink_axis_mask=1)
-            extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
-                                              incompatible_shape_error=True)], SrcT=dtypes.bool, DstT=i32)
-            row = add("row", "Reshape", [add("pair", "Pack", [const("none", 0), extra], T=i32, N=2),
-                                         const("row_shape", [1, 2])], T=i32, Tshape=i32)
-            paddings = add("paddings", "ConcatV2", [row, const("rest", [[0, 0]] * (rank - 1)), const("axis", 0)],
-                           T=i32, N=2, Tidx=i32)
-            for i in ins:
-                ref = op.inputs[i]
-                ir.set_input(op.name, i, add(f"input_{i}", "Pad", [ref, paddings],
-                                             T=dtypes.as_dtype(ir.output_dtype(ref)), Tpaddings=i32))
-            size = add("size", "Pack", [batch] + [const(f"all_{d}", -1) for d in range(1, rank)], T=i32, N=rank)
-            for out in outs:
-                ref = f"{op.name}:{out}" if out else op.name
-                readers = [c.name for c, _ in ir.data_consumers(ref)]
-                if not readers:
-                    continue
-                sliced = add(f"output_{out}", "Slice", [ref, const(f"begin_{out}", [0] * rank), size],
-                             T=dtypes.as_dtype(ir.output_dtype(ref)), Index=i32)
-                ir.replace_uses(ref, sliced, only=readers)
-            done += 1
+            sliced = add(f"output_{out}", "Slice", [ref, const(f"begin_{out}", [0] * rank), size],
+                         T=dtypes.as_dtype(ir.output_dtype(ref)), Index=i32)
+            ir.replace_uses(ref, sliced, only=readers)
+        done += 1
     return done
