@@ -5,10 +5,10 @@ rows by row numbers fed in a batch input of the same class,
 :func:`replicate.batchflow.rules.index._fed_rows`), the split pass's counts and the clone
 pass's tower copies.
 
-Produces: before every tower copy of such a gather, and before the tower's gradient ops that
-read the same numbers, the numbers less the tower's first row's number (in the row column of a
-``GatherNd``'s index tuples, or all of a ``GatherV2``'s indices), through an ``Identity`` that
-waits for an ``Assert`` that they all name rows of the tower (from 0 to its count).
+Produces: before every tower copy of such a ``GatherNd``, and before its own gradient (the
+``ScatterNd`` into its params' shape), the index tuples with the tower's first row's number
+taken from their row column, through an ``Identity`` that waits for an ``Assert`` that they
+all name rows of the tower (from 0 to its count).
 
 Why: DQN drivers feed ``[[0, a0], [1, a1], ...]`` beside the states, and one device's
 ``tf.gather_nd(q, idx)`` reads row ``i`` of the whole batch. A tower holds rows ``offset`` to
@@ -114,21 +114,18 @@ def _checked(ir: IR, copy, indices: str, offset: str, count: str, tower: int, pr
         return ref if dtype == i32 else add(suffix, "Cast", [ref], SrcT=i32, DstT=dtype, Truncate=False)
 
     start, rows = typed(offset, "offset"), typed(count, "count")
-    if copy.op == "GatherNd":
-        # [start, 0, ..., 0] as long as an index tuple
-        shape = add("shape", "Shape", [indices], T=dtype, out_type=i32)
-        depth = add("depth", "StridedSlice", [shape, const("last", [-1]), const("end", [0]), const("step", [1])],
-                    T=i32, Index=i32, end_mask=1, shrink_axis_mask=1)
-        first = add("is_first", "Equal", [add("columns", "Range", [const("zero_start", 0), depth, const("one", 1)],
-                                              Tidx=i32), const("zero_column", 0)], T=i32,
-                    incompatible_shape_error=True)
-        shift = add("shift", "Mul", [add("first_column", "Cast", [first], SrcT=dtypes.bool, DstT=dtype,
-                                         Truncate=False), start], T=dtype)
-        local = add("local", "Sub", [indices, shift], T=dtype)
-        picked = add("row_column", "GatherV2", [local, const("first", 0), const("last_axis", -1)],
-                     Tparams=dtype, Tindices=i32, Taxis=i32, batch_dims=0)
-    else:
-        local = picked = add("local", "Sub", [indices, start], T=dtype)
+    # [start, 0, ..., 0] as long as an index tuple
+    shape = add("shape", "Shape", [indices], T=dtype, out_type=i32)
+    depth = add("depth", "StridedSlice", [shape, const("last", [-1]), const("end", [0]), const("step", [1])],
+                T=i32, Index=i32, end_mask=1, shrink_axis_mask=1)
+    first = add("is_first", "Equal", [add("columns", "Range", [const("zero_start", 0), depth, const("one", 1)],
+                                          Tidx=i32), const("zero_column", 0)], T=i32,
+                incompatible_shape_error=True)
+    shift = add("shift", "Mul", [add("first_column", "Cast", [first], SrcT=dtypes.bool, DstT=dtype,
+                                     Truncate=False), start], T=dtype)
+    local = add("local", "Sub", [indices, shift], T=dtype)
+    picked = add("row_column", "GatherV2", [local, const("first", 0), const("last_axis", -1)],
+                 Tparams=dtype, Tindices=i32, Taxis=i32, batch_dims=0)
     flat = add("flat", "Reshape", [picked, const("minus_one", [-1])], T=dtype, Tshape=i32)
     inside = add("inside", "LogicalAnd", [add("from_zero", "GreaterEqual", [flat, const("zero", 0, dtype)], T=dtype),
                                          add("below_count", "Less", [flat, rows], T=dtype)])

@@ -62,10 +62,10 @@ _FED_PATH = IDENTITIES | {"Cast"}
 
 
 def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
-    """``node`` picks rows of ``data`` (its batch on axis 0) by row numbers fed in a batch
-    input of the same class, one row of numbers per example (DQN's ``[[0, a0], [1, a1], ...]``
-    fed beside the states): taken to number the rows of the global batch, as one device reads
-    them. Recorded, so that each tower subtracts its first row's number and checks that its
+    """``GatherNd`` ``node`` picks rows of ``data`` (its batch on axis 0) by index tuples fed in a
+    batch input, one per example (DQN's ``[[0, a0], [1, a1], ...]`` fed beside the states): their
+    first column is taken to number the rows of the global batch, as one device reads them (a
+    fed vector for ``gather`` is no such evidence: a graph's edges number its nodes). Recorded, so that each tower subtracts its first row's number and checks that its
     numbers stay among its own rows (``passes/_rows.py``). Not in gradient code, in a function
     body or a TF1 loop (where the check cannot be added), nor for numbers computed in the
     graph: those are values of the examples, which need not be row numbers."""
@@ -82,10 +82,6 @@ def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     if fed is None or fed[0] != 0 or tensor in ctx.sparse:
         return False
     if not ctx.classes.same(index.cls, data.cls):
-        if node.op != "GatherNd":
-            # a vector of row numbers of another size (a graph's edges into its nodes) is no
-            # evidence that both are one batch; index tuples with one row per example are
-            return False
         # the numbers and the rows they number: one batch on this evidence (the split then
         # checks every step that both hold as many examples)
         ctx.classes.join_by_evidence(index.cls, data.cls, node.name)
@@ -149,8 +145,6 @@ def gather(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             if _local(i, p, ctx):      # a tower's own rows: row numbers among them stay so
                 return [part(axis + i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint,
                              index=p.index if axis == 0 and i.axis == 0 else None)]
-            if axis == 0 and _fed_rows(ctx, node, p, i):
-                return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             if i.kind == PART and not ctx.classes.same(p.cls, i.cls):
                 # one hypothetical batch looked up by another's values: evidence that the
                 # table (a [3] class-weights placeholder fed with a batch of 3) is no batch
