@@ -65,10 +65,11 @@ def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     """``GatherNd`` ``node`` picks rows of ``data`` (its batch on axis 0) by index tuples fed in a
     batch input, one per example (DQN's ``[[0, a0], [1, a1], ...]`` fed beside the states): their
     first column is taken to number the rows of the global batch, as one device reads them (a
-    fed vector for ``gather`` is no such evidence: a graph's edges number its nodes). Recorded, so that each tower subtracts its first row's number and checks that its
-    numbers stay among its own rows (``passes/_rows.py``). Not in gradient code, in a function
-    body or a TF1 loop (where the check cannot be added), nor for numbers computed in the
-    graph: those are values of the examples, which need not be row numbers."""
+    fed vector for ``gather`` is no such evidence: a graph's edges number its nodes). Recorded,
+    so that each tower subtracts its first row's number and checks that its numbers stay among
+    its own rows (``passes/_rows.py``). Not in gradient code, in a function body or a TF1 loop
+    (where the check cannot be added), nor for numbers computed in the graph: those are values
+    of the examples, which need not be row numbers."""
     if index.kind != PART or index.index is not None or index.axis != 0 or data.outer != 1 \
             or data.block != 1 or ctx.in_gradient(node) or strided.unchecked(ctx, node):
         return False            # (rows of a folded [B * T, A] batch are no examples: review 29)
@@ -207,7 +208,7 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # per tuple, as many per example as tuples; a mean over them is a batch mean
                 # (review 28: it was taken for a masked selection, "a count the data decides")
                 return [part(i.axis, p.cls, i.block, ordered=i.ordered, taint=taint)]
-            if (local or (p.axis == 0 and _fed_rows(ctx, node, p, i))) and i.axis < i_rank - 1:
+            if i.axis < i_rank - 1 and (local or (p.axis == 0 and _fed_rows(ctx, node, p, i))):
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             _refuse_fed_positions(ctx, node, i)
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
