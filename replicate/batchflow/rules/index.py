@@ -208,7 +208,7 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 # per tuple, as many per example as tuples; a mean over them is a batch mean
                 # (review 28: it was taken for a masked selection, "a count the data decides")
                 return [part(i.axis, p.cls, i.block, ordered=i.ordered, taint=taint)]
-            if i.axis < i_rank - 1 and (local or (p.axis == 0 and _fed_rows(ctx, node, p, i))):
+            if i.kind == PART and i.axis < i_rank - 1 and (local or (p.axis == 0 and _fed_rows(ctx, node, p, i))):
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
             _refuse_fed_positions(ctx, node, i)
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
