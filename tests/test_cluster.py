@@ -400,11 +400,11 @@ def test_example_script_against_a_running_cluster(local_cluster, capsys):
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("job,task", [("worker", 1), ("worker", 0), ("ps", 0)],
-                         ids=["worker1", "master", "ps"])
+@pytest.mark.parametrize("job,task", [("worker", 1), ("worker", 0)], ids=["worker1", "master"])
 def test_killed_task_resumes_from_the_last_checkpoint(local_cluster, tmp_path, job, task):
     """SIGKILL a task after step 7 (checkpoints every 3 steps), restart it on its port: the
-    session recovers, restores step 6 and ends exactly where an uninterrupted run ends."""
+    session recovers, restores step 6 and ends exactly where an uninterrupted run ends. (A
+    killed ps is test_recovery_drills' first drill.)"""
     train = example()
     steps, save_steps, kill_after = 12, 3, 7
     model = replicate.demo.build_cnn(train.SIZES["tiny"])
