@@ -466,11 +466,13 @@ def test_an_empty_tower_s_depthwise_filter_gradient_is_zero():
         assert exact == "True" and float(rel) < 1e-5, rows
 
 
-def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column():
+@pytest.mark.parametrize("crossed", [False, True])
+def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column(crossed):
     """Review 28: ``feature_column.linear_model`` over a hashed string column reshapes its ids
     with ``sparse_reshape(ids, [tf.shape(ids)[0], -1])``; a tower with no examples could not
     infer the ``-1`` ("reshape cannot infer the missing input size for an empty tensor"), and
-    the train step failed where one device runs. It is the product of the other dimensions."""
+    the train step failed where one device runs. It is the product of the other dimensions.
+    A ``crossed_column`` of two hashed columns (``SparseCross``, which had no rule) too."""
     import numpy as np
     import tensorflow as tf
 
@@ -482,9 +484,13 @@ def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column():
     def build():
         g = tf.Graph()
         with g.as_default():
-            feats = {"job": v1.placeholder(tf.string, [None, 1], name="job")}
+            feats = {"job": v1.placeholder(tf.string, [None, 1], name="job"),
+                     "city": v1.placeholder(tf.string, [None, 1], name="city")}
             y = v1.placeholder(tf.float32, [None, 1], name="y")
-            logits = fc.linear_model(feats, [fc.categorical_column_with_hash_bucket("job", 20)])
+            columns = [fc.categorical_column_with_hash_bucket("job", 20)]
+            if crossed:
+                columns.append(fc.crossed_column(["job", "city"], 30))
+            logits = fc.linear_model(feats, columns)
             loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits))
             v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
         return g
@@ -493,8 +499,8 @@ def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column():
     assert res.report.exact, res.report.reasons
     rng = np.random.RandomState(0)
     jobs = np.array([b"eng", b"doc", b"law"])
-    feeds = [{"job:0": jobs[rng.randint(0, 3, (b, 1))], "y:0": rng.randint(0, 2, (b, 1)).astype(np.float32)}
-             for b in (2, 7)]
+    feeds = [{"job:0": jobs[rng.randint(0, 3, (b, 1))], "city:0": jobs[rng.randint(0, 3, (b, 1))],
+              "y:0": rng.randint(0, 2, (b, 1)).astype(np.float32)} for b in (2, 7)]
     assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5
 
 

@@ -106,7 +106,8 @@ RULES.update({
     "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
     "SparseTensorDenseMatMul": sparse.dense_matmul, "SparseReduceSum": sparse.reduce_,
     "SparseReduceMax": sparse.reduce_, "SparseFillEmptyRows": sparse.fill_empty_rows,
-    "SparseReshape": sparse.reshape, "CTCLoss": sparse.ctc_loss,
+    "SparseReshape": sparse.reshape, "CTCLoss": sparse.ctc_loss, "SparseCross": sparse.sparse_cross,
+    "SparseCrossHashed": sparse.sparse_cross, "SparseCrossV2": sparse.sparse_cross,
     **{op: sparse.segment for op in (
         "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
         "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments")},
@@ -190,6 +191,8 @@ def _row_numbers_kept(ctx: Context, node: Node, ins: list[Fact | None],
     lookups = ROW_NUMBER_OPERANDS.get(node.op, ())
     if node.op in ("DynamicStitch", "ParallelDynamicStitch"):
         lookups = tuple(range(len(ins) // 2))       # the positions its rows go to
+    elif node.op.startswith("SparseCross"):
+        lookups = tuple(range(int(node.attr("N", 0))))     # the inputs' indices
     if not any(row_numbers(f) for i, f in enumerate(ins) if i not in lookups):
         return out
     offsets = strided.kept(ctx, node, ins, out)

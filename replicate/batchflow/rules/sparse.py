@@ -22,7 +22,7 @@ has one, a tower's step fails where one device's runs, and the transform refuses
 from __future__ import annotations
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import MIXED, PART, Fact, Sym
+from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym
 from replicate.batchflow.rules.common import (
     couple,
     first_mixed,
@@ -36,7 +36,7 @@ from replicate.batchflow.rules.common import (
 from replicate.batchflow.rules.index import ENTRIES, FILLED, UNIQUE, uncounted_rows
 from replicate.graph.ir import Node
 
-__all__ = ["source", "ctc_loss", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
+__all__ = ["source", "ctc_loss", "sparse_cross", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
            "ENTRIES"]
 
 
@@ -85,6 +85,30 @@ def ctc_loss(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     for other in (logits.cls, lengths.cls):
         ctx.classes.union(cls, other, node.name)
     return [part(0, cls, taint=taint), part(1, cls, taint=taint)]
+
+
+def sparse_cross(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``SparseCross(indices * N, values * N, shapes * N, dense_inputs)`` -> a SparseTensor of
+    each example's crosses of its own features (``crossed_column``): row ``b`` of the output
+    crosses row ``b`` of every input, so its entries name the examples like the inputs' do
+    (review 28: "no batch rule for SparseCross"). Its dense width is the most crosses of any
+    row, which a tower counts over its own rows: kept unknown, it only sizes the sparse rows."""
+    n = int(node.attr("N", 0))
+    taint, settled = prologue(ctx, node, ins, 3)
+    if settled is not None:
+        return settled
+    classes = [_rows_of(ctx, ins[i], ins[n + i]) for i in range(n)]
+    dense = ins[3 * n:]
+    if None in classes or any(f.kind == PART and f.axis != 0 for f in dense) \
+            or any(f.kind == RED for f in ins):
+        return [mixed(node.name, "SparseCross of inputs whose rows are not the examples", taint)] * 3
+    cls = classes[0] if classes else next(f.cls for f in dense if f.kind == PART)
+    for other in classes[1:] + [f.cls for f in dense if f.kind == PART]:
+        ctx.classes.union(cls, other, node.name)
+    indices = part(0, cls, None, ordered=False, filtered=True, index=("cols", 0, cls, 1), taint=taint)
+    values = part(0, cls, None, ordered=False, filtered=True, taint=taint)
+    return [indices.with_(handle=ENTRIES), values.with_(handle=ENTRIES),
+            size_fact((Sym(1, cls), None), taint)]
 
 
 def dense_matmul(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
