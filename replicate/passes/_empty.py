@@ -88,9 +88,9 @@ __all__ = ["tower_copies", "dimension_of", "infer_reshapes", "infer_sparse_resha
 SCOPE = "replicate/reshape"
 
 
-def _tower_ops(ir: IR, op: str, operand: int, gradient: bool):
-    """(tower prefix, tower copy) of every ``op`` of the forward code (or of gradient code)
-    whose ``operand`` is computed at run time."""
+def _tower_ops(ir: IR, op: str, operand: int, gradient: bool | None):
+    """(tower prefix, tower copy) of every ``op`` of the forward code (or of gradient code;
+    ``None``: of both) whose ``operand`` is computed at run time."""
     flow, copies = ir.facts["analysis"].flow, ir.facts["copies"]
     if flow is None:
         return
@@ -98,7 +98,8 @@ def _tower_ops(ir: IR, op: str, operand: int, gradient: bool):
         prefix = f"{ir.facts['towers'].prefixes[k]}/"
         for name, copied in names.items():
             copy = ir.nodes.get(copied)
-            if copy is not None and copy.op == op and (name in flow.ctx.gradient) == gradient \
+            if copy is not None and copy.op == op \
+                    and (gradient is None or (name in flow.ctx.gradient) == gradient) \
                     and ir.const_value(node_of(copy.inputs[operand])) is None:
                 yield prefix, copy
 
@@ -108,8 +109,7 @@ def infer_reshapes(ir: IR) -> int:
     returns how many tower ops changed."""
     done = 0
     towers, flow = ir.facts["towers"], ir.facts["analysis"].flow
-    reshapes = list(_tower_ops(ir, "Reshape", 1, gradient=False)) + list(_tower_ops(ir, "Reshape", 1, gradient=True))
-    for prefix, copy in reshapes:
+    for prefix, copy in list(_tower_ops(ir, "Reshape", 1, gradient=None)):
         source, target = (r[len(prefix):] if r.startswith(prefix) else r for r in copy.inputs[:2])
         found = _inferred(ir, flow, source, target)
         if found is None:

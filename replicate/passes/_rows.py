@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from tensorflow.python.framework import dtypes
 
+from replicate.batchflow.table import behind
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.passes.split import tower_offsets
 
 __all__ = ["MARKER", "local_rows", "warnings"]
 
-#: The start of every assertion message (the certificate recognizes it).
+#: The start of every assertion message.
 MARKER = "replicate: fed row numbers leave the tower's rows"
 
 SCOPE = "replicate/rows"
@@ -84,12 +85,14 @@ def _gradients_of(ir: IR, gather, indices: str, prefix: str) -> list[str]:
     for reader, position in ir.data_consumers(indices):
         if reader.op != "ScatterNd" or position != 0 or not reader.name.startswith(prefix):
             continue
-        shape = ir.nodes.get(node_of(reader.inputs[2]))
-        while shape is not None and shape.op in ("Identity", "Cast") and shape.inputs:
-            shape = ir.nodes.get(node_of(shape.inputs[0]))
+        shape = ir.nodes.get(node_of(behind(ir, reader.inputs[2], _SHAPE_PATH)))
         if shape is not None and shape.op == "Shape" and _same(shape.inputs[0], params):
             out.append(reader.name)
     return out
+
+
+#: Ops between a params' ``Shape`` and the ``ScatterNd`` of its gradient.
+_SHAPE_PATH = frozenset({"Identity", "Cast"})
 
 
 def _same(a: str, b: str) -> bool:
