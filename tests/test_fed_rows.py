@@ -10,6 +10,8 @@ message naming the op and the input for numbers that cross towers.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,6 +19,8 @@ import tensorflow as tf
 import replicate
 from replicate.check.equivalence import compare
 from replicate.passes._rows import MARKER
+
+from breadth_models import control_flow_v1
 
 v1 = tf.compat.v1
 
@@ -148,3 +152,33 @@ def test_fed_positions_in_a_folded_batch_are_refused_with_the_op():
     taken for the examples' own rows; every step failed at the split's check."""
     with pytest.raises(replicate.ReplicateError, match="GatherNd picks rows of a batch tensor at positions fed in 'idx:0'"):
         replicate.transform(_variant("folded"), ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def _in_cond(flow: str) -> tf.Graph:
+    """The DQN pick in both branches of a training flag's cond (review 29)."""
+    graph = tf.Graph()
+    with graph.as_default(), (control_flow_v1() if flow == "v1" else contextlib.nullcontext()):
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        idx = v1.placeholder(tf.int32, [None, 2], name="idx")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        w = v1.get_variable("w", [4, 3], initializer=v1.random_normal_initializer(seed=1))
+        q = tf.matmul(x, w)
+        pick = tf.cond(flag, lambda: tf.gather_nd(q, idx), lambda: tf.gather_nd(2 * q, idx))
+        v1.train.GradientDescentOptimizer(0.3).minimize(tf.reduce_mean(tf.square(pick - y)), name="train")
+    return graph
+
+
+def test_fed_rows_in_a_tf1_cond_are_exact_and_in_a_function_body_refused():
+    """In a TF1 cond the pick reads the numbers past its ``Switch``: exact in either branch.
+    In a cond_v2 branch (a function body) no tower can shift them, and the refusal names the
+    op and the fed input; the pick was not seen there, and the rewrite failed at step 1."""
+    graph = _in_cond("v1")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact, res.report.reasons
+    for batch, flag in ((7, True), (2, False)):
+        feeds = [dict(f, **{"flag:0": flag}) for f in _feeds(batch)]
+        assert compare(graph, res.meta_graph_def, "train", feeds).max_rel <= 1e-5
+    with pytest.raises(replicate.ReplicateError, match="GatherNd picks rows of a batch tensor at "
+                       "positions fed in 'idx:0' inside a function body.*move the pick out"):
+        replicate.transform(_in_cond("v2"), ["/cpu:0", "/cpu:1", "/cpu:2"])

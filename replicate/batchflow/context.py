@@ -62,8 +62,11 @@ class Position:
     via: str | None = None
 
 
-#: Ops whose output dimensions need not be their input 0's: a fed ``placeholder_with_default``,
-#: a ``Merge`` of two cond branches or of a loop's entry and its next iteration.
+#: Ops between a fed input and an op that reads it as fed (``tf.cast(idx, tf.int64)``, a TF1
+#: cond's ``Switch``).
+FED_PATH = table.IDENTITIES | {"Cast", "Switch"}
+
+
 class Context:
     """Facts, shapes and recorded obligations of one run of the dataflow.
 
@@ -122,9 +125,18 @@ class Context:
         #: the fed tensor, "column" when its first column holds the numbers or "whole").
         #: Each tower reads them less its first row's number, checked (``passes/_rows.py``).
         self.fed_rows: dict[str, tuple[int, str, str]] = {}
+        #: In a function body: its arguments that carry a batch input as the driver feeds it
+        #: (through identities and casts): argument -> that input (``name:index`` each).
+        self.fed_args: dict[str, str] = {}
         self.changed = False
 
     # ------------------------------------------------------------------ reading
+    def fed(self, ref: str) -> str | None:
+        """The batch input, or the function argument carrying one, that ``ref`` is as fed
+        (behind identities and casts), else None."""
+        tensor = table.behind(self.ir, ref, FED_PATH)
+        return tensor if tensor in self.inputs else self.fed_args.get(tensor)
+
     def fact(self, ref: str) -> Fact | None:
         """The fact of tensor ``ref`` (None while unknown, inside a loop not yet reached)."""
         key = tensor_name(*parse_tensor(ref))

@@ -59,7 +59,7 @@ def solve(ir: IR, region: list[str], inputs: dict[str, tuple[int, int]], gradien
           classes: Classes, resized: dict[str, tuple] | None = None,
           visit: list[str] | None = None, seeds: dict[str, Fact] | None = None,
           all_gradient: bool = False, functions: dict | None = None,
-          sparse: dict[str, str] | None = None) -> Context:
+          sparse: dict[str, str] | None = None, fed: dict[str, str] | None = None) -> Context:
     """Compute the fact of every output of every region node.
 
     Args:
@@ -75,9 +75,11 @@ def solve(ir: IR, region: list[str], inputs: dict[str, tuple[int, int]], gradien
         functions: a cache of function bodies already analysed, shared with the caller.
         sparse: batch inputs fed as a SparseTensor: tensor -> its role (``indices``,
             ``values``, ``shape``); see :func:`replicate.batchflow.rules.sparse.source`.
+        fed: a function body's arguments that carry a batch input as fed (``Context.fed``).
     """
     ctx = Context(ir, inputs, gradient, classes, resized, seeds, all_gradient, functions)
     ctx.sparse = sparse or {}
+    ctx.fed_args = fed or {}
     ctx.solve, ctx.sparse_source = solve, rules.sparse.source
     ctx.body = rules.functional.body_of
     ctx.region_names = frozenset(region)

@@ -73,10 +73,13 @@ def _library_only(ir: IR):
 
 def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]) -> list[Fact | None] | None:
     """The facts of function ``name``'s results when called with ``facts`` (None: not analysable)."""
-    key = ("call", name, tuple(facts), ctx.in_gradient(node))
+    fed = tuple((i, ctx.fed(r)) for i, r in enumerate(refs) if ctx.fed(r) is not None)
+    key = ("call", name, tuple(facts), ctx.in_gradient(node), fed)
     if key in ctx.functions:
         for ref in ctx.functions.get(("shapeless",) + key, ()):
             ctx.trace_shapeless(ref)
+        for where, (what, fix) in ctx.functions.get(("refusals",) + key, {}).items():
+            ctx.refuse(node.name, f"in function '{name}', '{where}': {what}", fix)
         return ctx.functions[key]
     found = body_of(ctx, name, refs)
     if found is None:
@@ -86,7 +89,8 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     arg_nodes = {parse_tensor(a)[0] for a in args}
     region = [n for n in body.nodes if n not in arg_nodes]
     inner = ctx.solve(body, region, {}, set(), ctx.classes, seeds=seeds,
-                  all_gradient=ctx.in_gradient(node), functions=ctx.functions)
+                      all_gradient=ctx.in_gradient(node), functions=ctx.functions,
+                      fed={tensor_name(*parse_tensor(args[i])): t for i, t in fed if i < len(args)})
     ctx.functions[("inner", name)] = inner      # the body's facts, for the draw pass
     index = {tensor_name(*parse_tensor(a)): i for i, a in enumerate(args)}
     for d in inner.demands.values():
@@ -102,6 +106,11 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
         ctx.note(node.name, f"function '{name}' holds the static batch size in '{p.tensor}'")
     for where, what in inner.notes:
         ctx.note(node.name, what)
+    # what no split can run inside the body cannot run at all (a refusal there was dropped,
+    # and the rewrite failed at step 1)
+    ctx.functions[("refusals",) + key] = dict(inner.refusals)
+    for where, (what, fix) in inner.refusals.items():
+        ctx.refuse(node.name, f"in function '{name}', '{where}': {what}", fix)
     shapeless = [refs[index[a]] for a in inner.shapeless_args if a in index]
     ctx.functions[("shapeless",) + key] = shapeless
     for ref in shapeless:

@@ -11,7 +11,7 @@ rebuild per-example rows (the gradient of a gather).
 
 from __future__ import annotations
 
-from replicate.batchflow.context import Context
+from replicate.batchflow.context import FED_PATH, Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact
 from replicate.batchflow.rules import strided
 from replicate.batchflow.rules.common import (
@@ -26,7 +26,7 @@ from replicate.batchflow.rules.common import (
     size_fact,
     taint_of,
 )
-from replicate.batchflow.table import IDENTITIES, behind
+from replicate.batchflow.table import behind
 from replicate.graph.ir import Node, node_of
 
 __all__ = ["gather", "gather_nd", "where", "unique", "segment", "sparse_to_dense",
@@ -57,10 +57,6 @@ def _local(index: Fact, data: Fact, ctx: Context, col: int | None = None) -> boo
     return ctx.classes.same(cls, data.cls) and per == rows(data) and data.outer == 1
 
 
-#: Ops between a fed input and a gather that reads it as row numbers (``tf.cast(idx, int64)``).
-_FED_PATH = IDENTITIES | {"Cast"}
-
-
 def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     """``GatherNd`` ``node`` picks rows of ``data`` (its batch on axis 0) by index tuples fed in a
     batch input, one per example (DQN's ``[[0, a0], [1, a1], ...]`` fed beside the states): their
@@ -73,12 +69,12 @@ def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     if index.kind != PART or index.index is not None or index.axis != 0 or data.outer != 1 \
             or data.block != 1 or ctx.in_gradient(node) or strided.unchecked(ctx, node):
         return False            # (rows of a folded [B * T, A] batch are no examples: review 29)
-    tensor, kind = behind(ctx.ir, node.inputs[1], _FED_PATH), "column"
+    tensor, kind = behind(ctx.ir, node.inputs[1], FED_PATH), "column"
     stacked = ctx.ir.nodes.get(node_of(tensor))
     if stacked is not None and stacked.op == "Pack" and int(stacked.attr("axis", 0)) in (1, -1) \
             and ctx.rank(stacked.inputs[0]) == 1:
         # tf.stack([rows, actions], 1) of two fed vectors: the rows are the first's values
-        tensor, kind = behind(ctx.ir, stacked.inputs[0], _FED_PATH), "whole"
+        tensor, kind = behind(ctx.ir, stacked.inputs[0], FED_PATH), "whole"
     fed = ctx.inputs.get(tensor)
     if fed is None or fed[0] != 0 or tensor in ctx.sparse:
         return False
@@ -94,8 +90,20 @@ def _refuse_fed_positions(ctx: Context, node: Node, index: Fact) -> None:
     """Positions fed in a batch input that are not the examples' own row numbers (rows of a
     folded ``[B * T, A]`` batch): each tower holds other rows than those numbers name, and the
     step would fail on TensorFlow's "does not index into param shape" (review 29)."""
-    tensor = behind(ctx.ir, node.inputs[1], _FED_PATH)
-    if index.kind != PART or tensor not in ctx.inputs or ctx.in_gradient(node):
+    tensor = ctx.fed(node.inputs[1])
+    stacked = ctx.ir.nodes.get(node_of(behind(ctx.ir, node.inputs[1], FED_PATH)))
+    if tensor is None and stacked is not None and stacked.op == "Pack":
+        tensor = next((t for t in map(ctx.fed, stacked.inputs) if t is not None), None)
+    if index.kind != PART or tensor is None or ctx.in_gradient(node):
+        return
+    where = strided.unchecked(ctx, node)
+    if where:
+        # a tower's numbers cannot be shifted and checked there (review 29: the rewrite of a
+        # DQN pick in a tf.cond branch failed at step 1)
+        ctx.refuse(node.name, f"{node.op} picks rows of a batch tensor at positions fed in "
+                   f"'{tensor}' {where}, where a tower cannot read them as its own rows",
+                   "move the pick out of the branch or loop (tf.cond can choose between the "
+                   "picked values instead), or train this graph on one device")
         return
     ctx.refuse(node.name, f"{node.op} picks rows of a batch tensor at positions fed in '{tensor}' "
                "that do not number its examples (each tower holds other rows)",
@@ -323,11 +331,11 @@ def segment(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [mixed(node.name, what, taint)]
         return [shared(taint=taint)]
     if ids.kind == PART and ids.index is None and len(node.inputs) == 2 and not ctx.in_gradient(node) \
-            and behind(ctx.ir, node.inputs[1], _FED_PATH) in ctx.inputs:
+            and ctx.fed(node.inputs[1]) is not None:
         # ids fed for the whole batch (graphs batched by their nodes, tokens fed flat with
         # their examples' numbers): each tower's slice holds numbers of rows beyond its own,
         # and the step failed on TensorFlow's errors (review 29: the sorted segment_sum)
-        what = (f"{node.op} sums by segment ids fed in '{behind(ctx.ir, node.inputs[1], _FED_PATH)}', "
+        what = (f"{node.op} sums by segment ids fed in '{ctx.fed(node.inputs[1])}', "
                 "numbers of the whole batch's rows that no tower's slice pairs with")
         ctx.refuse(node.name, what, "feed the items padded per example ([batch, items] with a mask), "
                    "or train this graph on one device")
