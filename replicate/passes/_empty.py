@@ -44,11 +44,7 @@ Produces, for segment counts (:func:`nonnegative_segments`): every tower copy of
 plus one, which the op rejects; one device never reduces over no ids, and a count it runs with
 is never negative, so nothing changes there.
 
-Produces, for CTC losses (:func:`pad_ctc_losses`): every tower copy of a ``CTCLoss`` runs,
-when its tower has no examples, on one padding example: a zero row of the time-major inputs,
-sequence length 1 and the single label 0; its loss and gradient are sliced back to the
-tower's examples. TensorFlow rejects a batch of 0 ("batch_size must not be 0") and an example
-without labels. With examples nothing is padded and the slices are whole.
+Produces, for CTC losses and tensor scatters: see :mod:`replicate.passes._empty_kernels`.
 
 Produces, for kernels that leave their output unwritten on no examples
 (:func:`zero_unwritten_outputs`, ops in :data:`UNWRITTEN_ON_EMPTY`): every tower copy's
@@ -83,7 +79,7 @@ from replicate.batchflow.lattice import PART, SHARED, Sym
 from replicate.graph.ir import IR, node_of
 
 __all__ = ["tower_copies", "dimension_of", "infer_reshapes", "infer_sparse_reshapes", "nonzero_steps", "stack_empty_lists", "gather_gradient_widths",
-           "nonnegative_segments", "pad_ctc_losses", "zero_unwritten_outputs", "shape_array_gathers"]
+           "nonnegative_segments", "zero_unwritten_outputs", "shape_array_gathers"]
 
 SCOPE = "replicate/reshape"
 
@@ -409,59 +405,6 @@ def nonnegative_segments(ir: IR) -> int:
                            [copy.inputs[2], ir.const(f"{scope}/zero", 0, dtype, dev)],
                            device=dev, attrs={"T": dtype}).name
             ir.set_input(copy.name, 2, count)
-            done += 1
-    return done
-
-
-def pad_ctc_losses(ir: IR) -> int:
-    """Give the towers' ``CTCLoss`` ops one padding example when their tower has none (see the
-    module docstring); returns how many tower ops changed."""
-    done, i32, i64 = 0, dtypes.int32, dtypes.int64
-    for names in ir.facts["copies"]:
-        for copied in names.values():
-            loss = ir.nodes.get(copied)
-            if loss is None or loss.op != "CTCLoss":
-                continue
-            scope, dev = f"{loss.name}/replicate/empty", loss.device
-            dtype = dtypes.as_dtype(loss.attr("T", dtypes.float32))
-
-            def add(name, op, inputs, **attrs):
-                return ir.add(f"{scope}/{name}", op, inputs, device=dev, attrs=attrs).name
-
-            def const(name, value, kind=i32):
-                return ir.const(f"{scope}/{name}", value, kind, dev)
-
-            inputs, indices, values, lengths = loss.inputs[:4]
-            batch = dimension_of(ir, inputs, 1, scope, dev)       # time-major: [T, B, C]
-            extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
-                                              incompatible_shape_error=True)],
-                        SrcT=dtypes.bool, DstT=i32)
-            extra64 = add("extra64", "Cast", [extra], SrcT=i32, DstT=i64)
-            row = add("row", "Reshape", [add("pair", "Pack", [const("none", 0), extra], T=i32, N=2),
-                                         const("row_shape", [1, 2])], T=i32, Tshape=i32)
-            paddings = add("paddings", "ConcatV2", [const("before", [[0, 0]]), row,
-                                                    const("after", [[0, 0]]), const("axis", 0)],
-                           T=i32, N=3, Tidx=i32)
-
-            def grown(name, ref, count, kind, width, fill):
-                """``ref`` with ``count`` more rows of ``fill`` (``width`` columns, if any)."""
-                dims = [count] if width is None else [count, const(f"{name}_width", width, kind)]
-                rows = add(f"{name}_rows", "Fill", [add(f"{name}_dims", "Pack", dims, T=kind, N=len(dims)),
-                                                    const(f"{name}_fill", fill, kind)], T=kind, index_type=kind)
-                return add(name, "ConcatV2", [ref, rows, const(f"{name}_axis", 0)], T=kind, N=2, Tidx=i32)
-
-            ir.set_input(loss.name, 0, add("inputs", "Pad", [inputs, paddings], T=dtype, Tpaddings=i32))
-            ir.set_input(loss.name, 1, grown("indices", indices, extra64, i64, 2, 0))
-            ir.set_input(loss.name, 2, grown("values", values, extra, i32, None, 0))
-            ir.set_input(loss.name, 3, grown("lengths", lengths, extra, i32, None, 1))
-            for out, begin, size in ((0, [0], [batch]), (1, [0, 0, 0], [const("time", -1), batch,
-                                                                          const("classes", -1)])):
-                ref = f"{loss.name}:{out}" if out else loss.name
-                readers = [c.name for c, _ in ir.data_consumers(ref)]
-                sliced = add(f"sliced_{out}", "Slice", [ref, const(f"begin_{out}", begin),
-                                                        add(f"size_{out}", "Pack", size, T=i32, N=len(size))],
-                             T=dtype, Index=i32)
-                ir.replace_uses(ref, sliced, only=readers)
             done += 1
     return done
 

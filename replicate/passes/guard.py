@@ -47,9 +47,10 @@ import logging
 from tensorflow.python.framework import dtypes
 
 from replicate.graph.ir import IR
-from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, infer_sparse_reshapes, nonnegative_segments,
-                                     nonzero_steps, pad_ctc_losses, shape_array_gathers,
+from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, infer_sparse_reshapes,
+                                     nonnegative_segments, nonzero_steps, shape_array_gathers,
                                      stack_empty_lists, zero_unwritten_outputs)
+from replicate.passes._empty_kernels import empty_tensor_scatters, pad_ctc_losses
 from replicate.passes._pad import pad_empty_batches
 from replicate.passes._picks import assert_examples
 from replicate.passes._rows import local_rows
@@ -75,6 +76,7 @@ EMPTY_GUARDS = (
     (gather_gradient_widths, "gather gradients their number of indices"),
     (nonnegative_segments, "segment ops a count of at least 0"),
     (pad_ctc_losses, "CTC losses a padding example when empty"),
+    (empty_tensor_scatters, "tensor scatters no index tuples into an empty tensor"),
     (pad_empty_batches, "kernels that reject an empty batch one zero example"),
     (zero_unwritten_outputs, "kernels that leave their output unwritten when empty read zeros"),
 )

@@ -104,6 +104,7 @@ RULES.update({
     "SegmentSum": index.segment, "SegmentMax": index.segment, "SegmentMin": index.segment,
     "SegmentMean": index.segment, "SegmentProd": index.segment,
     "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
+    **{f"TensorScatter{kind}": index.tensor_scatter for kind in ("Add", "Sub", "Update", "Max", "Min")},
     "SparseTensorDenseMatMul": sparse.dense_matmul, "SparseReduceSum": sparse.reduce_,
     "SparseReduceMax": sparse.reduce_, "SparseFillEmptyRows": sparse.fill_empty_rows,
     "SparseReshape": sparse.reshape, "CTCLoss": sparse.ctc_loss, "SparseCross": sparse.sparse_cross,
@@ -167,6 +168,10 @@ def apply(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]
     return _row_numbers_kept(ctx, node, ins, out[:n])
 
 
+#: Ops that call function bodies, which the dataflow analyses with their arguments' facts.
+FUNCTIONAL = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "PartitionedCall",
+                        "StatefulPartitionedCall"})
+
 #: Operand positions where a tower's row numbers are used as row numbers (to gather, scatter
 #: or segment by), not as values.
 ROW_NUMBER_OPERANDS = {
@@ -193,6 +198,8 @@ def _row_numbers_kept(ctx: Context, node: Node, ins: list[Fact | None],
         lookups = tuple(range(len(ins) // 2))       # the positions its rows go to
     elif node.op.startswith("SparseCross"):
         lookups = tuple(range(int(node.attr("N", 0))))     # the inputs' indices
+    elif node.op in FUNCTIONAL:
+        return out          # the body's own ops were held to this, each where it reads them
     if not any(row_numbers(f) for i, f in enumerate(ins) if i not in lookups):
         return out
     offsets = strided.kept(ctx, node, ins, out)

@@ -463,3 +463,25 @@ def lookup(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if table.kind == SHARED and default.kind == SHARED and keys.kind in (PART, SHARED):
         return [keys.with_(value=None, index=None, handle=None)]
     return [ctx.no_rule(node, ins)]
+
+
+def tensor_scatter(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
+    """``TensorScatter{Add,Sub,Update,Max,Min}(tensor, indices, updates)``: ``updates`` placed
+    in ``tensor`` at index tuples into its leading axes. With shared tuples into axes before
+    the batch's (TF2's ``ctc_loss_dense`` writes time steps of ``[T, B, L]``), every example's
+    values stay in its own column: per example. Anything else mixes the examples."""
+    tensor, index, updates = ins[:3]
+    taint = couple(ctx, node, ins)
+    bad = first_mixed(ins)
+    if bad is not None:
+        return [bad]
+    if not any(f.dependent for f in ins):
+        return [shared(taint=taint)]
+    shape = ctx.shape(node.inputs[1])
+    depth = shape[-1] if shape else None
+    if index.kind == SHARED and tensor.kind == PART and updates.kind == PART and depth is not None \
+            and tensor.axis >= depth and updates.axis == tensor.axis - depth + len(shape) - 1 \
+            and ctx.classes.same(tensor.cls, updates.cls) and rows(tensor) == rows(updates) \
+            and tensor.outer == updates.outer:
+        return [tensor.with_(value=None, index=None, taint=taint)]
+    return [mixed(node.name, f"{node.op} places values at batch-dependent positions", taint)]

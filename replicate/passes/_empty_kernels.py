@@ -1,0 +1,193 @@
+"""Helper of the guard pass: kernels that reject an empty batch run in a tower without
+examples, in the graph and inside function bodies.
+
+- ``CTCLoss`` rejects a batch of 0 ("batch_size must not be 0") and an example without
+  labels. When its batch (axis 1 of its time-major inputs) is empty, it reads one padding
+  example (a zero row of the inputs, sequence length 1 and the single label 0), and its loss
+  and gradient are sliced back to the batch.
+- ``TensorScatter{Add,Sub,Update,Max,Min}`` rejects any index tuple into an empty tensor
+  ("Indices and updates specified for empty output shape"; TF2's ``ctc_loss_dense`` writes
+  time steps of ``[T, B, L]``). When its tensor has no elements, it reads its tuples and
+  updates cut to none; the result, empty, is the same.
+
+With examples nothing is padded or cut, so every result is exactly the unguarded one.
+
+TF1 ops sit in the graph: each tower copy is guarded. TF2's ``tf.nn.ctc_loss`` calls its op
+inside a function (``PartitionedCall``, whose gradient function reads the op's gradient
+output), and ``ctc_loss_dense`` scatters inside a ``While`` body: every tower calls the same
+function, so the op is guarded in place in the library, which changes nothing for a call with
+examples (the one device's included).
+
+Requires: the clone pass's tower copies. Produces: the guard ops under
+``<op>/replicate/empty`` (in the graph) or ``<op>/replicate_empty`` (in a body).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tensorflow.core.framework import node_def_pb2
+from tensorflow.python.framework import dtypes, tensor_util
+
+from replicate.graph.ir import IR, make_attr
+
+__all__ = ["pad_ctc_losses", "empty_tensor_scatters", "TENSOR_SCATTERS"]
+
+I32, I64 = dtypes.int32, dtypes.int64
+
+#: Ops that place updates at index tuples into a tensor and reject any tuple when it is empty.
+TENSOR_SCATTERS = frozenset(f"TensorScatter{kind}" for kind in ("Add", "Sub", "Update", "Max", "Min"))
+
+
+def pad_ctc_losses(ir: IR) -> int:
+    """Pad every ``CTCLoss`` of the towers and of the library (module docstring); returns how
+    many ops changed."""
+    return _guard_all(ir, {"CTCLoss"}, _pad_ctc)
+
+
+def empty_tensor_scatters(ir: IR) -> int:
+    """Cut the tuples of every ``TensorScatter*`` of the towers and of the library into an
+    empty tensor (module docstring); returns how many ops changed."""
+    return _guard_all(ir, TENSOR_SCATTERS, _cut_scatter)
+
+
+def _guard_all(ir: IR, kinds, guard) -> int:
+    done = 0
+    for names in ir.facts["copies"]:
+        for copied in names.values():
+            op = ir.nodes.get(copied)
+            if op is not None and op.op in kinds:
+                guard(_GraphOps(ir, op), list(op.inputs), op.attr)
+                done += 1
+    for fdef in list(ir.library.function) if ir.library is not None else ():
+        for node in list(fdef.node_def):
+            if node.op in kinds:
+                guard(_BodyOps(ir, fdef, node), list(node.input),
+                      lambda key, default=None, node=node: _body_attr(node, key, default))
+                done += 1
+    return done
+
+
+def _body_attr(node, key: str, default):
+    if key not in node.attr:
+        return default
+    value = node.attr[key]
+    return dtypes.as_dtype(value.type) if value.WhichOneof("value") == "type" else default
+
+
+def _pad_ctc(ops, refs: list[str], attr) -> None:
+    """One ``CTCLoss`` reads one padding example when its batch is empty."""
+    add, const, dtype = ops.add, ops.const, dtypes.as_dtype(attr("T", dtypes.float32))
+    inputs, indices, values, lengths = refs[:4]
+    batch = _dimension(ops, "batch", inputs, 1, dtype)
+    extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=I32,
+                                      incompatible_shape_error=True)], SrcT=dtypes.bool, DstT=I32)
+    extra64 = add("extra64", "Cast", [extra], SrcT=I32, DstT=I64)
+    row = add("row", "Reshape", [add("pair", "Pack", [const("none", 0), extra], T=I32, N=2),
+                                 const("row_shape", [1, 2])], T=I32, Tshape=I32)
+    paddings = add("paddings", "ConcatV2", [const("before", [[0, 0]]), row, const("after", [[0, 0]]),
+                                            const("axis", 0)], T=I32, N=3, Tidx=I32)
+
+    def grown(name, ref, count, kind, width, fill):
+        """``ref`` with ``count`` more rows of ``fill`` (``width`` columns, if any)."""
+        dims = [count] if width is None else [count, const(f"{name}_width", width, kind)]
+        rows = add(f"{name}_rows", "Fill", [add(f"{name}_dims", "Pack", dims, T=kind, N=len(dims)),
+                                            const(f"{name}_fill", fill, kind)], T=kind, index_type=kind)
+        return add(name, "ConcatV2", [ref, rows, const(f"{name}_axis", 0)], T=kind, N=2, Tidx=I32)
+
+    ops.set_input(0, add("inputs", "Pad", [inputs, paddings], T=dtype, Tpaddings=I32))
+    ops.set_input(1, grown("indices", indices, extra64, I64, 2, 0))
+    ops.set_input(2, grown("values", values, extra, I32, None, 0))
+    ops.set_input(3, grown("lengths", lengths, extra, I32, None, 1))
+    for out, begin, size in ((0, [0], [batch]),
+                             (1, [0, 0, 0], [const("time", -1), batch, const("classes", -1)])):
+        ops.read_output_through(out, lambda ref, out=out, begin=begin, size=size: add(
+            f"sliced_{out}", "Slice", [ref, const(f"begin_{out}", begin),
+                                       add(f"size_{out}", "Pack", size, T=I32, N=len(size))],
+            T=dtype, Index=I32))
+
+
+def _cut_scatter(ops, refs: list[str], attr) -> None:
+    """One ``TensorScatter*`` reads no index tuples when its tensor is empty."""
+    add, const, dtype = ops.add, ops.const, dtypes.as_dtype(attr("T", dtypes.float32))
+    size = add("size", "Size", [refs[0]], T=dtype, out_type=I32)
+    some = add("some", "Cast", [add("any", "Greater", [size, const("zero", 0)], T=I32)],
+               SrcT=dtypes.bool, DstT=I32)
+    tindices = dtypes.as_dtype(attr("Tindices", I32))
+    tuples = _dimension(ops, "tuples", refs[1], 0, tindices)
+    end = add("end", "Pack", [add("count", "Mul", [tuples, some], T=I32)], T=I32, N=1)
+    for position, kind in ((1, tindices), (2, dtype)):
+        ops.set_input(position, add(f"kept_{position}", "StridedSlice", [
+            refs[position], const(f"begin_{position}", [0]), end, const(f"stride_{position}", [1])],
+            T=kind, Index=I32))
+
+
+def _dimension(ops, name: str, ref: str, axis: int, dtype) -> str:
+    """``ref``'s size along ``axis`` at run time (an int32 scalar)."""
+    shape = ops.add(f"{name}_shape", "Shape", [ref], T=dtype, out_type=I32)
+    return ops.add(name, "StridedSlice", [shape, ops.const(f"{name}_at", [axis]),
+                                          ops.const(f"{name}_end", [axis + 1]), ops.const(f"{name}_step", [1])],
+                   T=I32, Index=I32, shrink_axis_mask=1)
+
+
+class _GraphOps:
+    """Ops added to the graph beside a tower's op."""
+
+    def __init__(self, ir: IR, op) -> None:
+        self.ir, self.op, self.scope = ir, op, f"{op.name}/replicate/empty"
+
+    def add(self, name: str, kind: str, inputs: list[str], **attrs) -> str:
+        return self.ir.add(f"{self.scope}/{name}", kind, inputs, device=self.op.device, attrs=attrs).name
+
+    def const(self, name: str, value, kind=I32) -> str:
+        return self.ir.const(f"{self.scope}/{name}", value, kind, self.op.device)
+
+    def set_input(self, position: int, ref: str) -> None:
+        self.ir.set_input(self.op.name, position, ref)
+
+    def read_output_through(self, out: int, make) -> None:
+        ref = f"{self.op.name}:{out}" if out else self.op.name
+        readers = [c.name for c, _ in self.ir.data_consumers(ref)]
+        self.ir.replace_uses(ref, make(ref), only=readers)
+
+
+class _BodyOps:
+    """Ops added to a function body beside its op (references in the body's
+    ``node:output_arg:index`` form)."""
+
+    def __init__(self, ir: IR, fdef, op) -> None:
+        self.ir, self.fdef, self.op, self.scope = ir, fdef, op, f"{op.name}/replicate_empty"
+
+    def add(self, name: str, kind: str, inputs: list[str], **attrs) -> str:
+        node = node_def_pb2.NodeDef(name=f"{self.scope}/{name}", op=kind)
+        node.input.extend(inputs)
+        for key, value in attrs.items():
+            node.attr[key].CopyFrom(make_attr(value))
+        op_def = self.ir.op_def(kind)
+        for attr in op_def.attr:            # a body's nodes carry every attr
+            if attr.name not in node.attr and attr.HasField("default_value"):
+                node.attr[attr.name].CopyFrom(attr.default_value)
+        self.fdef.node_def.append(node)
+        return f"{node.name}:{op_def.output_arg[0].name}:0"
+
+    def const(self, name: str, value, kind=I32) -> str:
+        node = node_def_pb2.NodeDef(name=f"{self.scope}/{name}", op="Const")
+        node.attr["dtype"].CopyFrom(make_attr(kind))
+        node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(np.asarray(value, kind.as_numpy_dtype)))
+        self.fdef.node_def.append(node)
+        return f"{node.name}:output:0"
+
+    def set_input(self, position: int, ref: str) -> None:
+        self.op.input[position] = ref
+
+    def read_output_through(self, out: int, make) -> None:
+        op_def = self.ir.op_def(self.op.op)
+        ref = f"{self.op.name}:{op_def.output_arg[out].name}:0"
+        readers = [n for n in self.fdef.node_def if ref in n.input]
+        returns = [k for k, v in self.fdef.ret.items() if v == ref]
+        if not readers and not returns:
+            return
+        new = make(ref)
+        for node in readers:
+            node.input[:] = [new if r == ref else r for r in node.input]
+        for key in returns:
+            self.fdef.ret[key] = new
