@@ -408,3 +408,19 @@ def test_a_sorted_segment_sum_by_fed_ids_is_refused_with_the_op():
         v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(pooled - lab)), name="train")
     with pytest.raises(replicate.ReplicateError, match="SegmentSum sums by segment ids fed in 'gid:0'"):
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def test_tokens_fed_flat_with_their_lengths_are_refused_with_the_op():
+    """Review 29: ``tf.RaggedTensor.from_row_lengths(tokens, lengths).to_tensor()`` with the
+    tokens fed flat was split (the tokens evenly by rows), and every step failed on
+    RaggedTensor's own check; the offsets the lengths sum to are now refused by name."""
+    graph = tf.Graph()
+    with graph.as_default():
+        tokens = v1.placeholder(tf.float32, [None, 4], name="tokens")
+        lengths = v1.placeholder(tf.int64, [None], name="lengths")
+        dense = tf.RaggedTensor.from_row_lengths(tokens, lengths).to_tensor()
+        scores = tf.reduce_sum(dense * v1.get_variable("w", [4]), 2)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(scores)), name="train")
+    with pytest.raises(replicate.ReplicateError, match="Cumsum of the counts fed per example in "
+                       "'lengths:0' makes offsets.*feed the rows padded per example"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])

@@ -11,6 +11,7 @@ tensor are symbolic multiples of the tower's example count.
 from __future__ import annotations
 
 import numpy as np
+from tensorflow.python.framework import dtypes
 
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
@@ -131,6 +132,17 @@ def scan(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [f if f.kind != RED else red(f.cls, "other", f.src, taint=f.taint)]
     axes = ctx.axes(node.inputs[1], ctx.rank(node.inputs[0]))
     if axes is None or axes[0] == f.axis:
+        fed = ctx.fed(node.inputs[0])
+        if node.op == "Cumsum" and fed is not None and not ctx.in_gradient(node) \
+                and dtypes.as_dtype(ctx.ir.output_dtype(node.inputs[0])).is_integer:
+            # lengths fed per example, summed into offsets (RaggedTensor.from_row_lengths):
+            # offsets into rows fed flat for the whole batch, which no tower's slice of those
+            # rows pairs with (review 29: the step failed on RaggedTensor's own check)
+            ctx.refuse(node.name, f"{node.op} of the counts fed per example in '{fed}' makes "
+                       "offsets into rows fed flat for the whole batch (tokens with their "
+                       "examples' lengths), which no tower's slice of those rows pairs with",
+                       "feed the rows padded per example ([batch, length] with the lengths or a "
+                       "mask), or train this graph on one device")
         return [mixed(node.name, f"{node.op} accumulates across the examples of the batch", f.taint)]
     return [f]
 
