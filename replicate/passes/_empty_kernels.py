@@ -10,6 +10,12 @@ examples, in the graph and inside function bodies.
   time steps of ``[T, B, L]``). When its tensor has no elements, it reads its tuples and
   updates cut to none; the result, empty, is the same.
 
+- ``CropAndResizeGradImage`` reads the images' size from ``tf.shape`` of the images; with
+  oneDNN, TensorFlow gives a convolution of an empty batch its input's depth (``[0, 8, 8,
+  3]`` for 4 filters), and the gradient stops ("image_size and grads are incompatible"). Each
+  tower's reads the depth of its incoming gradient, which is the images' depth whenever the
+  batch has examples.
+
 With examples nothing is padded or cut, so every result is exactly the unguarded one.
 
 TF1 ops sit in the graph: each tower copy is guarded. TF2's ``tf.nn.ctc_loss`` calls its op
@@ -30,7 +36,7 @@ from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.graph.ir import IR, make_attr
 
-__all__ = ["pad_ctc_losses", "empty_tensor_scatters", "TENSOR_SCATTERS"]
+__all__ = ["pad_ctc_losses", "empty_tensor_scatters", "crop_gradient_depths", "TENSOR_SCATTERS"]
 
 I32, I64 = dtypes.int32, dtypes.int64
 
@@ -50,7 +56,13 @@ def empty_tensor_scatters(ir: IR) -> int:
     return _guard_all(ir, TENSOR_SCATTERS, _cut_scatter)
 
 
-def _guard_all(ir: IR, kinds, guard) -> int:
+def crop_gradient_depths(ir: IR) -> int:
+    """Every tower's ``CropAndResizeGradImage`` takes the images' depth from its gradient
+    (module docstring); returns how many ops changed."""
+    return _guard_all(ir, {"CropAndResizeGradImage"}, _crop_depth, bodies=False)
+
+
+def _guard_all(ir: IR, kinds, guard, bodies: bool = True) -> int:
     done = 0
     for names in ir.facts["copies"]:
         for copied in names.values():
@@ -58,7 +70,7 @@ def _guard_all(ir: IR, kinds, guard) -> int:
             if op is not None and op.op in kinds:
                 guard(_GraphOps(ir, op), list(op.inputs), op.attr)
                 done += 1
-    for fdef in list(ir.library.function) if ir.library is not None else ():
+    for fdef in list(ir.library.function) if ir.library is not None and bodies else ():
         for node in list(fdef.node_def):
             if node.op in kinds:
                 guard(_BodyOps(ir, fdef, node), list(node.input),
@@ -127,6 +139,18 @@ def _dimension(ops, name: str, ref: str, axis: int, dtype) -> str:
     return ops.add(name, "StridedSlice", [shape, ops.const(f"{name}_at", [axis]),
                                           ops.const(f"{name}_end", [axis + 1]), ops.const(f"{name}_step", [1])],
                    T=I32, Index=I32, shrink_axis_mask=1)
+
+
+def _crop_depth(ops, refs: list[str], attr) -> None:
+    """One ``CropAndResizeGradImage`` reads its image size with the depth of its gradient."""
+    add, const = ops.add, ops.const
+    grads = add("grads_shape", "Shape", [refs[0]], T=dtypes.as_dtype(attr("T", dtypes.float32)), out_type=I32)
+    depth = add("depth", "StridedSlice", [grads,
+                                          const("at", [3]), const("end", [4]), const("step", [1])],
+                T=I32, Index=I32)
+    size = add("size", "StridedSlice", [refs[3], const("first", [0]), const("last", [3]), const("one", [1])],
+               T=I32, Index=I32)
+    ops.set_input(3, add("image_size", "ConcatV2", [size, depth, const("axis", 0)], T=I32, N=2, Tidx=I32))
 
 
 class _GraphOps:
