@@ -28,6 +28,7 @@ from replicate.batchflow.rules.common import (
 from replicate.batchflow.rules.joins import STACKED
 from replicate.batchflow.rules.layout import map_reshape, sized_rows
 from replicate.batchflow.rules.slicing import element
+from replicate.batchflow.table import behind
 from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["reshape", "expand_dims", "squeeze", "transpose",
@@ -298,6 +299,10 @@ def shape_source(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             j, v = syms[0]
             if v.outer > 1 and isinstance(v.coef, int) and v.coef % v.outer == 0:
                 return [part(j, v.cls, v.coef // v.outer, taint=taint, outer=v.outer)]
+            if _copies_read(ctx, node, j, v, pos):
+                # [k * B, ...] read back as [k, B, ...] (two samples per example drawn as one
+                # tensor, review 28): k copies of the batch one after the other
+                return [part(j, v.cls, 1, taint=taint, outer=v.coef)]
             return [part(j, v.cls, v.coef, taint=taint)]
     if dims.kind == RED and dims.merge != "size":      # a size computed from the batch: a coupling
         taint = taint | ({dims.src} if dims.src and not ctx.in_gradient(node) else set())
@@ -308,6 +313,60 @@ def shape_source(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         if len(value) == 1 and isinstance(value[0], int) and 0 <= value[0] <= 64:
             return [shared(fill * value[0], taint)]          # a small integer vector, e.g. ones
     return [shared(taint=taint)]
+
+
+#: Ops through which a tensor keeps its layout when every other operand is a scalar.
+_SCALED = frozenset({"Identity", "Cast", "Neg", "Mul", "Add", "AddV2", "Sub", "RealDiv"})
+
+
+def _copies_read(ctx: Context, node: Node, axis: int, size: Sym, pos: int) -> bool:
+    """``node`` makes ``k * n`` rows on ``axis`` (its shape operand, input ``pos``, packs
+    ``k * n`` there) and is read, through scalings, only by reshapes to ``[..., k, n, ...]``:
+    it holds ``k`` copies of the batch one after the other, whatever it draws or fills (its
+    values do not tell an example's rows apart). Proved on the graph's structure, since the
+    reshapes' facts come later in the order."""
+    k = size.coef
+    if not isinstance(k, int) or k < 2:
+        return False
+    n = _scaled_by(ctx, _packed(ctx, node.inputs[pos], axis), k)
+    if n is None:
+        return False
+    readers, seen = list(ctx.ir.data_consumers(f"{node.name}:0")), set()
+    while readers:
+        reader, position = readers.pop()
+        if reader.name in seen:
+            continue
+        seen.add(reader.name)
+        if reader.op in _SCALED and all(ctx.rank(r) == 0 for i, r in enumerate(reader.inputs) if i != position):
+            # random_normal's ``* stddev + mean``
+            readers.extend(ctx.ir.data_consumers(f"{reader.name}:0"))
+            continue
+        if reader.op != "Reshape" or position != 0:
+            return False
+        copies, rows_ = _packed(ctx, reader.inputs[1], axis), _packed(ctx, reader.inputs[1], axis + 1)
+        if copies is None or ctx.const(copies) is None or int(ctx.const(copies)) != k or rows_ != n:
+            return False
+    return bool(seen)
+
+
+def _packed(ctx: Context, ref: str, i: int) -> str | None:
+    """Element ``i`` of the ``Pack`` behind ``ref`` (``tf.stack([...])``), else None."""
+    found = ctx.ir.nodes.get(node_of(behind(ctx.ir, ref)))
+    if found is None or found.op != "Pack" or i >= len(found.inputs):
+        return None
+    return behind(ctx.ir, found.inputs[i])
+
+
+def _scaled_by(ctx: Context, ref: str | None, k: int) -> str | None:
+    """``n`` when ``ref`` is ``k * n`` (``Mul`` by the constant ``k``), else None."""
+    found = ctx.ir.nodes.get(node_of(ref)) if ref is not None else None
+    if found is None or found.op != "Mul":
+        return None
+    for i, j in ((0, 1), (1, 0)):
+        value = ctx.const(found.inputs[i])
+        if value is not None and value.size == 1 and int(value) == k:
+            return behind(ctx.ir, found.inputs[j])
+    return None
 
 
 def pad(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
