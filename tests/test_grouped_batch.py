@@ -80,3 +80,36 @@ def test_a_static_batch_of_groups_is_refused_with_the_fix(kind):
     group = KINDS[kind][1]
     with pytest.raises(replicate.errors.AnalysisError, match="give the batch inputs a dynamic batch"):
         replicate.transform(_graph(kind, static=4 * group), ["/cpu:1", "/cpu:2", "/cpu:3"])
+
+
+def _negatives():
+    """NCF with in-graph negatives: the loss is a mean over ``concat([positives, negatives])``,
+    the negatives each user tiled twice beside seeded random items."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(1)
+        user = v1.placeholder(tf.int32, [None], name="user")
+        item = v1.placeholder(tf.int32, [None], name="item")
+        n = tf.shape(user)[0]
+        users = tf.concat([user, tf.reshape(tf.tile(user[:, None], [1, 2]), [-1])], 0)
+        items = tf.concat([item, tf.reshape(v1.random_uniform([n, 2], 0, 20, dtype=tf.int32, seed=4), [-1])], 0)
+        labels = tf.concat([tf.ones([n]), tf.zeros([n * 2])], 0)
+        p = v1.get_variable("P", [10, 4], initializer=v1.random_normal_initializer(0, 0.3, seed=1))
+        q = v1.get_variable("Q", [20, 4], initializer=v1.random_normal_initializer(0, 0.3, seed=2))
+        logit = tf.reduce_sum(tf.nn.embedding_lookup(p, users) * tf.nn.embedding_lookup(q, items), 1)
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logit), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def test_in_graph_negatives_concatenated_after_the_positives_are_found_and_exact():
+    """Review 28 P11: the inputs were set aside ("the loss does not reduce over its leading
+    dimension": it reduces the concatenation, a batch holding theirs) and the transform was
+    refused unless they were named with batch_inputs=."""
+    res = replicate.transform(_negatives(), ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact, res.report.reasons
+    for batch in (7, 2):
+        rng = np.random.RandomState(batch)
+        feeds = [{"user:0": rng.randint(0, 10, batch), "item:0": rng.randint(0, 20, batch)} for _ in range(2)]
+        result = compare(_negatives(), res.graph, "train", feeds, fetch=("loss:0",))
+        assert result.max_rel <= 1e-5, (batch, result.worst, result.max_rel)

@@ -379,13 +379,26 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
                 visit, depths)
     if forced:
         return flow, None
-    reduced = {classes.find(c) for terms, _ in decomposed.values() for t in terms
-               for c in _term_classes(ctx, t)}
+    reduced = {m for terms, _ in decomposed.values() for t in terms
+               for c in _term_classes(ctx, t) for m in _members(classes, c)}
     if any(reason is not None for _, reason in decomposed.values()):
         return flow, None           # the loss is inexact anyway: keep every hypothesis
     unused = {t: "the loss does not reduce over its leading dimension"
               for t, (_, cls) in inputs.items() if t in pool and classes.find(cls) not in reduced}
     return flow, (unused or None)
+
+
+def _members(classes: Classes, c: int) -> set[int]:
+    """Class ``c`` and the classes it holds one after the other (a concatenation of batches:
+    NCF's positives and their negatives, review 28), as representatives."""
+    out, work = set(), [c]
+    while work:
+        x = classes.find(work.pop())
+        if x in out:
+            continue
+        out.add(x)
+        work.extend(m for key, members in classes.parts.items() if classes.find(key) == x for m in members)
+    return out
 
 
 def _term_classes(ctx, term) -> list[int]:
