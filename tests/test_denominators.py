@@ -285,3 +285,38 @@ def test_a_mean_scaled_back_by_the_batch_size_is_a_sum(accumulate):
               "y:0": rng.integers(0, 3, b).astype(np.int64)} for b in (7, 2)]
     assert compare(_scaled_mean("same"), res.graph, "train", feeds, cpus=4).max_rel < 1e-5
     assert not replicate.transform(_scaled_mean("other"), ["/cpu:1", "/cpu:2"]).report.exact
+
+
+def _sized(selected: bool) -> tf.Graph:
+    """``sum(se) / tf.size(se)`` over a ``[B, T]`` loss with a dynamic T, beside a sum over the
+    batch size; ``selected``: over the entries a mask keeps (a count the data decides)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None, None], name="y")
+        w = v1.get_variable("w", [4, 1], initializer=v1.glorot_uniform_initializer(seed=2))
+        v = v1.get_variable("v", [4, 2], initializer=v1.glorot_uniform_initializer(seed=3))
+        se = tf.square(tf.squeeze(tf.tensordot(x, w, 1), -1) - y)
+        if selected:
+            se = tf.boolean_mask(se, y > 0)
+        mu = tf.tensordot(x, v, 1)
+        loss = tf.add(tf.reduce_sum(se) / tf.cast(tf.size(se), tf.float32),
+                      0.1 * tf.reduce_sum(tf.square(mu)) / tf.cast(tf.shape(x)[0], tf.float32), name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_size_of_a_loss_with_a_dynamic_length_is_a_batch_size(accumulate):
+    """Review 28 P7: ``tf.size`` of a ``[B, T]`` loss, T dynamic, is the batch size times a
+    length the same in every tower; it was reported as "a masked count or selection". The
+    size of a masked selection still is one."""
+    res = replicate.transform(_sized(False), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.default_rng(2)
+    feeds = [{"x:0": rng.normal(size=(b, t, 4)).astype(np.float32),
+              "y:0": rng.normal(size=(b, t)).astype(np.float32)} for b, t in ((7, 3), (2, 5))]
+    assert compare(_sized(False), res.graph, "train", feeds, cpus=4).max_rel < 1e-5
+    selected = replicate.transform(_sized(True), ["/cpu:1", "/cpu:2"], accumulate=accumulate)
+    assert not selected.report.exact
+    assert any("masked count" in str(r) for r in selected.report.reasons), selected.report.reasons

@@ -277,11 +277,13 @@ def _positive_shift(flow, spec: tuple) -> bool:
 
 def _batch_size(flow, spec: tuple) -> bool:
     """True when a term's tower weight is its share of a multiple of the batch size
-    (``sum(kl) / tf.cast(tf.shape(x)[0], tf.float32)``, KL divergence's "batchmean"): zero only
-    in a tower without examples, whose every term is zero too."""
+    (``sum(kl) / tf.cast(tf.shape(x)[0], tf.float32)``, KL divergence's "batchmean"), or of
+    the batch size times a length the same in every tower (``tf.size`` of a ``[B, T]`` loss with
+    a dynamic ``T``: a Sym of no known coefficient, review 28 P7): zero only in a tower without
+    examples, whose every term is zero too (or, T being 0, on one device as well)."""
     fact = flow.fact(spec[1]) if spec[0] in ("value", "size") and len(spec) > 1 else None
     return fact is not None and fact.merge == "size" and bool(fact.value) \
-        and all(isinstance(v, Sym) and v.coef for v in fact.value)
+        and all(isinstance(v, Sym) and v.coef != 0 for v in fact.value)
 
 
 def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> bool:

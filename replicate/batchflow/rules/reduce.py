@@ -405,5 +405,9 @@ def size(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [shared((total,) if total is not None else None, f.taint)]
     rest = [d for i, d in enumerate(dims or []) if i != f.axis] if dims is not None else None
     if rest is None or None in rest or _rows(f) is None:
-        return [red(f.cls, "size", None, taint=f.taint)]
+        if f.filtered or f.tail:                # a selection's count: the data decides it
+            return [red(f.cls, "size", None, taint=f.taint)]
+        # every other dimension is the same in every tower (a dynamic time axis): a multiple
+        # of the batch size the same in every tower (review 28 P7: tf.size of a [B, T] loss)
+        return [size_fact((Sym(None, f.cls),), f.taint)]
     return [size_fact((Sym(int(np.prod(rest)) * _rows(f), f.cls),), f.taint)]
