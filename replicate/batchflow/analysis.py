@@ -389,15 +389,19 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
 
 
 def _members(classes: Classes, c: int) -> set[int]:
-    """Class ``c`` and the classes it holds one after the other (a concatenation of batches:
-    NCF's positives and their negatives, review 28), as representatives."""
+    """Class ``c`` and, when it holds copies of one batch one after the other in different
+    layouts (NCF's positives and each one's negatives, review 28), that batch, as
+    representatives. A concatenation of two batches (a GAN's real and generated examples, a
+    batch and a replay buffer) reduces neither: which is the batch is then undecided."""
     out, work = set(), [c]
     while work:
         x = classes.find(work.pop())
         if x in out:
             continue
         out.add(x)
-        work.extend(m for key, members in classes.parts.items() if classes.find(key) == x for m in members)
+        for key, members in classes.parts.items():
+            if classes.find(key) == x and len({classes.find(m) for m in members}) == 1:
+                work.extend(members)
     return out
 
 
