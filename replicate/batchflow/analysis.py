@@ -390,18 +390,20 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
 
 def _members(classes: Classes, c: int) -> set[int]:
     """Class ``c`` and, when it holds copies of one batch one after the other in different
-    layouts (NCF's positives and each one's negatives, review 28), that batch, as
-    representatives. A concatenation of two batches (a GAN's real and generated examples, a
-    batch and a replay buffer) reduces neither: which is the batch is then undecided."""
+    layouts (NCF's positives and each one's negatives, review 28), that batch, and the
+    batches that the same concatenation of another tensor holds at the same places (its
+    items beside its users), as representatives. A concatenation of two batches alone (a
+    GAN's real and generated examples, a batch and a replay buffer) reduces neither: which
+    is the batch is then undecided."""
     out, work = set(), [c]
     while work:
         x = classes.find(work.pop())
         if x in out:
             continue
         out.add(x)
-        for key, members in classes.parts.items():
-            if classes.find(key) == x and len({classes.find(m) for m in members}) == 1:
-                work.extend(members)
+        joins = [members for key, members in classes.parts.items() if classes.find(key) == x]
+        copies = {len(m) for m in joins if len({classes.find(p) for p in m}) == 1}
+        work.extend(p for m in joins if len(m) in copies for p in m)
     return out
 
 
