@@ -5,10 +5,12 @@ and inspect never listing a tensor both as merged and as not mergeable."""
 import re
 
 import models
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import replicate
+from replicate.check.equivalence import compare
 from replicate.cli.commands import inspect as inspect_cmd
 from replicate.cli.commands.verify import verdict_line
 from replicate.demo.report import drift_line, verdict
@@ -424,3 +426,21 @@ def test_tokens_fed_flat_with_their_lengths_are_refused_with_the_op():
     with pytest.raises(replicate.ReplicateError, match="Cumsum of the counts fed per example in "
                        "'lengths:0' makes offsets.*feed the rows padded per example"):
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def test_ragged_rows_built_from_the_examples_run():
+    """Review 30: a per-example mean over ``RaggedTensor.from_tensor(h, lengths=lens)`` was
+    refused as "counts up to the batch size minus a constant" (its rows number its
+    ``row_splits``, ``concat([[0], cumsum(lens)])``, less one) with advice no user can take;
+    each tower's ragged rows are its own examples', and the rewrite runs and trains alike."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 5, 3], name="x")
+        lens = v1.placeholder(tf.int64, [None], name="lens")
+        h = tf.tensordot(x, v1.get_variable("w", [3, 4], initializer=v1.glorot_uniform_initializer(seed=1)), 1)
+        m = tf.reduce_mean(tf.RaggedTensor.from_tensor(h, lengths=lens), axis=1)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(m)), name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 5, 3).astype(np.float32), "lens:0": rng.randint(1, 6, b)} for b in (7, 2)]
+    assert compare(graph, res.graph, "train", feeds, cpus=4).max_rel <= 1e-5

@@ -25,6 +25,20 @@ KINDS = frozenset({"dense", "mean", "ratio", "sum", "concat", "sparse_values", "
 WEIGHTS = "replicate/split/weights"
 
 
+def _finite_unless_empty(ir: IR, towers: Towers, k: int, name: str, ref: str, dtype, device: str) -> str:
+    """Tower ``k``'s gradient ``ref``, its entries that are not finite zeroed when the tower has
+    no examples: its own batch statistics over no examples are NaN (batch norm per tower in an
+    inexact rewrite), while its share of the terms every tower adds (weight decay, weighed in
+    the towers) is finite and kept (review 30: zeroed whole, every variable under weight
+    decay lost the tower's share, 4e-4 off, though only another variable was named)."""
+    dev = towers.devices[k]
+    nonempty = weight(ir, towers, k, dtypes.bool.as_datatype_enum, device, ("nonempty",))
+    kept = ir.add(f"{name}/kept", "LogicalOr", [ir.add(f"{name}/finite", "IsFinite", [ref], device=dev,
+                                                       attrs={"T": dtype}).name, nonempty], device=dev).name
+    zeros = ir.add(f"{name}/zeros", "ZerosLike", [ref], device=dev, attrs={"T": dtype}).name
+    return ir.add(name, "SelectV2", [kept, ref, zeros], device=dev, attrs={"T": dtype}).name
+
+
 def weight(ir: IR, towers: Towers, k: int, dtype: int, device: str,
            spec: tuple = ("count",)) -> str:
     """Tower ``k``'s weight as a scalar of ``dtype`` (the ops are created once per spec).
@@ -162,7 +176,10 @@ def combine(ir: IR, towers: Towers, name: str, parts: list[str], kind: str, dtyp
     refs = [_ref(p) for p in parts]
     if kind in ("first", "global"):     # global: every tower's copy is the batch's value
         return ir.add(name, "Identity", [refs[0]], device=device, attrs={"T": tf_dtype}).name
-    if kind in ("dense", "mean", "ratio", "sparse_values") and weights != ("ones",):
+    if kind in ("dense", "mean", "ratio", "sparse_values") and weights == ("nonempty",):
+        refs = [_finite_unless_empty(ir, towers, k, f"{name}_parts/kept_{k}", ref, tf_dtype, controller)
+                for k, ref in enumerate(refs)]
+    elif kind in ("dense", "mean", "ratio", "sparse_values") and weights != ("ones",):
         scaled = []
         for k, ref in enumerate(refs):
             w = weight(ir, towers, k, dtype, controller, weights)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import networkx as nx
 
 from replicate.batchflow.facts import Reason
+from replicate.batchflow.lattice import INSIDE
 from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
@@ -73,6 +74,39 @@ def unaggregated_updates(ir: IR, apply_ops, inside: set[str], frontier, dependen
     return out
 
 
+#: Advice that names sync mode, and what it becomes when sync mode is on already.
+SYNC_ADVICE = (", or pass batch_norm='sync' if it is a batch statistic",
+               " (batch_norm='sync' cannot combine this value across the towers)")
+
+
+def advice_for(reasons: list[Reason], sync: bool) -> list[Reason]:
+    """``reasons`` with their fixes phrased for the mode the transform ran in: with sync mode
+    on, a fix must not advise it (review 30: it did, and the same reason came back)."""
+    if not sync:
+        return reasons
+    return [Reason(r.node, r.what, r.fix.replace(*SYNC_ADVICE)) if SYNC_ADVICE[0] in r.fix else r
+            for r in reasons]
+
+
+def coupled_in_body(ir: IR, coupling: str) -> Reason:
+    """The reason for a batch reduction inside a function body (``<caller>>inner``) that feeds
+    per-example values: the sync pass cannot reach into the body. A cond's branches can be
+    built as TF1 ops, which it can; a loop's cannot be helped that way (review 30: the advice
+    was given for a ``tf.while_loop`` whose condition reads a batch max, and TF1 loops are
+    no better)."""
+    caller, inner = coupling.split(INSIDE)[0], coupling.split(INSIDE)[-1]
+    node = ir.nodes.get(caller)
+    if node is not None and node.op in ("While", "StatelessWhile"):
+        fix = ("compute the batch statistic before the loop and pass it in (its bound, "
+               "tf.reduce_max(lengths), outside the loop), or train this graph on one device")
+    else:
+        fix = ("build the model with tf.compat.v1.disable_control_flow_v2(), or without the cond "
+               "around the batch statistics")
+    return Reason(caller, f"a batch reduction inside a function body ('{inner}', called by "
+                  f"'{caller}') feeds per-example values; each tower sees its own slice's value, "
+                  "and it cannot be synchronized inside the body", fix)
+
+
 def minus_constant(ir: IR, flow, ref: str) -> bool:
     """``ref`` is a batch-dependent integer minus a positive constant (``n - 1``), whatever
     the analysis made of ``n`` (a size, or a value mixed by an op upstream)."""
@@ -84,7 +118,29 @@ def minus_constant(ir: IR, flow, ref: str) -> bool:
     if value is None or value.size != 1 or first is None or first.kind == "shared":
         return False
     c = float(value.reshape(-1)[0])
+    if _length_at_least(ir, node.inputs[0], abs(c)):
+        return False
     return c > 0 if node.op == "Sub" else c < 0
+
+
+def _length_at_least(ir: IR, ref: str, c: float) -> bool:
+    """``ref`` is the length of a vector concatenated from pieces, constant ones of ``c`` or
+    more elements among them (a RaggedTensor's ``row_splits = concat([[0], cumsum(lengths)])``,
+    whose rows number its length minus one: review 30, refused as a batch size minus one)."""
+    for _ in range(6):
+        node = ir.nodes.get(node_of(ref))
+        if node is None or not node.inputs:
+            return False
+        if node.op in ("Shape", "Size"):
+            joined = ir.nodes.get(node_of(node.inputs[0]))
+            if joined is None or joined.op != "ConcatV2":
+                return False
+            pieces = [ir.const_value(node_of(p)) for p in joined.inputs[:-1]]
+            return sum(p.shape[0] for p in pieces if p is not None and p.ndim == 1) >= c
+        if node.op not in ("Identity", "Cast", "StridedSlice"):
+            return False
+        ref = node.inputs[0]
+    return False
 
 
 def refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:

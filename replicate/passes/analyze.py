@@ -211,13 +211,8 @@ class Analyze:
         evicted = _evict.evictable(ir, flow, region, set(couplings) if self.sync else set(auto))
         _refusals.state_written_per_tower(ir, flow, region, evicted)
         evicted_reads = _evict.reads_before(ir, graph, evicted, region, flow.depths)
-        reasons += [Reason(c.split(INSIDE)[0], f"a batch reduction inside a function body "
-                           f"('{c.split(INSIDE)[-1]}', called by '{c.split(INSIDE)[0]}') feeds "
-                           "per-example values; each tower sees its own slice's value, and it "
-                           "cannot be synchronized inside the body",
-                           "build the model with tf.compat.v1.disable_control_flow_v2(), or "
-                           "without the cond around the batch statistics")
-                    for c in in_bodies if c.split(INSIDE)[0] not in evicted]   # once: whole batch
+        reasons += [_refusals.coupled_in_body(ir, c) for c in in_bodies
+                    if c.split(INSIDE)[0] not in evicted]   # once: whole batch
         if evicted:
             region = [n for n in region if n not in evicted]
             _split_outputs(ir, flow, evicted, set(region))
@@ -316,7 +311,7 @@ class Analyze:
             couplings=[c for c in couplings if c not in auto],
             plan=flow.plan,
             dead=dead,
-            reasons=reasons + list(flow.plan.reasons),
+            reasons=_refusals.advice_for(reasons + list(flow.plan.reasons), self.sync),
             warnings=warnings,
             tower0_values=tower0_values,
             train_ops=train_ops,

@@ -32,7 +32,7 @@ from replicate.batchflow.rules.common import (
 )
 from replicate.batchflow.rules.common import rows as _rows
 from replicate.batchflow.rules.index import ENTRIES
-from replicate.graph.ir import Node, parse_tensor, tensor_name
+from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["reduction", "l2loss", "arg_reduction", "scan", "last_axis", "rowwise", "contraction",
            "shape", "shape_n", "size", "rank", "einsum"]
@@ -133,18 +133,57 @@ def scan(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     axes = ctx.axes(node.inputs[1], ctx.rank(node.inputs[0]))
     if axes is None or axes[0] == f.axis:
         fed = ctx.fed(node.inputs[0])
-        if node.op == "Cumsum" and fed is not None and not ctx.in_gradient(node) \
-                and dtypes.as_dtype(ctx.ir.output_dtype(node.inputs[0])).is_integer:
+        flat = _counted_rows(ctx, node, fed) if node.op == "Cumsum" and fed is not None \
+            and not ctx.in_gradient(node) else None
+        if flat is not None:
             # lengths fed per example, summed into offsets (RaggedTensor.from_row_lengths):
             # offsets into rows fed flat for the whole batch, which no tower's slice of those
             # rows pairs with (review 29: the step failed on RaggedTensor's own check)
             ctx.refuse(node.name, f"{node.op} of the counts fed per example in '{fed}' makes "
-                       "offsets into rows fed flat for the whole batch (tokens with their "
-                       "examples' lengths), which no tower's slice of those rows pairs with",
+                       f"offsets into the rows of '{flat}', fed flat for the whole batch (tokens "
+                       "with their examples' lengths), which no tower's slice of those rows pairs with",
                        "feed the rows padded per example ([batch, length] with the lengths or a "
                        "mask), or train this graph on one device")
         return [mixed(node.name, f"{node.op} accumulates across the examples of the batch", f.taint)]
     return [f]
+
+
+def _counted_rows(ctx: Context, node: Node, fed: str, hops: int = 8) -> str | None:
+    """The batch input other than ``fed`` whose row count the running sum ``node`` of fed
+    integer counts is compared with or offsets, within ``hops`` ops downstream (RaggedTensor's
+    check ``nrows(values) == row_splits[-1]``), else None. Counts of rows the graph computes
+    from the examples (``RaggedTensor.from_tensor(x, lengths)``) name no such input."""
+    if not dtypes.as_dtype(ctx.ir.output_dtype(node.inputs[0])).is_integer:
+        return None
+    frontier, seen = [node.name], {node.name}
+    for _ in range(hops):
+        reached = []
+        for name in frontier:
+            for reader, _ in ctx.ir.data_consumers(f"{name}:0"):
+                if reader.name in seen:
+                    continue
+                seen.add(reader.name)
+                reached.append(reader.name)
+                for ref in reader.inputs:
+                    rows_of = _rows_counted(ctx, ref)
+                    if rows_of is not None and rows_of != fed:
+                        return rows_of
+        frontier = reached
+    return None
+
+
+def _rows_counted(ctx: Context, ref: str) -> str | None:
+    """The batch input whose row count ``ref`` is (``tf.shape(values)[0]``, cast), else None."""
+    for _ in range(6):
+        node = ctx.ir.nodes.get(node_of(ref))
+        if node is None:
+            return None
+        if node.op in ("Shape", "Size") and tensor_name(*parse_tensor(node.inputs[0])) in ctx.inputs:
+            return tensor_name(*parse_tensor(node.inputs[0]))
+        if node.op not in ("Identity", "Cast", "StridedSlice", "Squeeze", "Reshape") or not node.inputs:
+            return None
+        ref = node.inputs[0]
+    return None
 
 
 def last_axis(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:

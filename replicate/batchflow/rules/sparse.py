@@ -98,9 +98,12 @@ def sparse_cross(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if settled is not None:
         return settled
     classes = [_rows_of(ctx, ins[i], ins[n + i]) for i in range(n)]
-    dense = ins[3 * n:]
+    dense, shapes = ins[3 * n:], ins[2 * n:3 * n]
+    # (the shapes hold the batch size, a row count, not values: review 30's vocabulary column
+    # crossed with a bucketized one, two batch inputs, was mixed on its shapes)
     if None in classes or any(f.kind == PART and f.axis != 0 for f in dense) \
-            or any(f.kind == RED for f in ins):
+            or any(f.kind == RED for f in ins[:2 * n] + dense) \
+            or any(f.kind == RED and f.merge != "size" for f in shapes):
         return [mixed(node.name, "SparseCross of inputs whose rows are not the examples", taint)] * 3
     cls = classes[0] if classes else next(f.cls for f in dense if f.kind == PART)
     for other in classes[1:] + [f.cls for f in dense if f.kind == PART]:
