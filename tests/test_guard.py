@@ -466,13 +466,15 @@ def test_an_empty_tower_s_depthwise_filter_gradient_is_zero():
         assert exact == "True" and float(rel) < 1e-5, rows
 
 
-@pytest.mark.parametrize("crossed", [False, True])
+@pytest.mark.parametrize("crossed", [False, True, "bucketized"])
 def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column(crossed):
     """Review 28: ``feature_column.linear_model`` over a hashed string column reshapes its ids
     with ``sparse_reshape(ids, [tf.shape(ids)[0], -1])``; a tower with no examples could not
     infer the ``-1`` ("reshape cannot infer the missing input size for an empty tensor"), and
     the train step failed where one device runs. It is the product of the other dimensions.
-    A ``crossed_column`` of two hashed columns (``SparseCross``, which had no rule) too."""
+    A ``crossed_column`` of two hashed columns (``SparseCross``, which had no rule) too, and
+    (review 30) of a vocabulary column and a bucketized number, two batch inputs (mixed on the
+    cross's shape operands, and an empty tower failed)."""
     import numpy as np
     import tensorflow as tf
 
@@ -485,10 +487,15 @@ def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column(crossed):
         g = tf.Graph()
         with g.as_default():
             feats = {"job": v1.placeholder(tf.string, [None, 1], name="job"),
-                     "city": v1.placeholder(tf.string, [None, 1], name="city")}
+                     "city": v1.placeholder(tf.string, [None, 1], name="city"),
+                     "age": v1.placeholder(tf.float32, [None, 1], name="age")}
             y = v1.placeholder(tf.float32, [None, 1], name="y")
             columns = [fc.categorical_column_with_hash_bucket("job", 20)]
-            if crossed:
+            if crossed == "bucketized":
+                job = fc.categorical_column_with_vocabulary_list("job", ["eng", "doc", "law"])
+                age = fc.bucketized_column(fc.numeric_column("age"), [25.0, 50.0])
+                columns += [age, fc.crossed_column([job, age], 11)]
+            elif crossed:
                 columns.append(fc.crossed_column(["job", "city"], 30))
             logits = fc.linear_model(feats, columns)
             loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits))
@@ -500,6 +507,7 @@ def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column(crossed):
     rng = np.random.RandomState(0)
     jobs = np.array([b"eng", b"doc", b"law"])
     feeds = [{"job:0": jobs[rng.randint(0, 3, (b, 1))], "city:0": jobs[rng.randint(0, 3, (b, 1))],
+              "age:0": rng.uniform(18, 70, (b, 1)).astype(np.float32),
               "y:0": rng.randint(0, 2, (b, 1)).astype(np.float32)} for b in (2, 7)]
     assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5
 
@@ -532,4 +540,35 @@ def test_an_empty_tower_pools_with_argmax():
     assert res.report.exact, res.report.reasons
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.rand(b, 4, 4, 2).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (2, 7)]
+    assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5
+
+
+def test_an_empty_tower_keeps_its_share_of_weight_decay_in_an_inexact_rewrite():
+    """Review 30: in an inexact rewrite (here: a variable trained only by its L2 term) an empty
+    tower's gradients were zeroed whole against NaN batch statistics, so every variable under
+    weight decay lost that tower's share of it (``w`` 4e-4 off, though the reason named only
+    the other variable). Only entries that are not finite are zeroed now."""
+    import numpy as np
+    import tensorflow as tf
+
+    import replicate
+    from replicate.check.equivalence import compare
+    v1 = tf.compat.v1
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 4], name="x")
+            y = v1.placeholder(tf.float32, [None, 1], name="y")
+            w = v1.get_variable("w", [4, 1], initializer=v1.glorot_uniform_initializer(seed=1))
+            dead = v1.get_variable("dead", [4, 4], initializer=v1.glorot_uniform_initializer(seed=2))
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y)) + 1e-2 * (tf.nn.l2_loss(w) + tf.nn.l2_loss(dead))
+            v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss, name="train")
+        return g
+
+    res = replicate.transform(build(), ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert not res.report.exact and all("dead" in str(r) for r in res.report.reasons), res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(2, 4).astype(np.float32), "y:0": rng.randn(2, 1).astype(np.float32)}
+             for _ in range(2)]
     assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5

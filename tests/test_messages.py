@@ -444,3 +444,37 @@ def test_ragged_rows_built_from_the_examples_run():
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(b, 5, 3).astype(np.float32), "lens:0": rng.randint(1, 6, b)} for b in (7, 2)]
     assert compare(graph, res.graph, "train", feeds, cpus=4).max_rel <= 1e-5
+
+
+def _fixes(graph, **options) -> str:
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1"], **options)
+    assert not res.report.exact
+    return " ".join(r.fix for r in res.report.reasons)
+
+
+def test_fixes_fit_the_mode_and_the_control_flow():
+    """Review 30: with ``batch_norm='sync'`` on, a fix still advised passing it (and the same
+    reason came back); a batch reduction in a ``tf.while_loop``'s condition was told to use
+    TF1 control flow, which helps a cond's branches, not a loop."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        loss = tf.reduce_logsumexp(ce) - tf.math.log(tf.cast(tf.shape(ce)[0], tf.float32))
+        v1.train.GradientDescentOptimizer(0.2).minimize(loss, name="train")
+    assert "pass batch_norm='sync'" in _fixes(graph)
+    synced = _fixes(graph, batch_norm="sync")
+    assert "pass batch_norm='sync'" not in synced and "cannot combine this value" in synced
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        h = tf.matmul(x, v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1)))
+        _, h = tf.while_loop(lambda i, h: tf.logical_and(tf.reduce_max(tf.norm(h, axis=1)) > 1.0, i < 20),
+                             lambda i, h: (i + 1, h * 0.7), [tf.constant(0), h])
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h)), name="train")
+    fixes = _fixes(graph)
+    assert "before the loop" in fixes and "disable_control_flow_v2" not in fixes, fixes
