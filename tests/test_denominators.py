@@ -320,3 +320,22 @@ def test_the_size_of_a_loss_with_a_dynamic_length_is_a_batch_size(accumulate):
     selected = replicate.transform(_sized(True), ["/cpu:1", "/cpu:2"], accumulate=accumulate)
     assert not selected.report.exact
     assert any("masked count" in str(r) for r in selected.report.reasons), selected.report.reasons
+
+
+def test_a_loss_started_from_zero_is_its_terms():
+    """Review 30: ``loss = 0.0; loss += term`` before dividing by the batch size was "divides
+    by a value that depends on the batch"; adding a scalar zero changes nothing."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        total = 0.0
+        total += tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w)))
+        loss = tf.identity(total / tf.cast(tf.shape(x)[0], tf.float32), name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.default_rng(3)
+    feeds = [{"x:0": rng.normal(size=(b, 4)).astype(np.float32), "y:0": rng.integers(0, 3, b)} for b in (7, 2)]
+    assert compare(graph, res.graph, "train", feeds, cpus=4).max_rel < 1e-5

@@ -61,6 +61,19 @@ def unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return [shared(f.value if node.op in _VALUE_UNARY else None, f.taint)]
 
 
+def _plus_zero(ctx: Context, node: Node, ins: list[Fact]) -> Fact | None:
+    """The fact of ``x`` for ``0.0 + x`` and ``x - 0.0`` with a scalar zero (the ``loss = 0.0;
+    loss += term`` habit: the sum was taken for another value, and a batch mean over it
+    reported inexact, review 30), else None."""
+    if node.op not in ("Add", "AddV2", "Sub") or len(ins) != 2:
+        return None
+    for zero, other in ((1, 0), (0, 1)) if node.op != "Sub" else ((1, 0),):
+        value = ctx.const(node.inputs[zero])
+        if value is not None and value.ndim == 0 and value == 0 and ins[zero].kind == SHARED:
+            return ins[other]
+    return None
+
+
 def _bias_rank_offset(ctx: Context, node: Node, out_rank: int, pos: int, rank: int) -> int:
     """Where operand ``pos`` of rank ``rank`` starts in the output's dimensions."""
     if node.op in ("BiasAdd", "BiasAddV1") and pos == 1 and node.attr("data_format", "NHWC").startswith("NC"):
@@ -90,6 +103,9 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if bad is not None:
         keep = bad.handle == "unique" and all(f.kind in (SHARED, "mixed") for f in ins)
         return [bad.with_(handle="unique") if keep else bad]
+    kept = _plus_zero(ctx, node, ins)
+    if kept is not None:
+        return [kept]
     ps = parts(ins)
     if any(row_numbers(f) for f in ps):
         tag = _strided.arithmetic(ctx, node, ins)
