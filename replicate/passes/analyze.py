@@ -34,7 +34,7 @@ from replicate.batchflow.lattice import INSIDE
 from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _custom, _draws, _evict, _exactness, _phases, _refusals, _rows, _shapeless, _strided, _weights
+from replicate.passes import _custom, _draws, _evict, _exactness, _phases, _races, _refusals, _rows, _shapeless, _strided, _weights
 from replicate.passes._frontier import classify, fetch_cone
 from replicate.passes._updates import find_train_ops
 from replicate.passes.pipeline import PassResult
@@ -287,7 +287,7 @@ class Analyze:
                      f"by {g} (feed a multiple of {granule} examples per step)"
                      for g, where in granules if g > 1][:1]
         warnings += _strided.warnings(ir, flow, region)
-        warnings += _rows.warnings(ir, flow)
+        warnings += _rows.warnings(ir, flow) + _races.warnings(ir, graph, train_ops)
         analysis = Analysis(
             train_op=train_ops[0],
             variables=_inputs.variables(ir, region, apply_ops),
