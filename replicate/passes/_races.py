@@ -38,12 +38,23 @@ _PASS = frozenset({"Identity", "IdentityN", "RefIdentity"})
 
 def warnings(ir: IR, graph: nx.DiGraph, train_ops: list[str], limit: int = 3) -> list[str]:
     """What the report says about variables read and written with no order in a step."""
+    accesses = {v: a for v, a in _accesses(ir, set(ir.nodes)).items()
+                if any(ir.nodes[w].op in ops.MUTATING_OPS or ops.apply_spec(ir.nodes[w].op) is None
+                       for w in a[1]) and len(a[0]) + len(a[1]) > 1}
+    if not accesses:        # only optimizer updates, each after its gradient: nothing to race
+        return []
+    # only paths from an access to a write can order the two: the nodes between them
+    touched = {n for reads, written in accesses.values() for n in reads | written}
+    written = {n for _, w in accesses.values() for n in w}
+    between = _reach(graph.succ, touched) & _reach(graph.pred, written)
+    order = _ordered(graph, between)
     found: dict[str, tuple[str, str, str]] = {}
     for train_op in train_ops:
         if train_op not in graph:
             continue
-        cone = nx.ancestors(graph, train_op) | {train_op}
-        for variable, (a, b) in _races(ir, graph, cone).items():
+        cone = _reach(graph.pred, {train_op})
+        mine = {v: (r & cone, w & cone) for v, (r, w) in accesses.items() if w & cone}
+        for variable, (a, b) in _races(graph, [n for n in order if n in cone], mine).items():
             found.setdefault(variable, (a, b, train_op))
     out = []
     for variable, (a, b, train_op) in sorted(found.items())[:limit]:
@@ -54,21 +65,49 @@ def warnings(ir: IR, graph: nx.DiGraph, train_ops: list[str], limit: int = 3) ->
     return out
 
 
-def _races(ir: IR, graph: nx.DiGraph, cone: set[str]) -> dict[str, tuple[str, str]]:
-    """variable -> (an access, a write) of it in ``cone`` with no order between them."""
-    accesses = _accesses(ir, cone)
-    if not any(w for _, w in accesses.values()):
-        return {}
+def _ordered(graph: nx.DiGraph, nodes: set[str]) -> list[str]:
+    """``nodes`` in a topological order of the edges among them (Kahn's algorithm: networkx's
+    subgraph views cost more than the step's whole graph)."""
+    waiting = {n: sum(1 for p in graph.pred[n] if p in nodes) for n in nodes}
+    ready = sorted(n for n, count in waiting.items() if not count)
+    out = []
+    while ready:
+        name = ready.pop()
+        out.append(name)
+        for nxt in graph.succ[name]:
+            if nxt in waiting:
+                waiting[nxt] -= 1
+                if not waiting[nxt]:
+                    ready.append(nxt)
+    return out
+
+
+def _reach(adjacency, sources: set[str]) -> set[str]:
+    """``sources`` and every node reached from them along ``adjacency`` (``graph.succ`` for
+    descendants, ``graph.pred`` for ancestors)."""
+    seen, work = set(sources), list(sources)
+    while work:
+        for nxt in adjacency[work.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                work.append(nxt)
+    return seen
+
+
+def _races(graph: nx.DiGraph, order: list[str], accesses: dict) -> dict[str, tuple[str, str]]:
+    """variable -> (an access, a write) of it with no order between them, over the nodes of
+    ``order`` (a topological order of the step's ancestors)."""
     bit: dict[str, int] = {}
     for reads, written in accesses.values():
         for name in reads | written:
             bit.setdefault(name, 1 << len(bit))
+    inside = set(order)
     above: dict[str, int] = {}
-    for name in nx.topological_sort(graph.subgraph(cone)):
+    for name in order:
         mask = 0
         for pred in graph.predecessors(name):
-            if pred in cone:
-                mask |= above.get(pred, 0) | bit.get(pred, 0)
+            if pred in inside:
+                mask |= above[pred] | bit.get(pred, 0)
         above[name] = mask
     before_writes = 0
     for _, written in accesses.values():
@@ -129,4 +168,6 @@ def _writes(ir: IR, node, position: int) -> bool:
     """``node`` writes the variable it reads at input ``position``."""
     if node.op in ops.MUTATING_OPS or ops.apply_spec(node.op) is not None:
         return position == 0
+    if node.op not in ops.CALL_OPS and node.op not in ("While", "StatelessWhile"):
+        return False
     return any(e.arg == position for e in writes(ir, node))
