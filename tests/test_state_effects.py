@@ -77,12 +77,14 @@ def _generator_noise(where):
 def test_generator_state_is_advanced_once_per_step_or_reported(where):
     """A tf.random.Generator's draws advance its state variable (RngReadAndSkip, the Stateful*
     ops): outside the batch the draw runs once per step, as on one device, and is exact; in a
-    cond branch every tower's copy advances the state, which the report says (it claimed exact
-    with the state N - 1 skips ahead and the weights 1% off), also when the cond reads only
-    the inputs (run once for the whole batch, it failed at step 1)."""
+    cond branch on activations every tower's copy advances the state, which the report says
+    (it claimed exact with the state N - 1 skips ahead and the weights 1% off). A cond that
+    reads only the inputs runs once for the whole batch (it failed at step 1 that way, when
+    its noise was taken for mixed; review 30: the generator's state read is the same however
+    many numbers it skips) and is exact."""
     res, result = _run(_build(_generator_noise(where)), 3, 7)
-    if where.startswith("cond"):    # inputs: run once it would give whole-batch noise to the
-        assert not res.report.exact     # towers (step 1 failed): it stays in them, and says so
+    if where == "cond":
+        assert not res.report.exact
         assert "runs in every tower" in str(res.report), str(res.report)
         assert result.max_rel > 1e-5            # the honest inexact differs
     else:

@@ -119,6 +119,9 @@ FIXES = (
      "bound the loop or decide the branch by a constant or a fed value, not tf.shape(x)[0]"),
     ("with the batch size as its value",
      "divide the summed loss by the batch size instead, or feed the global batch size"),
+    ("also draws from with no order between them",
+     "order the generator's draws with tf.control_dependencies (each then draws exactly as "
+     "on one device), or draw from seeded tf.random ops"),
     ("a loop over the batch's examples draws",
      "draw the noise for the whole batch before tf.map_fn (one tf.nn.dropout on the stacked "
      "result), or train this graph on one device"),

@@ -39,8 +39,7 @@ _PASS = frozenset({"Identity", "IdentityN", "RefIdentity"})
 def warnings(ir: IR, graph: nx.DiGraph, train_ops: list[str], limit: int = 3) -> list[str]:
     """What the report says about variables read and written with no order in a step."""
     accesses = {v: a for v, a in _accesses(ir, set(ir.nodes)).items()
-                if any(ir.nodes[w].op in ops.MUTATING_OPS or ops.apply_spec(ir.nodes[w].op) is None
-                       for w in a[1]) and len(a[0]) + len(a[1]) > 1}
+                if any(ops.apply_spec(ir.nodes[w].op) is None for w in a[1]) and len(a[0]) + len(a[1]) > 1}
     if not accesses:        # only optimizer updates, each after its gradient: nothing to race
         return []
     # only paths from an access to a write can order the two: the nodes between them
@@ -107,8 +106,11 @@ def _races(graph: nx.DiGraph, order: list[str], accesses: dict) -> dict[str, tup
         mask = 0
         for pred in graph.predecessors(name):
             if pred in inside:
-                mask |= above[pred] | bit.get(pred, 0)
+                mask |= above.get(pred, 0) | bit.get(pred, 0)
         above[name] = mask
+    # (a TF1 loop's back edges leave its nodes out of the order: not judged)
+    accesses = {v: ({r for r in reads if r in above}, {w for w in written if w in above})
+                for v, (reads, written) in accesses.items()}
     before_writes = 0
     for _, written in accesses.values():
         for w in written:
@@ -166,7 +168,7 @@ def _ignored(ir: IR, read) -> bool:
 
 def _writes(ir: IR, node, position: int) -> bool:
     """``node`` writes the variable it reads at input ``position``."""
-    if node.op in ops.MUTATING_OPS or ops.apply_spec(node.op) is not None:
+    if node.op in ops.MUTATING_OPS or node.op in ops.GENERATOR_OPS or ops.apply_spec(node.op) is not None:
         return position == 0
     if node.op not in ops.CALL_OPS and node.op not in ("While", "StatelessWhile"):
         return False

@@ -106,6 +106,7 @@ RULES.update({
     "SegmentMean": index.segment, "SegmentProd": index.segment,
     "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
     **{f"TensorScatter{kind}": index.tensor_scatter for kind in ("Add", "Sub", "Update", "Max", "Min")},
+    "RngReadAndSkip": shape.generator_state,
     "SpaceToBatchND": spatial.space_to_batch, "SpaceToBatch": spatial.space_to_batch,
     "BatchToSpaceND": spatial.batch_to_space, "BatchToSpace": spatial.batch_to_space,
     "CropAndResize": spatial.crop_and_resize, "CropAndResizeGradImage": spatial.crop_gradient,
