@@ -339,3 +339,39 @@ def test_a_loss_started_from_zero_is_its_terms():
     rng = np.random.default_rng(3)
     feeds = [{"x:0": rng.normal(size=(b, 4)).astype(np.float32), "y:0": rng.integers(0, 3, b)} for b in (7, 2)]
     assert compare(graph, res.graph, "train", feeds, cpus=4).max_rel < 1e-5
+
+
+def _uncertainty_weighted() -> tf.Graph:
+    """Two tasks weighted by learned uncertainties (Kendall et al. 2018): ``exp(-s_i) *
+    mean_i + s_i``, each coefficient computed from a trained variable."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        r = v1.placeholder(tf.float32, [None], name="r")
+        init = v1.glorot_uniform_initializer(seed=2)
+        h = tf.tanh(tf.matmul(x, v1.get_variable("w", [4, 5], initializer=init)))
+        logits = tf.matmul(h, v1.get_variable("c", [5, 3], initializer=init))
+        value = tf.squeeze(tf.matmul(h, v1.get_variable("v", [5, 1], initializer=init)), 1)
+        s = v1.get_variable("s", [2], initializer=tf.constant_initializer([0.3, -0.2]))
+        ce = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        se = tf.reduce_mean(tf.square(value - r))
+        loss = tf.add(tf.exp(-s[0]) * ce + s[0], 0.5 * tf.exp(-s[1]) * se + s[1], name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("towers,batch,accumulate", [(3, 7, 1), (3, 2, 1), (2, 5, 2)])
+def test_a_mean_scaled_by_a_learned_coefficient_is_exact(towers, batch, accumulate):
+    """Review 30: a batch mean scaled by ``exp(-s)`` of a trained ``s`` was "scales a batch
+    reduction by a value that depends on a variable". The coefficient's gradient is its
+    derivative times the batch's mean: exact when the towers' gradients are weighed after
+    they are added (an empty tower's mean, NaN, stays out), including ``s`` itself."""
+    res = replicate.transform(_uncertainty_weighted(), [f"/cpu:{k + 1}" for k in range(towers)],
+                              accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.default_rng(4)
+    feeds = [{"x:0": rng.normal(size=(batch, 4)).astype(np.float32), "y:0": rng.integers(0, 3, batch),
+              "r:0": rng.normal(size=batch).astype(np.float32)} for _ in range(3)]
+    result = compare(_uncertainty_weighted(), res.graph, "train", feeds, cpus=4)
+    assert result.max_rel < 1e-5 and "s" in result.per_variable, (result.worst, result.max_rel)

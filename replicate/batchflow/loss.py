@@ -235,6 +235,18 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
             coefficient = node.inputs[1 - dependent[0]]
             var = _trainable_cone(ir, coefficient)
             if var is not None:
+                # c(s) * mean: the gradient reaching s is c'(s) times the mean, so the term's
+                # tower weight must scale what enters the product, not the mean alone
+                # (Kendall's uncertainty weighting exp(-s) * mean + s, review 30)
+                before = len(terms)
+                walk(node.inputs[dependent[0]], depth + 1)
+                found = terms[before:]
+                if not failure and len(found) == 1 and found[0].kind in ("mean", "sum") \
+                        and not found[0].sync and not found[0].denominator:
+                    terms[before] = dataclasses.replace(found[0], root=ref)
+                    return
+                del terms[before:]
+                failure.clear()
                 fail(name, f"the loss scales a batch reduction by '{coefficient}', which depends on "
                      f"variable '{var}'", "scale by a constant or a fed value")
                 return

@@ -300,7 +300,7 @@ def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> 
     converted: dict[str, list[Term]] = {}
     for loss in scope.losses:
         found, reason = flow.losses[loss]
-        if reason is not None:
+        if reason is not None or any(_scaled_by_a_variable(flow, t) for t in found):
             return False
         mine = []
         for t in found:
@@ -318,6 +318,15 @@ def weigh_in_towers(flow, scope: GradScope, synced: frozenset = frozenset()) -> 
     scope.corrections = ([(t.root, t.spec) for t in batch if t.spec != ONES]
                          + [(t.root, UNIFORM) for t in terms if t.kind == "shared"])
     return True
+
+
+def _scaled_by_a_variable(flow, t: Term) -> bool:
+    """A term whose gradient enters through a product with a coefficient computed from a
+    variable (``exp(-s) * mean``): weighed in the towers, an empty tower's mean (NaN) reaches
+    the coefficient's gradient through the product; weighed after aggregation, ``MulNoNan``
+    drops it."""
+    node = flow.ctx.ir.nodes.get(node_of(t.root))
+    return node is not None and node.op in ("Mul", "MulNoNan") and t.kind in ("mean", "sum")
 
 
 def prefer_in_towers(ir: IR, flow, scopes_: list[GradScope], region: list[str], gradient: set[str],
