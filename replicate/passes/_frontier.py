@@ -43,7 +43,11 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 if node_of(ref) == name:
                     crossing.setdefault(tensor_name(*parse_tensor(ref)), None)
     crossing_sorted = _sorted(ir, crossing)
-    grads = [t for t in crossing_sorted if node_of(t) in in_grad and node_of(t) in dependent]
+    # an update's gradient the same in every tower (a variable trained only through its L2
+    # term) is aggregated too: each tower's is its weighted share (review 30: it was a reason,
+    # and weighed in the towers tower 0's share alone would have been applied)
+    applied = {tensor_name(*parse_tensor(a.grad)) for a in apply_ops if a.grad}
+    grads = [t for t in crossing_sorted if node_of(t) in in_grad and (node_of(t) in dependent or t in applied)]
     pairs: list[tuple[str, str]] = []
     roles = sparse_roles(ir, set(grads), pairs)
     variables = _nearest_variables(ir, grads, apply_ops)
