@@ -120,8 +120,11 @@ FIXES = (
     ("with the batch size as its value",
      "divide the summed loss by the batch size instead, or feed the global batch size"),
     ("also draws from with no order between them",
-     "order the generator's draws with tf.control_dependencies (each then draws exactly as "
-     "on one device), or draw from seeded tf.random ops"),
+     "draw from seeded tf.random ops (tf.random.normal(..., seed=...)), or from one "
+     "tf.random.Generator per draw"),
+    ("drawn from once per step only",
+     "draw from seeded tf.random ops (tf.random.normal(..., seed=...)), or from one "
+     "tf.random.Generator per draw"),
     ("a loop over the batch's examples draws",
      "draw the noise for the whole batch before tf.map_fn (one tf.nn.dropout on the stacked "
      "result), or train this graph on one device"),

@@ -30,6 +30,7 @@ from replicate.batchflow.rules.layout import map_reshape, sized_rows
 from replicate.batchflow.rules.slicing import element
 from replicate.batchflow.table import behind
 from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
+from replicate.graph.ops import GENERATOR_OPS
 
 __all__ = ["reshape", "expand_dims", "squeeze", "transpose",
            "tile", "broadcast_to", "shape_source",
@@ -327,17 +328,21 @@ def generator_state(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     ``delta`` numbers. The value read does not depend on how many are skipped, so it is the
     same wherever the op runs once (the analyze pass evicts it, a state write, and it skips
     the batch's count: each tower then draws its rows of the batch's draw) -- unless another
-    draw of the same generator in the step has no order against it: then one device's
-    numbers depend on which runs first, and run once outside the towers they ran in another
-    order (two draws of one generator, claimed exact, 0.06 off)."""
+    draw of the same generator is in the graph. With no order between the two, one device's
+    numbers depend on which runs first (claimed exact, 0.06 off); with one, the order is not
+    kept once the reads run outside the towers (review 31: a batch-shaped draw, then a fixed
+    one under a control edge, claimed exact, 0.12 off)."""
     handle = behind(ctx.ir, node.inputs[0])
-    others = [n for n in ctx.ir.nodes.values() if n.op == node.op and n.name != node.name
-              and behind(ctx.ir, n.inputs[0]) == handle]
-    for other in others:
-        if not _ordered(ctx, node.name, other.name):
-            return [mixed(node.name, f"{node.op} draws from a tf.random.Generator that "
-                          f"'{other.name}' also draws from with no order between them (one "
-                          "device's numbers depend on which runs first)", taint_of(ins))]
+    other = next((n for n in ctx.ir.nodes.values() if n.op in GENERATOR_OPS and n.name != node.name
+                  and n.inputs and behind(ctx.ir, n.inputs[0]) == handle), None)
+    if other is not None and not _ordered(ctx, node.name, other.name):
+        return [mixed(node.name, f"{node.op} draws from a tf.random.Generator that "
+                      f"'{other.name}' also draws from with no order between them (one "
+                      "device's numbers depend on which runs first)", taint_of(ins))]
+    if other is not None:
+        return [mixed(node.name, f"{node.op} draws from a tf.random.Generator that "
+                      f"'{other.name}' also draws from: replicate keeps the draws of a "
+                      "generator drawn from once per step only", taint_of(ins))]
     return [shared(taint=taint_of(ins))]
 
 
