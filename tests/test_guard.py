@@ -574,3 +574,32 @@ def test_an_empty_tower_keeps_its_share_of_weight_decay_in_an_inexact_rewrite():
              for _ in range(2)]
     result = compare(build(), res.graph, "train", feeds)
     assert result.per_variable["w"] <= 1e-5 and result.per_variable["w/Momentum"] <= 1e-5, result.per_variable
+
+
+def test_an_empty_tower_writes_a_copy_of_the_batch_with_a_tensor_scatter():
+    """Review 31: ``tensor_scatter_nd_update(zeros([2, n, D]), [[1]], h[None])`` (exact by the
+    tensor scatter rule) failed with an empty tower in its gradient's ``GatherNd`` ("params is
+    empty"); gradient gathers from empty params now read no tuples, shaped as the tuples say."""
+    import numpy as np
+    import tensorflow as tf
+
+    import replicate
+    from replicate.check.equivalence import compare
+    v1 = tf.compat.v1
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 3], name="x")
+            y = v1.placeholder(tf.float32, [None], name="y")
+            h = tf.matmul(x, v1.get_variable("w", [3, 3], initializer=v1.random_normal_initializer(seed=1)))
+            z = tf.tensor_scatter_nd_update(tf.zeros(tf.stack([2, tf.shape(x)[0], 3])), [[1]], h[None])
+            out = tf.reduce_sum(z[1] * z[1] + z[0], 1)
+            v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(out - y)), name="train")
+        return g
+
+    res = replicate.transform(build(), ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 3).astype(np.float32), "y:0": rng.randn(b).astype(np.float32)} for b in (2, 7)]
+    assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5

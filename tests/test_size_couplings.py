@@ -111,3 +111,30 @@ def test_a_batch_size_clamped_by_a_constant_is_no_multiple_of_it(kind, accumulat
     res = replicate.transform(_clamped(kind), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
     assert not res.report.exact
     compare(_clamped(kind), res.graph, "train", _feeds(), fetch=("loss:0",), cpus=4)   # it runs
+
+
+def _top_k_by_batch_max(norm: str) -> tf.Graph:
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        w = v1.get_variable("w", [6], initializer=v1.constant_initializer(0.5))
+        k = tf.reduce_max(tf.reduce_sum(tf.cast(x > 0.5, tf.int32), 1))
+        per = tf.square(tf.nn.top_k(x * w, k).values - 1.0)
+        loss = tf.reduce_sum(per) / tf.cast(tf.size(per), tf.float32) if norm == "size" else tf.reduce_mean(per)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.identity(loss, name="loss"), name="train")
+    return graph
+
+
+@pytest.mark.parametrize("norm", ["size", "mean"])
+def test_a_batch_maximum_as_top_k_s_k_is_the_batch_s(norm):
+    """Review 31: ``top_k(h, k)`` with ``k`` the most of any example's counts kept each tower's
+    own k (claimed exact, 0.035 off; with an empty tower the max over no rows, INT_MIN, was a
+    negative k). Every per-example result of a batch reduction now carries its coupling,
+    whatever the op's rule made of that operand, and an integer maximum is synchronized."""
+    for towers, batch in ((3, 7), (3, 2)):
+        res = replicate.transform(_top_k_by_batch_max(norm), [f"/cpu:{i}" for i in range(towers)])
+        assert res.report.exact, res.report.reasons
+        rng = np.random.RandomState(batch)
+        feeds = [{"x:0": rng.randn(batch, 6).astype(np.float32)} for _ in range(3)]
+        result = compare(_top_k_by_batch_max(norm), res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
+        assert result.max_rel <= 1e-5, (result.worst, result.max_rel)

@@ -8,7 +8,9 @@ examples, in the graph and inside function bodies.
 - ``TensorScatter{Add,Sub,Update,Max,Min}`` rejects any index tuple into an empty tensor
   ("Indices and updates specified for empty output shape"; TF2's ``ctc_loss_dense`` writes
   time steps of ``[T, B, L]``). When its tensor has no elements, it reads its tuples and
-  updates cut to none; the result, empty, is the same.
+  updates cut to none; the result, empty, is the same. Likewise a ``GatherNd`` from empty
+  params ("params is empty", a tensor scatter's gradient, review 31): it reads no tuples,
+  and its result has no elements either way.
 
 - ``CropAndResizeGradImage`` reads the images' size from ``tf.shape`` of the images; with
   oneDNN, TensorFlow gives a convolution of an empty batch its input's depth (``[0, 8, 8,
@@ -36,7 +38,7 @@ from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.graph.ir import IR, make_attr
 
-__all__ = ["pad_ctc_losses", "empty_tensor_scatters", "crop_gradient_depths", "TENSOR_SCATTERS"]
+__all__ = ["pad_ctc_losses", "empty_tensor_scatters", "empty_gathers", "crop_gradient_depths", "TENSOR_SCATTERS"]
 
 I32, I64 = dtypes.int32, dtypes.int64
 
@@ -56,18 +58,28 @@ def empty_tensor_scatters(ir: IR) -> int:
     return _guard_all(ir, TENSOR_SCATTERS, _cut_scatter)
 
 
+def empty_gathers(ir: IR) -> int:
+    """Cut the tuples of every tower's ``GatherNd`` of gradient code from empty params (module
+    docstring); returns how many ops changed."""
+    flow = ir.facts["analysis"].flow
+    gradient = flow.ctx.gradient if flow is not None else set()
+    return _guard_all(ir, {"GatherNd"}, _cut_gather, bodies=False, only=gradient)
+
+
 def crop_gradient_depths(ir: IR) -> int:
     """Every tower's ``CropAndResizeGradImage`` takes the images' depth from its gradient
     (module docstring); returns how many ops changed."""
     return _guard_all(ir, {"CropAndResizeGradImage"}, _crop_depth, bodies=False)
 
 
-def _guard_all(ir: IR, kinds, guard, bodies: bool = True) -> int:
+def _guard_all(ir: IR, kinds, guard, bodies: bool = True, only=None) -> int:
+    """Guard the tower copies of ops of ``kinds`` (of the original ops in ``only``, if given)
+    and, with ``bodies``, those ops in every library function."""
     done = 0
     for names in ir.facts["copies"]:
-        for copied in names.values():
+        for original, copied in names.items():
             op = ir.nodes.get(copied)
-            if op is not None and op.op in kinds:
+            if op is not None and op.op in kinds and (only is None or original in only):
                 guard(_GraphOps(ir, op), list(op.inputs), op.attr)
                 done += 1
     for fdef in list(ir.library.function) if ir.library is not None and bodies else ():
@@ -119,15 +131,40 @@ def _pad_ctc(ops, refs: list[str], attr) -> None:
 
 
 def _cut_scatter(ops, refs: list[str], attr) -> None:
-    """One ``TensorScatter*`` reads no index tuples when its tensor is empty."""
-    add, const, dtype = ops.add, ops.const, dtypes.as_dtype(attr("T", dtypes.float32))
+    """One ``TensorScatter*`` reads no index tuples (nor updates) when its tensor is empty."""
+    _cut(ops, refs, attr, "T", (1, 2))
+
+
+def _cut_gather(ops, refs: list[str], attr) -> None:
+    """One ``GatherNd`` reads no index tuples when its params are empty, and its result is
+    reshaped to the shape the tuples give it (``indices.shape[:-1] + params.shape[depth:]``,
+    no elements either way)."""
+    _cut(ops, refs, attr, "Tparams", (1,))
+    add, const = ops.add, ops.const
+    tindices, dtype = dtypes.as_dtype(attr("Tindices", I32)), dtypes.as_dtype(attr("Tparams", dtypes.float32))
+    tuples = add("index_shape", "Shape", [refs[1]], T=tindices, out_type=I32)
+    leading = add("leading", "StridedSlice", [tuples, const("first", [0]), const("last", [-1]),
+                                              const("one", [1])], T=I32, Index=I32)
+    depth = add("depth", "StridedSlice", [tuples, const("at_last", [-1]), const("end_last", [0]),
+                                          const("one_more", [1])], T=I32, Index=I32, end_mask=1)
+    trailing = add("trailing", "StridedSlice", [add("params_shape", "Shape", [refs[0]], T=dtype, out_type=I32),
+                                                depth, const("to_end", [0]), const("step_on", [1])],
+                   T=I32, Index=I32, end_mask=1)
+    shape = add("result_shape", "ConcatV2", [leading, trailing, const("axis", 0)], T=I32, N=2, Tidx=I32)
+    ops.read_output_through(0, lambda ref: add("result", "Reshape", [ref, shape], T=dtype, Tshape=I32))
+
+
+def _cut(ops, refs: list[str], attr, value_type: str, positions: tuple[int, ...]) -> None:
+    """The op reads the index tuples at ``refs[1]`` (and the other ``positions``) cut to none
+    when the tensor ``refs[0]`` has no elements."""
+    add, const, dtype = ops.add, ops.const, dtypes.as_dtype(attr(value_type, dtypes.float32))
     size = add("size", "Size", [refs[0]], T=dtype, out_type=I32)
     some = add("some", "Cast", [add("any", "Greater", [size, const("zero", 0)], T=I32)],
                SrcT=dtypes.bool, DstT=I32)
     tindices = dtypes.as_dtype(attr("Tindices", I32))
     tuples = _dimension(ops, "tuples", refs[1], 0, tindices)
     end = add("end", "Pack", [add("count", "Mul", [tuples, some], T=I32)], T=I32, N=1)
-    for position, kind in ((1, tindices), (2, dtype)):
+    for position, kind in ((p, tindices if p == 1 else dtype) for p in positions):
         ops.set_input(position, add(f"kept_{position}", "StridedSlice", [
             refs[position], const(f"begin_{position}", [0]), end, const(f"stride_{position}", [1])],
             T=kind, Index=I32))

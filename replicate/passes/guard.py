@@ -50,7 +50,7 @@ from replicate.graph.ir import IR
 from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, infer_sparse_reshapes,
                                      nonnegative_segments, nonzero_steps, shape_array_gathers,
                                      stack_empty_lists, zero_unwritten_outputs)
-from replicate.passes._empty_kernels import crop_gradient_depths, empty_tensor_scatters, pad_ctc_losses
+from replicate.passes._empty_kernels import crop_gradient_depths, empty_gathers, empty_tensor_scatters, pad_ctc_losses
 from replicate.passes._pad import pad_empty_batches
 from replicate.passes._picks import assert_examples
 from replicate.passes._rows import local_rows
@@ -77,6 +77,7 @@ EMPTY_GUARDS = (
     (nonnegative_segments, "segment ops a count of at least 0"),
     (pad_ctc_losses, "CTC losses a padding example when empty"),
     (empty_tensor_scatters, "tensor scatters no index tuples into an empty tensor"),
+    (empty_gathers, "gathers no index tuples from empty params"),
     (crop_gradient_depths, "crop gradients the depth of their incoming gradient"),
     (pad_empty_batches, "kernels that reject an empty batch one zero example"),
     (zero_unwritten_outputs, "kernels that leave their output unwritten when empty read zeros"),
