@@ -182,3 +182,19 @@ def test_fed_rows_in_a_tf1_cond_are_exact_and_in_a_function_body_refused():
     with pytest.raises(replicate.ReplicateError, match="GatherNd picks rows of a batch tensor at "
                        "positions fed in 'idx:0' inside a function body.*move the pick out"):
         replicate.transform(_in_cond("v2"), ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def test_fed_rows_in_a_tf1_loop_are_refused_with_the_op():
+    """Review 31: the pick inside a TF1 ``while_loop`` failed at step 1 with TensorFlow's
+    "does not index into param shape"; the fed numbers are followed into the loop's frame."""
+    graph = tf.Graph()
+    with graph.as_default(), control_flow_v1():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        idx = v1.placeholder(tf.int32, [None, 2], name="idx")
+        w = v1.get_variable("w", [4, 3], initializer=v1.random_normal_initializer(seed=1))
+        q = tf.matmul(x, w)
+        _, total = tf.while_loop(lambda i, t: i < 2, lambda i, t: (i + 1, t + tf.gather_nd(q, idx)),
+                                 [tf.constant(0), tf.zeros_like(idx[:, 0], tf.float32)])
+        v1.train.GradientDescentOptimizer(0.3).minimize(tf.reduce_mean(tf.square(total)), name="train")
+    with pytest.raises(replicate.ReplicateError, match="positions fed in 'idx:0' inside a TF1 while loop"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])

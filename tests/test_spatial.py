@@ -60,3 +60,31 @@ def test_blocks_regrouped_and_crops_of_other_examples_are_not_exact(kind, op):
     res = replicate.transform(_model(kind), ["/cpu:0", "/cpu:1", "/cpu:2"])
     assert not res.report.exact
     assert any(op in str(r) for r in res.report.reasons), res.report.reasons
+
+
+def test_crops_by_fed_image_numbers_are_refused_and_a_mosaic_runs():
+    """Review 31: ``crop_and_resize`` with image numbers fed for the whole batch failed at step
+    1 ("box_index outside [0, batch_size)"): refused, naming the input. ``batch_to_space``
+    merging 4 examples into one (inexact) failed in its kernel with 8 examples over 3 towers:
+    each tower now gets a multiple of 4, and the rewrite runs."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 8, 8, 3], name="x")
+        boxes = v1.placeholder(tf.float32, [None, 4], name="boxes")
+        index = v1.placeholder(tf.int32, [None], name="index")
+        k = v1.get_variable("k", [3, 3, 3, 2], initializer=v1.glorot_uniform_initializer(seed=1))
+        crops = tf.image.crop_and_resize(tf.nn.conv2d(x, k, 1, "SAME"), boxes, index, [4, 4])
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(crops)), name="train")
+    with pytest.raises(replicate.ReplicateError, match="CropAndResize crops images numbered by 'index:0'"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4, 4, 3], name="x")
+        k = v1.get_variable("k", [3, 3, 3, 2], initializer=v1.glorot_uniform_initializer(seed=1))
+        mosaic = tf.compat.v1.batch_to_space_nd(tf.nn.conv2d(x, k, 1, "SAME"), [2, 2], [[0, 0], [0, 0]])
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(mosaic)), name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert not res.report.exact
+    assert any("multiple of 4" in w for w in res.report.warnings), res.report.warnings
+    feeds = [{"x:0": np.random.RandomState(s).rand(8, 4, 4, 3).astype(np.float32)} for s in range(2)]
+    compare(graph, res.graph, "train", feeds)           # runs

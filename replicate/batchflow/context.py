@@ -63,8 +63,8 @@ class Position:
 
 
 #: Ops between a fed input and an op that reads it as fed (``tf.cast(idx, tf.int64)``, a TF1
-#: cond's ``Switch``).
-FED_PATH = table.IDENTITIES | {"Cast", "Switch"}
+#: cond's ``Switch``, a TF1 loop's ``Enter``).
+FED_PATH = table.IDENTITIES | {"Cast", "Switch", "Enter"}
 
 
 class Context:
