@@ -160,10 +160,13 @@ def _counted_rows(ctx: Context, node: Node, fed: str, hops: int = 8) -> str | No
         reached = []
         for name in frontier:
             for reader, _ in ctx.ir.data_consumers(f"{name}:0"):
-                if reader.name in seen:
-                    continue
+                if reader.name in seen or ctx.in_gradient(reader):
+                    continue            # (a gradient reads the shapes of every input: review 31)
                 seen.add(reader.name)
                 reached.append(reader.name)
+                params = ctx.fed(reader.inputs[0]) if reader.op in ("GatherV2", "Gather", "GatherNd") else None
+                if params is not None and params != fed:
+                    return params           # the rows looked up at the offsets
                 for ref in reader.inputs:
                     rows_of = _rows_counted(ctx, ref)
                     if rows_of is not None and rows_of != fed:
