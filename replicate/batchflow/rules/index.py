@@ -18,6 +18,7 @@ from replicate.batchflow.rules.common import (
     couple,
     first_mixed,
     mixed,
+    prologue,
     part,
     red,
     row_numbers,
@@ -471,12 +472,9 @@ def tensor_scatter(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     the batch's (TF2's ``ctc_loss_dense`` writes time steps of ``[T, B, L]``), every example's
     values stay in its own column: per example. Anything else mixes the examples."""
     tensor, index, updates = ins[:3]
-    taint = couple(ctx, node, ins)
-    bad = first_mixed(ins)
-    if bad is not None:
-        return [bad]
-    if not any(f.dependent for f in ins):
-        return [shared(taint=taint)]
+    taint, settled = prologue(ctx, node, ins)
+    if settled is not None:
+        return settled
     shape = ctx.shape(node.inputs[1])
     depth = shape[-1] if shape else None
     if index.kind == SHARED and tensor.kind == PART and updates.kind == PART and depth is not None \
