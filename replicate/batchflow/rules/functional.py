@@ -78,8 +78,7 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     if key in ctx.functions:
         for ref in ctx.functions.get(("shapeless",) + key, ()):
             ctx.trace_shapeless(ref)
-        for where, (what, fix) in ctx.functions.get(("refusals",) + key, {}).items():
-            ctx.refuse(node.name, f"in function '{name}', '{where}': {what}", fix)
+        _refuse_from(ctx, node, name, ctx.functions.get(("refusals",) + key, {}))
         return ctx.functions[key]
     found = body_of(ctx, name, refs)
     if found is None:
@@ -109,8 +108,7 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     # what no split can run inside the body cannot run at all (a refusal there was dropped,
     # and the rewrite failed at step 1)
     ctx.functions[("refusals",) + key] = dict(inner.refusals)
-    for where, (what, fix) in inner.refusals.items():
-        ctx.refuse(node.name, f"in function '{name}', '{where}': {what}", fix)
+    _refuse_from(ctx, node, name, inner.refusals)
     shapeless = [refs[index[a]] for a in inner.shapeless_args if a in index]
     ctx.functions[("shapeless",) + key] = shapeless
     for ref in shapeless:
@@ -119,6 +117,12 @@ def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]
     result = [_outer(ctx, node, inner.fact(o), passed, body) for o in outs]
     ctx.functions[key] = result
     return result
+
+
+def _refuse_from(ctx: Context, node: Node, name: str, refusals: dict) -> None:
+    """The refusals found in function ``name``'s body, made at its caller ``node``."""
+    for where, (what, fix) in refusals.items():
+        ctx.refuse(node.name, f"in function '{name}', '{where}': {what}", fix)
 
 
 def _outer(ctx: Context, node: Node, fact: Fact | None, passed: frozenset = frozenset(),
