@@ -419,19 +419,28 @@ def test_a_sorted_segment_sum_by_fed_ids_is_refused_with_the_op():
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
 
 
-def test_tokens_fed_flat_with_their_lengths_are_refused_with_the_op():
+@pytest.mark.parametrize("embedded", [False, True])
+def test_tokens_fed_flat_with_their_lengths_are_refused_with_the_op(embedded):
     """Review 29: ``tf.RaggedTensor.from_row_lengths(tokens, lengths).to_tensor()`` with the
     tokens fed flat was split (the tokens evenly by rows), and every step failed on
-    RaggedTensor's own check; the offsets the lengths sum to are now refused by name."""
+    RaggedTensor's own check; the offsets the lengths sum to are now refused by name. Token
+    ids embedded first and mean-pooled (review 31) were refused with advice to slice a tensor
+    inside RaggedTensor's code."""
     graph = tf.Graph()
     with graph.as_default():
-        tokens = v1.placeholder(tf.float32, [None, 4], name="tokens")
         lengths = v1.placeholder(tf.int64, [None], name="lengths")
-        dense = tf.RaggedTensor.from_row_lengths(tokens, lengths).to_tensor()
-        scores = tf.reduce_sum(dense * v1.get_variable("w", [4]), 2)
+        if embedded:
+            ids = v1.placeholder(tf.int32, [None], name="tokens")
+            rows = tf.nn.embedding_lookup(v1.get_variable("e", [10, 4]), ids)
+            pooled = tf.reduce_mean(tf.RaggedTensor.from_row_lengths(rows, lengths), 1)
+            scores = tf.reduce_sum(pooled * v1.get_variable("w", [4]), 1)
+        else:
+            tokens = v1.placeholder(tf.float32, [None, 4], name="tokens")
+            dense = tf.RaggedTensor.from_row_lengths(tokens, lengths).to_tensor()
+            scores = tf.reduce_sum(dense * v1.get_variable("w", [4]), 2)
         v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(scores)), name="train")
     with pytest.raises(replicate.ReplicateError, match="Cumsum of the counts fed per example in "
-                       "'lengths:0' makes offsets.*feed the rows padded per example"):
+                       "'lengths:0' makes offsets into the rows of 'tokens:0'.*feed the rows padded"):
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
 
 

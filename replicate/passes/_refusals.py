@@ -146,7 +146,11 @@ def _length_at_least(ir: IR, ref: str, c: float) -> bool:
 def refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
     """``tf.range(tf.shape(x)[0] - 1)`` runs on one device with any batch, but a tower with no
     example computes ``Range(0, -1)`` and fails at run time: refused, since every rewrite must
-    run (an uneven last batch smaller than the towers would stop training)."""
+    run (an uneven last batch smaller than the towers would stop training). An op the split
+    cannot serve at all is the better reason, and is given instead (review 31: tokens fed flat
+    with their lengths were told to slice a tensor inside RaggedTensor's code)."""
+    if flow.plan.unsplittable:
+        return
     for name in region:
         node = ir.nodes[name]
         if node.op != "Range" or len(node.inputs) < 2:

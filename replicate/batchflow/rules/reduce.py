@@ -181,12 +181,25 @@ def _rows_counted(ctx: Context, ref: str) -> str | None:
         node = ctx.ir.nodes.get(node_of(ref))
         if node is None:
             return None
-        if node.op in ("Shape", "Size") and tensor_name(*parse_tensor(node.inputs[0])) in ctx.inputs:
-            return tensor_name(*parse_tensor(node.inputs[0]))
+        if node.op in ("Shape", "Size"):
+            rows_of = _rows_source(ctx, node.inputs[0])
+            return rows_of if rows_of in ctx.inputs else None
         if node.op not in ("Identity", "Cast", "StridedSlice", "Squeeze", "Reshape") or not node.inputs:
             return None
         ref = node.inputs[0]
     return None
+
+
+def _rows_source(ctx: Context, ref: str) -> str:
+    """The tensor whose rows ``ref``'s rows are: through identities and lookups (an embedding
+    of token ids fed flat has a row per id)."""
+    for _ in range(8):
+        node = ctx.ir.nodes.get(node_of(ref))
+        if node is None or node.op not in ("Identity", "GatherV2", "ResourceGather", "Gather") \
+                or (node.op == "GatherV2" and ctx.const(node.inputs[2]) is not None and int(ctx.const(node.inputs[2])) != 0):
+            break
+        ref = node.inputs[0] if node.op == "Identity" else node.inputs[1]
+    return tensor_name(*parse_tensor(ref))
 
 
 def last_axis(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
