@@ -615,7 +615,7 @@ def _time_major_variant(kind: str) -> tf.Graph:
 def test_time_major_inputs_found_past_the_op_before_the_loop(kind):
     """Each was split along its time steps, and step 1 failed (the labels case claimed exact):
     the loop's reader is looked for past ops that keep the layout, and a lone time-major input
-    is tried on axis 1 too (review 9). Exact at `accumulate` 1 and 2."""
+    is tried on axis 1 too (review 9). Exact (the dropout case at `accumulate` 2 too)."""
     rng = np.random.RandomState(0)
     feeds = []
     for b in (7, 5, 2):
