@@ -38,7 +38,7 @@ _PASS = frozenset({"Identity", "IdentityN", "RefIdentity"})
 
 def warnings(ir: IR, graph: nx.DiGraph, train_ops: list[str], limit: int = 3) -> list[str]:
     """What the report says about variables read and written with no order in a step."""
-    accesses = {v: a for v, a in _accesses(ir, set(ir.nodes)).items()
+    accesses = {v: a for v, a in _accesses(ir).items()
                 if any(ops.apply_spec(ir.nodes[w].op) is None for w in a[1]) and len(a[0]) + len(a[1]) > 1}
     if not accesses:        # only optimizer updates, each after its gradient: nothing to race
         return []
@@ -125,19 +125,18 @@ def _races(graph: nx.DiGraph, order: list[str], accesses: dict) -> dict[str, tup
     return out
 
 
-def _accesses(ir: IR, cone: set[str]) -> dict[str, tuple[set[str], set[str]]]:
-    """variable -> (its readers, its writers) in ``cone``."""
+def _accesses(ir: IR) -> dict[str, tuple[set[str], set[str]]]:
+    """variable -> (its readers, its writers)."""
     out: dict[str, tuple[set[str], set[str]]] = {}
-    for name in cone:
-        node = ir.nodes.get(name)
-        if node is None or node.op not in ops.VARIABLE_OPS:
+    for name, node in ir.nodes.items():
+        if node.op not in ops.VARIABLE_OPS:
             continue
         reads, written = set(), set()
         work, seen = [name], set()
         while work:
             holder = work.pop()
             for user in ir.consumers(holder):
-                if user.name in seen or user.name not in cone:
+                if user.name in seen:
                     continue
                 seen.add(user.name)
                 position = next((i for i, r in enumerate(user.inputs) if node_of(r) == holder), None)

@@ -73,7 +73,7 @@ def _library_only(ir: IR):
 
 def call(ctx: Context, node: Node, name: str, refs: list[str], facts: list[Fact]) -> list[Fact | None] | None:
     """The facts of function ``name``'s results when called with ``facts`` (None: not analysable)."""
-    fed = tuple((i, ctx.fed(r)) for i, r in enumerate(refs) if ctx.fed(r) is not None)
+    fed = tuple((i, t) for i, t in enumerate(map(ctx.fed, refs)) if t is not None)
     key = ("call", name, tuple(facts), ctx.in_gradient(node), fed)
     if key in ctx.functions:
         for ref in ctx.functions.get(("shapeless",) + key, ()):
