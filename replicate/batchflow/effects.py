@@ -137,9 +137,12 @@ def _function_effects(ir: IR, fname: str, cache: dict, stack: tuple[str, ...]) -
                 e = dataclasses.replace(e, arg=args.get(nd.input[0].split(":")[0]))
             found.append(dataclasses.replace(e, path=(fname,) + e.path))
         callees = called_functions(nd) + ([nd.op] if ir.function(nd.op) is not None else [])
+        data = [r for r in nd.input if not r.startswith("^")][ops.LEADING_NON_ARGUMENTS.get(nd.op, 0):]
         for callee in callees:
             for e in _function_effects(ir, callee, cache, stack + (fname,)):
-                found.append(dataclasses.replace(e, path=(fname,) + e.path, arg=None))
+                # a nested call's argument that is one of this body's own arguments
+                outer = args.get(data[e.arg].split(":")[0]) if e.arg is not None and e.arg < len(data) else None
+                found.append(dataclasses.replace(e, path=(fname,) + e.path, arg=outer))
     cache[fname] = tuple(found)
     return cache[fname]
 

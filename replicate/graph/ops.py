@@ -21,6 +21,7 @@ __all__ = [
     "MUTATING_OPS",
     "RANDOM_OPS",
     "CONTROL_FLOW_OPS",
+    "LEADING_NON_ARGUMENTS",
     "CALL_OPS",
     "REDUCTION_KINDS",
     "AFFINE_OPS",
@@ -159,6 +160,10 @@ CONTROL_FLOW_OPS = frozenset(
 #: Calls whose results come from a function body and whose gradient is one gradient function
 #: of the call (a v2 cond's branches, a defun); v2 loops are ``While``/``StatelessWhile``.
 CALL_OPS = frozenset({"If", "StatelessIf", "PartitionedCall", "StatefulPartitionedCall"})
+
+#: Calls whose first inputs select a body instead of being its arguments: input ``i`` of such
+#: a call is argument ``i - LEADING_NON_ARGUMENTS[op]`` of the body (0 for other calls).
+LEADING_NON_ARGUMENTS = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}
 
 #: Ops that draw random numbers: each tower must get its own stream.
 RANDOM_OPS = frozenset(

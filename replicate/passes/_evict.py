@@ -154,8 +154,9 @@ def _reads_global(ir: IR, flow, node, harmless: set[str], region: set[str]) -> b
 
 
 def reads_before(ir: IR, graph, evicted: set[str], region: list[str], depths: dict) -> dict[str, list[str]]:
-    """For each evicted write, the region nodes that read a variable it writes and are its
-    ancestors (they run before it on one device): every tower's copy must run before it too.
+    """For each write run once (evicted, or run by tower 0 alone), the region nodes that read
+    a variable it writes and are its ancestors (they run before it on one device): every
+    tower's copy must run before it too.
     A reference variable's reads go through ``Identity`` ops that alias its buffer (``u/read``,
     often shared, outside the towers): what reads them reads the variable. Reads inside TF1
     loops are left out: a control edge out of a loop frame is invalid (a stateful RNN's
@@ -164,7 +165,7 @@ def reads_before(ir: IR, graph, evicted: set[str], region: list[str], depths: di
     for name in sorted(evicted):
         node = ir.nodes[name]
         reads = {n for r in node.inputs if ir.is_handle(r) for n in _readers(ir, node_of(r), inside)
-                 if not depths.get(n, 0)}
+                 if not depths.get(n, 0) and n != name}
         if reads:
             before = sorted(reads & ir.ancestors([name], graph))
             if before:

@@ -171,4 +171,5 @@ def _writes(ir: IR, node, position: int) -> bool:
         return position == 0
     if node.op not in ops.CALL_OPS and node.op not in ("While", "StatelessWhile"):
         return False
+    position -= ops.LEADING_NON_ARGUMENTS.get(node.op, 0)     # a cond's predicate is no argument
     return any(e.arg == position for e in writes(ir, node))

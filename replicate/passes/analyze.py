@@ -224,6 +224,8 @@ class Analyze:
         waits = _forwarding(ir, region, updates)
         needed = self._needed(ir, region, waits, [node_of(t) for t in crossing + losses]
                               + sorted((outside | pulled) - waits, key=_order(ir)))
+        once = {u for u in updates if u not in needed and not flow.depths.get(u, 0)}     # tower 0's
+        evicted_reads.update(_evict.reads_before(ir, graph, once, region, flow.depths))
         keep_targets = {n for n in region if n not in dependent and (n in outside or n in self.external)}
         keep_targets |= {node_of(t) for t in flow.plan.splits}
         keep = ir.ancestors(keep_targets, graph) & inside

@@ -53,7 +53,7 @@ class Rewire:
         doomed = [n for n in analysis.region if n not in analysis.keep]
         arity = {n: len(ir.output_types(ir.nodes[n])) for n in doomed}
         out_types = {f.tensor: ir.output_dtype(f.tensor) for f in analysis.outputs}
-        self._controls(ir, analysis, copies)
+        self._controls(ir, analysis, copies, self.controller)
         for tensor, aggregate in aggregates.items():
             users = [c.name for c, _ in ir.data_consumers(tensor) if c.name not in region]
             ir.replace_uses(tensor, aggregate, only=users)
@@ -98,9 +98,16 @@ class Rewire:
         return dropped
 
     @staticmethod
-    def _controls(ir: IR, analysis, copies: list[dict[str, str]]) -> None:
+    def _controls(ir: IR, analysis, copies: list[dict[str, str]], controller: str) -> None:
         for write, reads in analysis.evicted_reads.items():
             waits = [c[r] for r in reads for c in copies if r in c]
+            if write in analysis.region_set:
+                # run by tower 0 alone (its own reads precede it already): the other towers'
+                # reads meet at a node outside the towers, which it waits for
+                others = [c[r] for r in reads for c in copies[1:] if r in c]
+                gate = f"{write}/replicate_reads"
+                waits = [ir.add(gate, "NoOp", control=others, device=controller).name] if others else []
+                write = copies[0][write]
             ir.set_control(write, list(dict.fromkeys(ir.nodes[write].control + waits)))
         replicated = analysis.region_set - analysis.keep
         for consumer in analysis.external_controls:

@@ -66,7 +66,7 @@ class Validate:
         graph = _dependencies(ir)
         if not nx.is_directed_acyclic_graph(graph):
             cycle = [u for u, _ in nx.find_cycle(graph) if isinstance(u, str)]
-            raise InvariantError(f"the graph has a cycle through '{cycle[0]}'")
+            raise InvariantError(f"the graph has a cycle through '{cycle[0]}' ({' -> '.join(cycle[:6])})")
 
     @staticmethod
     def _towers(ir: IR, prefixes: list[str]) -> None:
