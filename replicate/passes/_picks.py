@@ -23,6 +23,7 @@ import numpy as np
 from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.lattice import MIXED, PART
+from replicate.batchflow.rules.layout import strided_entries
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of
 
@@ -82,9 +83,11 @@ def assert_examples(ir: IR) -> int:
             if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
                     or out.src != name:
                 continue
-            if not _along(ir, copy, picked.axis):
-                continue    # a gather along another axis, or per example (batch_dims): its
-                            # positions are no examples' (an assertion on them misfired)
+            rank = flow.ctx.rank(source[len(prefix):] if source.startswith(prefix) else source)
+            if not _along(ir, copy, picked.axis) or not _restricts(ir, copy, picked.axis, rank):
+                continue    # a gather along another axis, or per example (batch_dims), or a
+                            # slice that keeps every example (``sel[:, None]``): its positions
+                            # are no examples' (an assertion on them misfired, review 31)
             if opening(ir, copy.name) is not None:
                 continue    # in a TF1 loop: an assertion there needs the frame's plumbing (its
                             # constants outside the frame failed the step, review 16)
@@ -132,6 +135,22 @@ def _along(ir: IR, copy: Node, axis: int) -> bool:
     rank = len(ir.static_shape(copy.inputs[0]) or []) or None
     at = int(value)
     return (at + rank if at < 0 and rank else at) == axis
+
+
+def _restricts(ir: IR, copy: Node, axis: int, rank: int | None) -> bool:
+    """False for a strided slice whose spec keeps the whole axis ``axis`` (all of it, stride
+    1, or an axis the spec does not reach), whatever new axes it adds."""
+    if copy.op != "StridedSlice":
+        return True
+    begin, strides = (_constant(ir, copy.inputs[i]) for i in (1, 3))
+    if begin is None or strides is None or np.ndim(begin) != 1 or rank is None:
+        return True
+    bm, em, ell, new, shrink = (int(copy.attr(k, 0)) for k in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask"))
+    for din, dout, i in strided_entries(rank, len(begin), ell, new, shrink):
+        if din == axis:
+            return i is not None and not ((bm >> i) & 1 and (em >> i) & 1 and int(strides[i]) == 1)
+    return False
 
 
 def _largest_plus_one(ir: IR, copy: Node, indices: str) -> str:
