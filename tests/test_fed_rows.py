@@ -198,3 +198,21 @@ def test_fed_rows_in_a_tf1_loop_are_refused_with_the_op():
         v1.train.GradientDescentOptimizer(0.3).minimize(tf.reduce_mean(tf.square(total)), name="train")
     with pytest.raises(replicate.ReplicateError, match="positions fed in 'idx:0' inside a TF1 while loop"):
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def test_positions_computed_from_fed_rows_through_a_tf1_cond_are_refused():
+    """Review 31: the tuples chosen by a TF1 cond (``idx`` or ``idx * [1, 0]``) reach the pick
+    through its ``Merge``; they were neither shifted nor refused, and every step failed with
+    TensorFlow's "does not index into param shape"."""
+    graph = tf.Graph()
+    with graph.as_default(), control_flow_v1():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        idx = v1.placeholder(tf.int32, [None, 2], name="idx")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        w = v1.get_variable("w", [4, 3], initializer=v1.random_normal_initializer(seed=1))
+        chosen = tf.cond(flag, lambda: tf.identity(idx), lambda: idx * tf.constant([1, 0]))
+        pick = tf.gather_nd(tf.matmul(x, w), chosen)
+        v1.train.GradientDescentOptimizer(0.3).minimize(tf.reduce_mean(tf.square(pick)), name="train")
+    with pytest.raises(replicate.ReplicateError, match="positions computed from numbers fed in "
+                       "'idx:0'.*pick with the fed tuples as they are"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])

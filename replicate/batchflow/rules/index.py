@@ -91,10 +91,12 @@ def _refuse_fed_positions(ctx: Context, node: Node, index: Fact) -> None:
     """Positions fed in a batch input that are not the examples' own row numbers (rows of a
     folded ``[B * T, A]`` batch): each tower holds other rows than those numbers name, and the
     step would fail on TensorFlow's "does not index into param shape" (review 29)."""
-    tensor = ctx.fed(node.inputs[1])
+    tensor, how = ctx.fed(node.inputs[1]), "fed in"
     stacked = ctx.ir.nodes.get(node_of(behind(ctx.ir, node.inputs[1], FED_PATH)))
     if tensor is None and stacked is not None and stacked.op == "Pack":
         tensor = next((t for t in map(ctx.fed, stacked.inputs) if t is not None), None)
+    if tensor is None:      # computed from fed numbers (a TF1 cond's Merge of idx and idx * [1, 0])
+        tensor, how = _fed_under(ctx, node.inputs[1]), "computed from numbers fed in"
     if index.kind != PART or tensor is None or ctx.in_gradient(node):
         return
     where = strided.unchecked(ctx, node)
@@ -106,10 +108,34 @@ def _refuse_fed_positions(ctx: Context, node: Node, index: Fact) -> None:
                    "move the pick out of the branch or loop (tf.cond can choose between the "
                    "picked values instead), or train this graph on one device")
         return
-    ctx.refuse(node.name, f"{node.op} picks rows of a batch tensor at positions fed in '{tensor}' "
+    ctx.refuse(node.name, f"{node.op} picks rows of a batch tensor at positions {how} '{tensor}' "
                "that do not number its examples (each tower holds other rows)",
+               "pick with the fed tuples as they are and compute with the picked values "
+               "(tf.cond or tf.where can choose between two picks), or train this graph on "
+               "one device" if how != "fed in" else
                "feed one index tuple per example with its own row number first ([[i, a_i]]), "
                "compute the positions in the graph, or train this graph on one device")
+
+
+#: Ops whose integer results keep fed numbers as positions (a TF1 cond's ``Merge`` of its
+#: branches, a column zeroed by ``idx * [1, 0]``, columns stacked or concatenated).
+_POSITION_PATH = FED_PATH | {"Merge", "Mul", "Add", "AddV2", "Sub", "Pack", "ConcatV2", "Maximum", "Minimum"}
+
+
+def _fed_under(ctx: Context, ref: str) -> str | None:
+    """A batch input whose numbers reach ``ref`` through ops of ``_POSITION_PATH``."""
+    work, seen = [node_of(ref)], set()
+    while work and len(seen) < 32:
+        name = work.pop()
+        fed = ctx.fed(f"{name}:0")
+        node = ctx.ir.nodes.get(name)
+        if fed is not None or node is None or node.op not in _POSITION_PATH:
+            if fed is not None:
+                return fed
+            continue
+        seen.add(name)
+        work.extend(n for n in map(node_of, node.inputs) if n not in seen)
+    return None
 
 
 def _rows_of_another(index: Fact, data: Fact, ctx: Context) -> bool:
