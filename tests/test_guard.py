@@ -103,17 +103,21 @@ def _picking(kind: str):
 
     def loss(p, y):
         p = {"first": lambda: p - p[0], "second": lambda: p - tf.gather(p, [1]),
-             "scan": lambda: tf.scan(lambda a, e: a + e, p)}[kind]()
+             "scan": lambda: tf.scan(lambda a, e: a + e, p), "input": lambda: p - y[0],
+             "argmax": lambda: p * tf.cast(tf.argmax(y), tf.float32)}[kind]()
         return tf.reduce_mean(tf.square(p - y))
     return _regression(loss)
 
 
-@pytest.mark.parametrize("kind,need", [("first", 1), ("second", 2), ("scan", 1)])
+@pytest.mark.parametrize("kind,need", [("first", 1), ("second", 2), ("scan", 1), ("input", 1), ("argmax", 1)])
 def test_a_tower_too_small_for_a_positional_pick_stops_with_a_message(kind, need):
     """The last short batch of an epoch: with fewer examples than the towers need, the step
     stops with the rewrite's own assertion, which names the op and the batch size to feed
     (TensorFlow's own error was 'slice index 0 of dimension 0 out of bounds' in a tower);
-    with enough examples it runs; the certificate notes it instead of refusing the graph."""
+    with enough examples it runs; the certificate notes it instead of refusing the graph.
+    Review 31: a pick straight from a batch input (``y[0]``, the tower reads its slice) and
+    an ``argmax`` over the batch ("Reduction axis 0 is empty") stopped with TensorFlow's
+    errors."""
     import numpy as np
 
     import replicate

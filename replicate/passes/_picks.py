@@ -6,7 +6,8 @@ Requires: the clone pass's tower copies (``ir.facts["copies"]``) and
 Produces: ``ir.facts["min_batch"]`` (the smallest global batch every tower can run, and the
 ops that need it) and, before every tower copy of a forward op that picks a fixed example
 (a constant position) of the tower's batch
-(``x[0]``, ``tf.gather(x, [2])``, the first element ``tf.scan`` reads to start, ...), an
+(``x[0]``, ``tf.gather(x, [2])``, the first element ``tf.scan`` reads to start, an
+``argmax`` over the batch, ...), an
 ``Assert`` that the tower holds enough examples, as a control input of the copy. Nothing else
 changes: with enough examples the assertion passes and the values are the same.
 
@@ -25,7 +26,7 @@ from tensorflow.python.framework import dtypes
 from replicate.batchflow.lattice import MIXED, PART
 from replicate.batchflow.rules.layout import strided_entries
 from replicate.graph.frames import opening
-from replicate.graph.ir import IR, Node, node_of
+from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["MARKER", "assert_examples", "behind_check", "PICK_OPS"]
 
@@ -46,6 +47,8 @@ PICK_OPS = {
     "TensorArrayReadV3": (0, 1, "array"),
     "TopKV2": (0, 1, "shape"),
     "NthElement": (0, 1, "shape"),
+    "ArgMax": (0, 1, "shape"),      # input 1 is the axis: over the batch, it needs one example
+    "ArgMin": (0, 1, "shape"),
 }
 
 #: Ops whose position input may be computed at run time: the assertion compares the tower's
@@ -66,8 +69,11 @@ def assert_examples(ir: IR) -> int:
     if flow is None:
         return 0
     done, needs = 0, {}
+    towers = ir.facts["towers"]
     for k, names in enumerate(copies):
-        prefix = f"{ir.facts['towers'].prefixes[k]}/"
+        prefix = f"{towers.prefixes[k]}/"
+        # a batch input's slice for the tower is read as the input (``x[0]`` of a placeholder)
+        inputs = {tensor_name(*parse_tensor(v)): o for o, v in towers.inputs[k].items()}
         for name, copied in names.items():
             copy = ir.nodes.get(copied)
             if copy is None or copy.op not in PICK_OPS:
@@ -77,13 +83,14 @@ def assert_examples(ir: IR) -> int:
             if name in flow.ctx.gradient or (position is None and copy.op not in _RUN_TIME):
                 continue    # gradient code, or bounds known only at run time (a concat's
                             # gradient slicing its pieces apart): no fixed example is picked
-            source = copy.inputs[data]
-            picked = flow.fact(source[len(prefix):] if source.startswith(prefix) else source)
+            source = tensor_name(*parse_tensor(copy.inputs[data]))
+            original = inputs.get(source) or (source[len(prefix):] if source.startswith(prefix) else source)
+            picked = flow.fact(original)
             out = flow.fact(f"{name}:0")
             if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
                     or out.src != name:
                 continue
-            rank = flow.ctx.rank(source[len(prefix):] if source.startswith(prefix) else source)
+            rank = flow.ctx.rank(original)
             if not _along(ir, copy, picked.axis) or not _restricts(ir, copy, picked.axis, rank):
                 continue    # a gather along another axis, or per example (batch_dims), or a
                             # slice that keeps every example (``sel[:, None]``): its positions
@@ -125,6 +132,10 @@ def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefi
 
 def _along(ir: IR, copy: Node, axis: int) -> bool:
     """False for a gather whose positions do not index the batch axis ``axis``."""
+    if copy.op in ("ArgMax", "ArgMin"):
+        value = _constant(ir, copy.inputs[1])
+        rank = len(ir.static_shape(copy.inputs[0]) or []) or None
+        return value is None or np.ndim(value) != 0 or int(value) == axis or (rank and int(value) + rank == axis)
     if copy.op != "GatherV2":
         return True
     if int(copy.attr("batch_dims", 0) or 0):
@@ -188,6 +199,8 @@ def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
         return max(1, int(value))
     elif node.op == "NthElement":           # the n-th smallest (0-based) needs n + 1
         return int(value) + 1
+    elif node.op in ("ArgMax", "ArgMin"):   # the position of the batch's largest: one example
+        return 1
     elif node.op == "GatherNd":
         picks = value.reshape(-1, value.shape[-1])[:, 0] if value.ndim and value.shape[-1] else value[:0]
     else:
