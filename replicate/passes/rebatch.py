@@ -67,6 +67,7 @@ class Rebatch:
             return PassResult(ir, False)
         self.ir, self.towers, self.copies = ir, ir.facts["towers"], ir.facts["copies"]
         self.classes = analysis.flow.classes
+        self.shared_inputs = analysis.shared_inputs
         done: list[str] = []
         for (name, elem), found in sorted(plan.elements.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
             p = found[0]
@@ -155,7 +156,19 @@ class Rebatch:
     def _split(self, tensor: str, d, per_tower: bool) -> None:
         """Towers read their own rows of ``tensor`` (the global original, or their own copy)."""
         ir = self.ir
-        if d.rows is None or d.outer != 1:
+        if d.outer != 1:
+            # a concatenation of batches (a GAN's real and generated examples): each tower's
+            # rows are not one piece of it
+            above = ir.ancestors([node_of(tensor)])
+            aside = [t for t in self.shared_inputs if node_of(t) in above]
+            raise AnalysisError(
+                f"'{tensor}' must be cut to each tower's examples, but it holds {d.outer} batches "
+                "one after another (a concatenation, such as a GAN's real and generated examples)"
+                + (f", and {' and '.join(repr(t) for t in sorted(aside))} "
+                   f"{'was' if len(aside) == 1 else 'were'} not taken for batch inputs" if aside else "")
+                + ": if every part holds as many examples, name the inputs of all of them with "
+                "batch_inputs= (--batch-inputs), else compute each part's loss separately and add them")
+        if d.rows is None:
             raise AnalysisError(f"'{tensor}' must be cut to each tower's examples, but its rows "
                                 "per example are not known statically; give the batch input a "
                                 "dynamic batch dimension")
