@@ -419,6 +419,23 @@ def test_a_sorted_segment_sum_by_fed_ids_is_refused_with_the_op():
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
 
 
+def test_tokens_fed_flat_with_their_row_splits_are_refused_as_such():
+    """Review 31: ``RaggedTensor.from_row_splits(tokens, splits)`` with the splits fed (one
+    entry more than the batch's examples) was refused with advice to slice a tensor inside
+    RaggedTensor's code; the refusal now says what the fed splits are."""
+    graph = tf.Graph()
+    with graph.as_default():
+        splits = v1.placeholder(tf.int64, [None], name="splits")
+        ids = v1.placeholder(tf.int32, [None], name="tokens")
+        rows = tf.nn.embedding_lookup(v1.get_variable("e", [10, 4]), ids)
+        pooled = tf.reduce_mean(tf.RaggedTensor.from_row_splits(rows, splits), 1)
+        scores = tf.reduce_sum(pooled * v1.get_variable("w", [4]), 1)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(scores)), name="train")
+    with pytest.raises(replicate.ReplicateError, match="entries of 'splits:0' minus a constant.*row "
+                       "boundaries.*Feed the rows padded"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
 @pytest.mark.parametrize("embedded", [False, True])
 def test_tokens_fed_flat_with_their_lengths_are_refused_with_the_op(embedded):
     """Review 29: ``tf.RaggedTensor.from_row_lengths(tokens, lengths).to_tensor()`` with the

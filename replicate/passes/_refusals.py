@@ -143,6 +143,21 @@ def _length_at_least(ir: IR, ref: str, c: float) -> bool:
     return False
 
 
+def _entries_of(ir: IR, flow, ref: str) -> str | None:
+    """The batch input whose length, less a constant, ``ref`` is (``tf.shape(splits)[0] - 1``)."""
+    for _ in range(6):
+        node = ir.nodes.get(node_of(ref))
+        if node is None or not node.inputs:
+            return None
+        if node.op in ("Shape", "Size"):
+            fed = flow.ctx.fed(node.inputs[0])
+            return fed if fed is not None and flow.ctx.inputs.get(fed, (None,))[0] == 0 else None
+        if node.op not in ("Identity", "Cast", "StridedSlice", "Sub", "Add", "AddV2"):
+            return None
+        ref = node.inputs[0]
+    return None
+
+
 def refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
     """``tf.range(tf.shape(x)[0] - 1)`` runs on one device with any batch, but a tower with no
     example computes ``Range(0, -1)`` and fails at run time: refused, since every rewrite must
@@ -158,6 +173,14 @@ def refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
         limit = flow.fact(node.inputs[1])
         if limit is not None and limit.kind == "red" and limit.src is None and limit.merge == "other" \
                 or minus_constant(ir, flow, node.inputs[1]):
+            fed = _entries_of(ir, flow, node.inputs[1])
+            if fed is not None:     # review 31: row splits fed beside the flat rows
+                raise AnalysisError(
+                    f"'{name}' counts up to the entries of '{fed}' minus a constant, and '{fed}' is "
+                    "split as a batch input: it holds row boundaries (RaggedTensor.from_row_splits' "
+                    "have one entry more than the batch has examples), which no tower's slice of "
+                    "it keeps. Feed the rows padded per example ([batch, length] with the lengths "
+                    "or a mask), or train this graph on one device")
             raise AnalysisError(f"'{name}' counts up to the batch size minus a constant "
                                 f"('{node_of(node.inputs[1])}'): a tower with fewer examples than "
                                 "that constant (the last, uneven batch) cannot run it. Slice the "
