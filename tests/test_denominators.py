@@ -277,14 +277,17 @@ def _scaled_mean(classes: str) -> tf.Graph:
 def test_a_mean_scaled_back_by_the_batch_size_is_a_sum(accumulate):
     """Review 28: ``reduce_mean(ce) * B / 32`` was "multiplies two values that depend on the
     batch" (0.64 off); each tower's is its own sum over 32. Scaled by another input's size,
-    it is still a product of two batch values."""
+    the towers read that input's synchronized size: a batch mean times a shared value."""
     res = replicate.transform(_scaled_mean("same"), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
     assert res.report.exact, res.report.reasons
     rng = np.random.default_rng(1)
     feeds = [{"x:0": rng.normal(size=(b, 4)).astype(np.float32),
               "y:0": rng.integers(0, 3, b).astype(np.int64)} for b in (7, 2)]
     assert compare(_scaled_mean("same"), res.graph, "train", feeds, cpus=4).max_rel < 1e-5
-    assert not replicate.transform(_scaled_mean("other"), ["/cpu:1", "/cpu:2"]).report.exact
+    res = replicate.transform(_scaled_mean("other"), ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    feeds = [dict(f, **{"z:0": rng.normal(size=(len(f["y:0"]) + 1, 2)).astype(np.float32)}) for f in feeds]
+    assert compare(_scaled_mean("other"), res.graph, "train", feeds, cpus=4).max_rel < 1e-5
 
 
 def _sized(selected: bool) -> tf.Graph:

@@ -321,6 +321,11 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
         if fact.kind == RED and name in synced:
             sources.append(name)        # synchronized already (batch norm under 'sync')
             continue
+        if fact.kind == RED and batch_size(fact):
+            sources.append(name)        # a batch size (tf.shape(x)[0]): the towers' sizes add up
+            if cls is None:
+                cls = ctx.classes.find(fact.cls) if fact.cls is not None else None
+            continue
         if fact.kind == RED and fact.src == name and fact.merge in _SYNCABLE.get(node.op, ()):
             sources.append(name)
             if cls is None:
@@ -337,6 +342,13 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
             return None
         work.extend(node.inputs)
     return (tuple(dict.fromkeys(sources)), cls) if sources else None
+
+
+def batch_size(fact) -> bool:
+    """``fact`` is a scalar some multiple of a batch's count of examples (``tf.shape(x)[0]``,
+    cast or not): the towers' values add up to the batch's."""
+    return fact.merge == "size" and fact.value is not None and len(fact.value) == 1 \
+        and isinstance(fact.value[0], Sym)
 
 
 def _canonical(ctx: Context, spec: tuple) -> tuple:

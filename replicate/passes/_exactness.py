@@ -17,6 +17,7 @@ from tensorflow.core.framework import types_pb2
 from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import Analysis, Reason
 from replicate.batchflow.lattice import RED
+from replicate.batchflow.loss import batch_size
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
 from replicate.graph.ir import IR, node_of
@@ -27,7 +28,7 @@ __all__ = ["collect", "unmergeable", "size_like", "size_coupling"]
 #: A batch size a batch statistic is combined with into per-example values: what, then the fix.
 SIZE_COUPLING = ("the batch size (tf.shape / tf.size) is combined with a batch statistic into "
                  "per-example values; each tower counts only its own examples, and replicate "
-                 "synchronizes batch sums, not sizes",
+                 "synchronizes a batch size only as a single number (tf.shape(x)[0], cast or not)",
                  "count the examples as a batch sum instead, e.g. "
                  "tf.reduce_sum(tf.ones_like(labels, tf.float32))")
 
@@ -41,11 +42,13 @@ _INTS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64, types_pb2.DT_INT16, t
                    types_pb2.DT_UINT8, types_pb2.DT_BOOL})
 
 
-def size_like(ir: IR, name: str) -> bool:
-    """A coupling computed on integers (the longest sequence of a batch, a count): cheap and
-    exact to synchronize, so it always is."""
+def size_like(ir: IR, name: str, flow) -> bool:
+    """A coupling computed on integers (the longest sequence of a batch, a count), or a batch
+    size (``tf.shape(x)[0]``, cast or not): cheap and exact to synchronize, so it always is."""
     node = ir.nodes[name]
-    return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS
+    fact = flow.fact(f"{name}:0")
+    return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS \
+        or fact is not None and batch_size(fact)
 
 
 def data_statistic(ir: IR, graph: nx.DiGraph, name: str, flow) -> bool:

@@ -234,8 +234,10 @@ def _global_denominators(flow, terms: list[Term]) -> tuple[list[Term], list[Reas
     mixed = len({t.spec for t in batch}) >= 2
     out, reasons = [], []
     for t in terms:
-        if _data_ratio(t) and not _positive_shift(flow, t.spec) and (
-                mixed or not shares_suffice(flow.ctx, t.spec, _numerator(flow.ctx.ir, t))):
+        # (beside other terms, a batch size keeps the towers' shares: it is zero only in a
+        # tower without examples, whose every term is zero too)
+        if _data_ratio(t) and not _positive_shift(flow, t.spec) and not (mixed and _batch_size(flow, t.spec)) \
+                and (mixed or not shares_suffice(flow.ctx, t.spec, _numerator(flow.ctx.ir, t))):
             converted = _over_global_denominator(flow, t)
             if converted is None and not mixed:
                 reasons.append(Reason(node_of(t.root), f"the loss divides by '{t.spec[1]}', a count "

@@ -193,7 +193,7 @@ class Analyze:
                            "device") for c in looped]
         couplings = [c for c in couplings if c not in looped]
         loss_syncs = flow.loss_syncs()
-        auto = [c for c in couplings if _exactness.size_like(ir, c) or c in loss_syncs
+        auto = [c for c in couplings if _exactness.size_like(ir, c, flow) or c in loss_syncs
                 or _exactness.data_statistic(ir, graph, c, flow)]
         synced = frozenset(couplings if self.sync else auto)
         if synced:

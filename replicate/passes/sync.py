@@ -39,6 +39,7 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
+from replicate.batchflow.loss import batch_size
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import forward_op_of
@@ -117,6 +118,8 @@ class Sync:
         analysis, towers = ir.facts["analysis"], ir.facts["towers"]
         copies = ir.facts["copies"]
         fact = analysis.flow.fact(f"{name}:0")
+        if fact is not None and batch_size(fact):
+            fact = fact.with_(merge="sum")      # tf.shape(x)[0]: the towers' sizes add up
         if fact is None or fact.merge not in ("mean", "sum", "max", "min"):
             return False
         if fact.merge in ("max", "min") and grad_nodes:
