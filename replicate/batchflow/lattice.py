@@ -41,7 +41,7 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["INSIDE", "Fact", "Sym", "SHARED", "PART", "RED", "MIXED", "shared", "part", "red", "mixed",
+__all__ = ["INSIDE", "Fact", "Sym", "batch_size", "SHARED", "PART", "RED", "MIXED", "shared", "part", "red", "mixed",
            "join", "MERGES", "Classes", "LIST", "EMPTY_LIST", "ROWS"]
 
 SHARED = "shared"
@@ -152,6 +152,14 @@ def red(cls: int | None, merge: str, src: str | None, spec: tuple = (), taint: f
 def mixed(src: str, why: str, taint: frozenset = frozenset()) -> Fact:
     """A fact towers cannot reproduce, because of op ``src``."""
     return Fact(MIXED, src=src, why=why, taint=taint)
+
+
+def batch_size(fact: Fact) -> bool:
+    """``fact`` is a batch size: one number, some multiple of a batch's count of examples
+    (``tf.shape(x)[0]``, cast or not). The towers' values add up to the batch's, so it can be
+    synchronized like a batch sum."""
+    return fact.kind == RED and fact.merge == "size" and fact.value is not None \
+        and len(fact.value) == 1 and isinstance(fact.value[0], Sym)
 
 
 def _first_mixed(facts: list[Fact]) -> Fact | None:

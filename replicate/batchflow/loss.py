@@ -30,8 +30,8 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.facts import Reason
-from replicate.batchflow.lattice import INSIDE, MIXED, PART, RED, SHARED, Sym
-from replicate.batchflow.table import behind
+from replicate.batchflow.lattice import INSIDE, MIXED, PART, RED, SHARED, Sym, batch_size
+from replicate.batchflow.table import behind, value_only
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
@@ -321,7 +321,7 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
         if fact.kind == RED and name in synced:
             sources.append(name)        # synchronized already (batch norm under 'sync')
             continue
-        if fact.kind == RED and batch_size(fact):
+        if fact.kind == RED and batch_size(fact) and value_only(ir, name):
             sources.append(name)        # a batch size (tf.shape(x)[0]): the towers' sizes add up
             if cls is None:
                 cls = ctx.classes.find(fact.cls) if fact.cls is not None else None
@@ -342,13 +342,6 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
             return None
         work.extend(node.inputs)
     return (tuple(dict.fromkeys(sources)), cls) if sources else None
-
-
-def batch_size(fact) -> bool:
-    """``fact`` is a scalar some multiple of a batch's count of examples (``tf.shape(x)[0]``,
-    cast or not): the towers' values add up to the batch's."""
-    return fact.merge == "size" and fact.value is not None and len(fact.value) == 1 \
-        and isinstance(fact.value[0], Sym)
 
 
 def _canonical(ctx: Context, spec: tuple) -> tuple:

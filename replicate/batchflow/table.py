@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __all__ = ["UNARY", "BROADCAST", "SAME_SHAPE", "REDUCTIONS", "ARG_REDUCTIONS", "SCANS",
            "LAST_AXIS", "ROWWISE", "BATCH_CONTRACTIONS", "SHAPE_SOURCES", "PASS_THROUGH",
-           "SOURCES", "STATEFUL_PASS", "RowSpec", "PARAM_DRAWS", "IDENTITIES", "behind", "INNER_AXES"]
+           "SOURCES", "STATEFUL_PASS", "RowSpec", "PARAM_DRAWS", "IDENTITIES", "behind", "INNER_AXES",
+           "SHAPE_READERS", "value_only"]
 
 import dataclasses
 
@@ -228,3 +229,32 @@ def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
             break
         ref = node.inputs[idx if node.op == "IdentityN" else 0]
     return tensor_name(*parse_tensor(ref))
+
+
+#: Ops that read only a tensor's shape, never its values.
+SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def value_only(ir, name: str, limit: int = 64) -> bool:
+    """Every use of ``name``'s integer output (a batch size) is as a value: through integer
+    elementwise arithmetic into float values (``tf.cast(tf.shape(x)[0], tf.float32)``, the
+    clamp ``min(n, 4)`` before its cast), or by ops that read only its shape. Never as a shape,
+    a bound or a position (``tf.reshape(h, [n, -1])``, ``tf.range(n)``), where the tower's own
+    count is the right one: then the batch's value cannot replace it."""
+    from replicate.batchflow.roles import FLOAT_TYPES
+
+    work, seen = [name], {name}
+    while work:
+        for consumer, _ in ir.data_consumers(f"{work.pop()}:0"):
+            if consumer.op in SHAPE_READERS:
+                continue
+            if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES:
+                return False
+            if ir.output_dtype(f"{consumer.name}:0") in FLOAT_TYPES:
+                continue        # a float value: no shape reads it
+            if consumer.name not in seen:
+                if len(seen) >= limit:
+                    return False
+                seen.add(consumer.name)
+                work.append(consumer.name)
+    return True

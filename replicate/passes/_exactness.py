@@ -17,7 +17,8 @@ from tensorflow.core.framework import types_pb2
 from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import Analysis, Reason
 from replicate.batchflow.lattice import RED
-from replicate.batchflow.loss import batch_size
+from replicate.batchflow.lattice import batch_size
+from replicate.batchflow.table import value_only
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
 from replicate.graph.ir import IR, node_of
@@ -48,7 +49,7 @@ def size_like(ir: IR, name: str, flow) -> bool:
     node = ir.nodes[name]
     fact = flow.fact(f"{name}:0")
     return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS \
-        or fact is not None and batch_size(fact)
+        or fact is not None and batch_size(fact) and value_only(ir, name)
 
 
 def data_statistic(ir: IR, graph: nx.DiGraph, name: str, flow) -> bool:

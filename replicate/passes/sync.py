@@ -39,7 +39,7 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
-from replicate.batchflow.loss import batch_size
+from replicate.batchflow.lattice import batch_size
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import forward_op_of

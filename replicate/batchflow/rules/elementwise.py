@@ -10,7 +10,7 @@ keep a known merge (a mean plus a constant is still a mean; a sum plus a constan
 from __future__ import annotations
 
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import EMPTY_LIST, LIST, PART, RED, SHARED, Fact, Sym, join
+from replicate.batchflow.lattice import EMPTY_LIST, INSIDE, LIST, PART, RED, SHARED, Fact, Sym, batch_size, join
 from replicate.batchflow.rules.common import (
     combine_parts,
     couple,
@@ -25,7 +25,7 @@ from replicate.batchflow.rules.common import (
     size_fact,
     taint_of,
 )
-from replicate.graph.ir import Node
+from replicate.graph.ir import Node, parse_tensor
 
 __all__ = ["unary", "broadcast", "select", "matmul", "batch_matmul", "arith"]
 
@@ -114,6 +114,9 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         out = broadcast(ctx, node, [f.with_(index=None) if row_numbers(f) else f for f in ins])
         return [f.with_(index=tag) if f.kind == PART else numbered(node, taint_of(ins)) for f in out]
     if ps and _counted(ctx, node, ins):
+        synced = _sizes_synchronized(ctx, refs, ins)
+        if synced is not None:          # (``loss / B`` before the sum)
+            return broadcast(ctx, node, synced)
         return [mixed(node.name, "the batch size used as a value in per-example arithmetic: each "
                       "tower reads its own count", taint_of(ins))]
     if not ps:
@@ -217,6 +220,22 @@ def _counted(ctx: Context, node: Node, ins: list[Fact]) -> bool:
         return False
     # a batch reduction without a source op to synchronize (a count scaled, 0.1 * B) is one
     return any(f.kind == RED and (f.merge == "size" or not f.src) for f in ins)
+
+
+def _sizes_synchronized(ctx: Context, refs: list[str], ins: list[Fact]) -> list[Fact] | None:
+    """``ins`` with each batch size among them (:func:`batch_size`) read as the batch's, a
+    value shared by the towers once synchronized: a coupling named after the op that gives
+    it, which the sync pass synchronizes (a sum of the towers' sizes). None when another
+    batch-reduced operand is no such size, or the size is also read as a shape or a bound."""
+    out = []
+    for ref, f in zip(refs, ins):
+        if f.kind == RED:
+            name, index = parse_tensor(ref)
+            if not batch_size(f) or index or INSIDE in name or not _table.value_only(ctx.ir, name):
+                return None
+            f = shared(taint=f.taint | {name})
+        out.append(f)
+    return out
 
 
 def _symbolic(value: tuple | None, values: list) -> bool:
