@@ -225,10 +225,16 @@ def _rewrite(graph: Any, devices: Sequence[str], options: Options) -> Result:
                                 f"({analysis.static_batch}) into a shape the rewrite does not "
                                 f"resize per tower ({first}); give the batch inputs a dynamic "
                                 "batch dimension ([None, ...])") from None
-        raise AnalysisError(f"cannot replicate this graph: the analysis could not establish its "
-                            f"batch semantics ({analysis.reasons[0]}), so the batch sizes baked "
-                            f"into it cannot all be rewritten per tower ({first}); give the batch "
-                            "inputs a dynamic batch dimension") from None
+        # the reason's own fix is for an inexact rewrite, which this one cannot be (review 30:
+        # a static BERT gather_indexes was told to reduce a loss it already reduced)
+        reason = analysis.reasons[0]
+        static = f"its static batch size ({analysis.static_batch}) is baked into shapes and " \
+            "constants, and " if analysis.static_batch is not None else ""
+        raise AnalysisError(f"cannot replicate this graph: {static}where the analysis could not "
+                            f"establish its batch semantics ('{reason.node}': {reason.what}) it "
+                            f"cannot tell which batch sizes to rewrite per tower ({first}); give "
+                            "the batch inputs a dynamic batch dimension ([None, ...]) and compute "
+                            "sizes with tf.shape(x)[0]") from None
     towers: Towers = ir.facts["towers"]
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),

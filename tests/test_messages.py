@@ -542,3 +542,22 @@ def test_a_concatenation_of_batches_is_refused_with_a_fix_that_can_be_followed()
     rng = np.random.RandomState(3)
     feeds = [{"x:0": rng.randn(5, 3), "y:0": rng.randn(5, 1), "z:0": rng.randn(5, 3)} for _ in range(2)]
     assert compare(_discriminated(), res.graph, "train", feeds, cpus=4).max_rel <= 1e-5
+
+
+def test_a_static_batch_the_analysis_cannot_follow_is_refused_without_the_reason_s_fix():
+    """Review 30: BERT's ``gather_indexes`` built from a static batch (``range(0, 7) * S``)
+    was refused with the reason's fix for an inexact rewrite ("compute the loss per example
+    and reduce it"), which the program already did; the fix is a dynamic batch dimension."""
+    B, S, H = 7, 6, 4
+    graph = tf.Graph()
+    with graph.as_default():
+        seq = v1.placeholder(tf.float32, [B, S, H], name="seq")
+        pos = v1.placeholder(tf.int32, [B, 2], name="positions")
+        flat = tf.reshape(tf.tanh(seq * v1.get_variable("w", [H])), [B * S, H])
+        picked = tf.gather(flat, tf.reshape(pos + tf.reshape(tf.range(0, B) * S, [-1, 1]), [-1]))
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(picked)), name="train")
+    with pytest.raises(replicate.ReplicateError) as err:
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    text = str(err.value)
+    assert "static batch size (7)" in text and "dynamic batch dimension" in text, text
+    assert "reduce it with a mean or sum" not in text, text
