@@ -1,5 +1,6 @@
 """Losses that are nonlinear functions of batch reductions: a root mean square error, the
-square of a mean, a log-sum-exp over the batch, a mean divided by a batch standard deviation.
+square of a mean, a log-sum-exp over the batch, a mean divided by a batch standard deviation,
+a cross-correlation matrix of the batch (a MatMul that contracts it).
 
 Each tower's own mean is not the batch's, so no weighting of the towers' gradients gives
 ``f'(mean) * d mean``. The reductions are synchronized instead (every tower reads the global
@@ -26,6 +27,10 @@ LOSSES = {
     "over_std": lambda e, p, m: tf.reduce_mean(e) / (tf.math.reduce_std(p) + 1.0),
     "sqrt_of_masked_mean": lambda e, p, m: tf.sqrt(tf.identity(
         tf.reduce_sum(e * m) / (tf.reduce_sum(m) + 1.0), name="ratio")),
+    # Barlow twins' cross-correlation z^T z / N, a batch-contracting MatMul (review 30)
+    "cross_correlation": lambda e, p, m: tf.reduce_sum(tf.square(tf.matmul(
+        tf.stack([p, e], 1), tf.stack([p, e], 1), transpose_a=True) / tf.reduce_sum(tf.ones_like(p))
+        - tf.eye(2))),
 }
 
 

@@ -285,7 +285,8 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
 
 #: Batch reductions every tower can read as the global batch's value (sync pass); an extreme's
 #: gradient goes to one example, so the sync pass refuses a Max or Min that has gradient code.
-_SYNCABLE = {"Sum": ("sum", "mean"), "Mean": ("mean",), "L2Loss": ("sum",),
+#: A MatMul is one when it contracts the batch (``z1^T z2``, Barlow twins' cross-correlation).
+_SYNCABLE = {"Sum": ("sum", "mean"), "Mean": ("mean",), "L2Loss": ("sum",), "MatMul": ("sum",),
              "Max": ("max",), "Min": ("min",)}
 
 
@@ -330,8 +331,8 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
             sources.append(name)
             if cls is None:
                 cls = ctx.classes.find(fact.cls) if fact.cls is not None else None
-            below = ctx.fact(node.inputs[0])
-            for src in sorted(below.taint if below is not None else ()):
+            below = [ctx.fact(r) for r in node.inputs[:2 if node.op == "MatMul" else 1]]
+            for src in sorted(set().union(*(f.taint for f in below if f is not None))):
                 if src in sources or src in synced or INSIDE in src or src not in ir.nodes:
                     continue
                 if ir.nodes[src].op not in _SYNCABLE or "moments" in src:
