@@ -181,7 +181,7 @@ def test_a_named_split_that_cannot_run_is_refused_by_the_check():
     named = ["x:0", "y:0", "class_weights:0"]
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_inputs=named)
     assert not res.report.exact
-    with pytest.raises(replicate.errors.RewriteError, match=r"fails at step 1 .*GatherV2: .*indices"):
+    with pytest.raises(replicate.errors.RewriteError, match=r"fails at step 1 .*GatherV2.*(indices|too few examples)"):
         replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_inputs=named, check=True)
     # an inexact rewrite that runs says so in its check
     worst = tf.Graph()

@@ -94,3 +94,40 @@ def test_between_graph_workers_do_not_claim_a_worker_local_synchronization():
     res = replicate.transform(_graph("rmse"), "/cpu:0,/cpu:1", between_graph=True, cluster=cluster)
     assert not res.report.exact
     assert "own towers only" in str(res.report.reasons[0])
+
+
+def _barlow_twins() -> tf.Graph:
+    """Barlow twins: two noisy views projected, each normalized by its own batch moments, the
+    cross-correlation's diagonal pulled to 1 and the rest to 0 (the projection has no bias:
+    a bias right before a normalization has a zero gradient, rounding apart)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 5], name="x")
+        w = v1.get_variable("w", [5, 4], initializer=v1.glorot_uniform_initializer(seed=1))
+
+        def view(t):
+            z = tf.matmul(t, w)
+            mean, var = tf.nn.moments(z, [0])
+            return (z - mean) / tf.sqrt(var + 1e-5)
+        z1 = view(x + 0.1 * tf.random.normal(tf.shape(x), seed=3))
+        z2 = view(x * (1.0 + 0.1 * tf.random.normal(tf.shape(x), seed=4)))
+        c = tf.matmul(z1, z2, transpose_a=True) / tf.cast(tf.shape(z1)[0], tf.float32)
+        diagonal = tf.linalg.diag_part(c)
+        loss = tf.reduce_sum(tf.square(diagonal - 1.0)) + 0.05 * (
+            tf.reduce_sum(tf.square(c)) - tf.reduce_sum(tf.square(diagonal)))
+        v1.train.GradientDescentOptimizer(0.05).minimize(tf.identity(loss, name="loss"), name="train")
+    return graph
+
+
+@pytest.mark.parametrize("batch_norm", ["tower0", "sync"])
+def test_a_loss_of_normalized_activations_reads_them_synchronized_under_sync(batch_norm):
+    """Review 30: Barlow twins normalizes each view by its own batch moments. Under
+    ``batch_norm='sync'`` every statistic is synchronized, so the loss can read the
+    cross-correlation of the batch: exact at 3 towers with an empty tower. By default the
+    moments are each tower's, and the reason says so."""
+    res = replicate.transform(_barlow_twins(), DEVICES, batch_norm=batch_norm)
+    assert res.report.exact == (batch_norm == "sync"), res.report.reasons
+    if batch_norm == "sync":
+        rng = np.random.RandomState(5)
+        feeds = [{"x:0": rng.randn(b, 5).astype(np.float32)} for b in (7, 2)]
+        assert compare(_barlow_twins(), res.graph, "train", feeds, cpus=4).max_rel <= 1e-5

@@ -35,7 +35,7 @@ from replicate.batchflow.table import behind, value_only
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM", "sync_sources",
+__all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM", "sync_sources", "with_statistics_synced",
            "vanishes_with_count", "positive_shift", "shares_suffice", "behind"]
 
 ONES = ("ones",)
@@ -147,9 +147,10 @@ def _fix_for(why: str) -> str:
     return next(fix for fragment, fix in FIXES if fragment in why)
 
 
-def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
+def decompose(ctx: Context, loss: str, statistics: frozenset = frozenset()
+              ) -> tuple[list[Term], Reason | None]:
     """The terms of ``loss``, or the first reason it is not a linear combination of batch
-    reductions."""
+    reductions. ``statistics``: batch statistics synchronized (``batch_norm='sync'``)."""
     terms: list[Term] = []
     failure: list[Reason] = []
     ir = ctx.ir
@@ -160,7 +161,7 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
 
     def synced(ref: str, name: str) -> bool:
         """Add ``ref`` as a term read from synchronized reductions, if it can be one."""
-        found = sync_sources(ctx, ref)
+        found = sync_sources(ctx, ref, synced=statistics)
         if found is None:
             return False
         terms.append(Term(ref, "shared", (), found[1], found[0]))
@@ -281,6 +282,21 @@ def decompose(ctx: Context, loss: str) -> tuple[list[Term], Reason | None]:
 
     walk(loss, 0)
     return terms, (failure[0] if failure else None)
+
+
+def with_statistics_synced(ctx: Context, losses: dict) -> dict:
+    """``losses`` (loss -> its terms and reason) decomposed again where they failed, with the
+    batch statistics they depend on read as synchronized: under ``batch_norm='sync'`` every one
+    is, and a loss computed from a batch sum of normalized activations (Barlow twins' own
+    normalization) can then read that sum as the batch's (review 30)."""
+    out = {}
+    for loss, (_, reason) in losses.items():
+        fact = ctx.fact(loss)
+        if reason is not None and fact is not None and fact.taint:
+            terms, again = decompose(ctx, loss, frozenset(fact.taint))
+            if again is None:
+                out[loss] = (terms, None)
+    return out
 
 
 #: Batch reductions every tower can read as the global batch's value (sync pass); an extreme's

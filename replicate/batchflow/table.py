@@ -159,6 +159,9 @@ INNER_AXES = {
                               "MatrixSolve", "MatrixTriangularSolve", "Qr", "SelfAdjointEigV2", "Svd",
                               "MatrixExponential", "MatrixLogarithm", "MatrixSquareRoot", "CholeskyGrad",
                               "MatrixSolveLs")},
+    # diagonals (tf.linalg.diag_part / diag and their gradients; review 30's Barlow twins)
+    "MatrixDiagPart": (2, ()), "MatrixDiagPartV2": (2, (1, 2)), "MatrixDiagPartV3": (2, (1, 2)),
+    "MatrixDiag": (1, ()), "MatrixDiagV2": (1, (1, 2, 3, 4)), "MatrixDiagV3": (1, (1, 2, 3, 4)),
 }
 
 #: Ops that contract the batch away: their output sums over examples (filter gradients).

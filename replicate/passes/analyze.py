@@ -28,7 +28,7 @@ from replicate.batchflow.analysis import analyze as settle
 from replicate.batchflow.context import Demand
 from replicate.batchflow.effects import draws, writes
 from replicate.batchflow.facts import Analysis, BatchInput, Reason
-from replicate.batchflow.loss import sync_sources
+from replicate.batchflow.loss import sync_sources, with_statistics_synced
 from replicate.batchflow.roles import gradient_scopes
 from replicate.batchflow.lattice import INSIDE
 from replicate.errors import AnalysisError
@@ -180,6 +180,8 @@ class Analyze:
                          if t not in flow.inputs]
         primary = batch_inputs[0].cls
         reasons = _weights.drop_unweighable_fetches(grad_scopes, flow)
+        if self.sync:       # every batch statistic is read synchronized: so can a loss's
+            flow.losses.update(with_statistics_synced(flow.ctx, flow.losses))
         reasons += _weights.assign(grad_scopes, flow, primary)
         reasons += _custom.settle(ir, flow, region, grad_scopes)
         couplings = flow.couplings()
