@@ -85,5 +85,5 @@ def transform(graph: Any, devices: Sequence[str], options: Options | None = None
     if options.check:
         from replicate.check.certificate import attach
 
-        attach(result.report, graph, len(result.report.devices), options)
+        attach(result.report, graph, len(result.report.devices), options, result)
     return result

@@ -239,23 +239,25 @@ SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 def value_only(ir, name: str, limit: int = 64) -> bool:
-    """Every use of ``name``'s integer output (a batch size) is as a value: through integer
-    elementwise arithmetic into float values (``tf.cast(tf.shape(x)[0], tf.float32)``, the
-    clamp ``min(n, 4)`` before its cast), or by ops that read only its shape. Never as a shape,
-    a bound or a position (``tf.reshape(h, [n, -1])``, ``tf.range(n)``), where the tower's own
-    count is the right one: then the batch's value cannot replace it."""
+    """Every use of ``name``'s output (a batch size) is as a value: elementwise arithmetic,
+    casts included, ends in float values that no op reads as a shape, a bound or a position
+    (``tf.reshape(h, [n, -1])``, ``tf.range(n)``, ``x[int(0.7 * (n - 1))]``), where the
+    tower's own count is the right one and the batch's cannot replace it. Ops that read only
+    a shape do not count. Followed through at most ``limit`` ops."""
     from replicate.batchflow.roles import FLOAT_TYPES
 
     work, seen = [name], {name}
     while work:
-        for consumer, _ in ir.data_consumers(f"{work.pop()}:0"):
+        current = work.pop()
+        floating = ir.output_dtype(f"{current}:0") in FLOAT_TYPES
+        for consumer, _ in ir.data_consumers(f"{current}:0"):
             if consumer.op in SHAPE_READERS:
                 continue
             if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES:
-                return False
-            if ir.output_dtype(f"{consumer.name}:0") in FLOAT_TYPES:
-                continue        # a float value: no shape reads it
-            if consumer.name not in seen:
+                if floating:
+                    continue        # a float value read by another op: no shape, no position
+                return False        # an integer (or boolean) read otherwise: maybe one
+            if consumer.name not in seen:   # (cast back to an integer, it is followed on)
                 if len(seen) >= limit:
                     return False
                 seen.add(consumer.name)

@@ -166,10 +166,15 @@ def certify(source: Any, towers: int, *, train_op: str | None, loss: str | None,
     return cert
 
 
-def attach(report, graph: Any, towers: int, options: Options) -> None:
+def attach(report, graph: Any, towers: int, options: Options, result=None) -> None:
     """Run the numeric certificate for ``transform(graph, <towers devices>, options)`` and
     record it in ``report`` (a :class:`~replicate.report.Report`); a claimed exact that fails
-    becomes inexact, naming the first variable that differs."""
+    becomes inexact, naming the first variable that differs. With ``result`` (the rewrite),
+    a claimed exact is also checked on the rewrite's structure: a variable its step reads and
+    writes with no order between the two (where the program's own step orders them) makes it
+    inexact, naming both ops -- a race a few numeric steps on a quiet machine need not see."""
+    if result is not None and report.exact:
+        _structure(report, result)
     distributed = options.between_graph or options.cluster is not None
     if distributed:
         cert = Certificate(False, "devices of a cluster: run replicate verify on the single-machine graph")
@@ -210,6 +215,27 @@ def attach(report, graph: Any, towers: int, options: Options) -> None:
                                      "although the analysis found no reason",
                                      "please report the graph: the analysis missed what breaks "
                                      "exactness"))
+
+
+def _structure(report, result) -> None:
+    """The race check of :func:`attach` (``passes/_races.py`` on the rewrite)."""
+    from replicate.graph.ir import IR
+    from replicate.passes import _races
+
+    start = time.perf_counter()
+    ir = IR.from_graph_def(result.graph_def)
+    found = _races.racing(ir, ir.to_networkx(), list(result.analysis.train_ops), updates=True)
+    own = {w.split("'")[1] for w in report.warnings if "races with itself" in w}
+    for variable, (a, b, train_op) in sorted(found.items()):
+        if variable in own:
+            continue        # the program's own race, which the report states already
+        report.exact = False
+        report.reasons.append(Reason(a, f"the rewrite reads or writes variable '{variable}' at "
+                                     f"'{a}' with no order against its write at '{b}' in the step "
+                                     f"of '{train_op}', where one device orders them",
+                                     "please report the graph: the rewrite lost an order"))
+        break
+    log.info("certificate: race check of the rewrite in %.2f s", time.perf_counter() - start)
 
 
 def _rounding(source: Any, train_op: str, found, steps: int) -> float:

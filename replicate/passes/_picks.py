@@ -52,8 +52,9 @@ PICK_OPS = {
 }
 
 #: Ops whose position input may be computed at run time: the assertion compares the tower's
-#: count with it (``tf.nn.top_k(losses, tf.maximum(1, n // 2))``: k of the tower's own count).
-_RUN_TIME = frozenset({"TopKV2", "NthElement", "GatherV2", "Gather", "ResourceGather"})
+#: count with it (``tf.nn.top_k(losses, tf.maximum(1, n // 2))``: k of the tower's own count;
+#: ``per[tf.shape(x)[0] - 1]``, review 32).
+_RUN_TIME = frozenset({"TopKV2", "NthElement", "GatherV2", "Gather", "ResourceGather", "StridedSlice"})
 
 #: Of those, ops whose positions are indices: the tower needs the largest one plus one
 #: (``tf.gather(losses, [random_uniform([], 0, B)])``, a random anchor: an empty tower failed
@@ -106,6 +107,14 @@ def assert_examples(ir: IR) -> int:
                 # (its segment sum failed first, with TensorFlow's "out of range")
                 behind_check(ir, indices, check, f"{copy.name}/{SCOPE}/checked_indices", copy.device,
                              prefix, SCOPE)
+            elif position is None and copy.op == "StridedSlice":
+                need = _position_plus_one(ir, copy, picked.axis, rank, flow.ctx.shape(
+                    inputs.get(copy.inputs[1]) or copy.inputs[1][len(prefix):]))
+                if need is None:
+                    continue        # a range of examples, bounds at run time: no failure
+                check = _assert(ir, copy, k, picked.axis, need, kind, len(copies))
+                behind_check(ir, copy.inputs[1], check, f"{copy.name}/{SCOPE}/checked_begin",
+                             copy.device, prefix, SCOPE)    # (its gradient reads it too)
             elif position is None:
                 _assert(ir, copy, k, picked.axis, copy.inputs[where], kind, len(copies))
             else:
@@ -162,6 +171,27 @@ def _restricts(ir: IR, copy: Node, axis: int, rank: int | None) -> bool:
         if din == axis:
             return i is not None and not ((bm >> i) & 1 and (em >> i) & 1 and int(strides[i]) == 1)
     return False
+
+
+def _position_plus_one(ir: IR, copy: Node, axis: int, rank: int | None, spec: list | None) -> str | None:
+    """A tensor of the tower: how many examples strided slice ``copy`` needs to pick one at a
+    position computed at run time, ``p + 1`` (or ``-p`` from the end); None unless it picks one
+    example on ``axis`` (a shrunk axis)."""
+    if rank is None or not spec or len(spec) != 1 or not isinstance(spec[0], int):
+        return None
+    ell, new, shrink = (int(copy.attr(k, 0)) for k in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask"))
+    entry = next((e for e in strided_entries(rank, spec[0], ell, new, shrink) if e[0] == axis), None)
+    if entry is None or entry[1] is not None or entry[2] is None:
+        return None
+    scope, dev = f"{copy.name}/{SCOPE}", copy.device
+    index = dtypes.as_dtype(ir.output_dtype(copy.inputs[1]))
+    at = ir.add(f"{scope}/position", "GatherV2", [copy.inputs[1], ir.const(f"{scope}/entry", entry[2], dtypes.int32, dev),
+                                                  ir.const(f"{scope}/first", 0, dtypes.int32, dev)],
+                device=dev, attrs={"Tparams": index, "Tindices": dtypes.int32, "Taxis": dtypes.int32}).name
+    after = ir.add(f"{scope}/position_plus_one", "AddV2", [at, ir.const(f"{scope}/one", 1, index, dev)],
+                   device=dev, attrs={"T": index}).name
+    back = ir.add(f"{scope}/from_the_end", "Neg", [at], device=dev, attrs={"T": index}).name
+    return ir.add(f"{scope}/position_needs", "Maximum", [after, back], device=dev, attrs={"T": index}).name
 
 
 def _largest_plus_one(ir: IR, copy: Node, indices: str) -> str:
@@ -244,10 +274,11 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
         bound = need
         if ir.output_dtype(need) != i32.as_datatype_enum:
             bound = add("need", "Cast", [need], SrcT=dtypes.as_dtype(ir.output_dtype(need)), DstT=i32)
-        k = "n + 1" if copy.op == "NthElement" else "i + 1" if copy.op in _INDICES else "k"
-        shown = k if copy.op in _INDICES else k[0]      # the bound printed after the message
+        positions = _INDICES | {"StridedSlice"}
+        k = "n + 1" if copy.op == "NthElement" else "i + 1" if copy.op in positions else "k"
+        shown = k if copy.op in positions else k[0]      # the bound printed after the message
         what = what.replace("by position", "by a position computed at run time (i, the largest)") \
-            if copy.op in _INDICES else what
+            if copy.op in positions else what
         message = (f"{what}{k} examples in every step ({k[0]} as that tower computes it); feed "
                    f"more examples per step, or train on fewer towers. Examples in tower "
                    f"{tower}, {shown}:")

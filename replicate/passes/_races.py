@@ -27,7 +27,7 @@ from replicate.batchflow.effects import writes
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["warnings"]
+__all__ = ["warnings", "racing"]
 
 #: Ops that touch a variable's handle without reading or writing its value.
 _NO_VALUE = frozenset({"VariableShape", "VarIsInitializedOp", "IsVariableInitialized", "DestroyResourceOp"})
@@ -38,10 +38,26 @@ _PASS = frozenset({"Identity", "IdentityN", "RefIdentity"})
 
 def warnings(ir: IR, graph: nx.DiGraph, train_ops: list[str], limit: int = 3) -> list[str]:
     """What the report says about variables read and written with no order in a step."""
+    out = []
+    for variable, (a, b, train_op) in sorted(racing(ir, graph, train_ops).items())[:limit]:
+        out.append(f"variable '{variable}' is accessed by '{a}' and written by '{b}' with no order "
+                   f"between them in the step of '{train_op}': one device's result depends on which "
+                   "runs first (the program races with itself, and no rewrite can match it "
+                   "reliably); order them with tf.control_dependencies")
+    return out
+
+
+def racing(ir: IR, graph: nx.DiGraph, train_ops: list[str], updates: bool = False
+           ) -> dict[str, tuple[str, str, str]]:
+    """Variable -> (an access, a write, the train op) with no order between the two. With
+    ``updates``, a variable the optimizer alone writes is judged too (in a program,
+    ``minimize`` orders its update after every read its gradient needs; in a rewrite, that is
+    what the rewrite must keep)."""
     accesses = {v: a for v, a in _accesses(ir).items()
-                if any(ops.apply_spec(ir.nodes[w].op) is None for w in a[1]) and len(a[0]) + len(a[1]) > 1}
+                if (updates or any(ops.apply_spec(ir.nodes[w].op) is None for w in a[1]))
+                and len(a[0]) + len(a[1]) > 1}
     if not accesses:        # only optimizer updates, each after its gradient: nothing to race
-        return []
+        return {}
     # only paths from an access to a write can order the two: the nodes between them
     touched = {n for reads, written in accesses.values() for n in reads | written}
     written = {n for _, w in accesses.values() for n in w}
@@ -55,13 +71,7 @@ def warnings(ir: IR, graph: nx.DiGraph, train_ops: list[str], limit: int = 3) ->
         mine = {v: (r & cone, w & cone) for v, (r, w) in accesses.items() if w & cone}
         for variable, (a, b) in _races(graph, [n for n in order if n in cone], mine).items():
             found.setdefault(variable, (a, b, train_op))
-    out = []
-    for variable, (a, b, train_op) in sorted(found.items())[:limit]:
-        out.append(f"variable '{variable}' is accessed by '{a}' and written by '{b}' with no order "
-                   f"between them in the step of '{train_op}': one device's result depends on which "
-                   "runs first (the program races with itself, and no rewrite can match it "
-                   "reliably); order them with tf.control_dependencies")
-    return out
+    return found
 
 
 def _ordered(graph: nx.DiGraph, nodes: set[str]) -> list[str]:

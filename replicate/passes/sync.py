@@ -103,6 +103,12 @@ class Sync:
                                                "the example that attains it, which one tower holds; "
                                                "it cannot be synchronized across towers",
                                                "stop its gradient (tf.stop_gradient) or use a mean or sum"))
+            elif size_coupling(analysis, name) and _divides_a_loss(ir, analysis, name):
+                analysis.reasons.append(Reason(
+                    name, f"the batch size '{name}' is read both as a value the examples need "
+                    "the batch's of and as a loss's divisor, which each tower needs its own of "
+                    "(its share of the batch weighs the term)", "divide by a second "
+                    "tf.shape(x)[0] (or a count of ones), so that each reads the size it needs"))
             elif size_coupling(analysis, name):
                 if not any(r.node == name and r.what == SIZE_COUPLING[0] for r in analysis.reasons):
                     analysis.reasons.append(Reason(name, *SIZE_COUPLING))
@@ -119,6 +125,8 @@ class Sync:
         copies = ir.facts["copies"]
         fact = analysis.flow.fact(f"{name}:0")
         if fact is not None and batch_size(fact):
+            if _divides_a_loss(ir, analysis, name):
+                return False        # a loss's divisor, weighed as each tower's share: its own
             fact = fact.with_(merge="sum")      # tf.shape(x)[0]: the towers' sizes add up
         if fact is None or fact.merge not in ("mean", "sum", "max", "min"):
             return False
@@ -177,6 +185,19 @@ class Sync:
                                 device=towers.devices[k],
                                 attrs={"T": dtypes.as_dtype(ir.output_dtype(upstream))}).name
             ir.replace_uses(grads[k], source, only=[r for r in readers if r in ir.nodes])
+
+
+def _divides_a_loss(ir: IR, analysis, name: str) -> bool:
+    """A loss term weighed by each tower's share of a denominator computed from ``name``
+    (``reduce_sum(ce * n) / n``: review 32, one size read both ways was claimed exact and
+    trained 0.5-0.9 off)."""
+    for terms, _ in analysis.flow.losses.values():
+        for t in terms:
+            if t.spec and t.spec[0] in ("value", "size", "shifted") and len(t.spec) > 1:
+                den = node_of(t.spec[1])
+                if den == name or name in ir.ancestors([den]):
+                    return True
+    return False
 
 
 def _ratio(ir: IR, towers, k: int, dtype: int, top: tuple, bottom: tuple, device: str, name: str) -> str:
