@@ -561,3 +561,24 @@ def test_a_static_batch_the_analysis_cannot_follow_is_refused_without_the_reason
     text = str(err.value)
     assert "static batch size (7)" in text and "dynamic batch dimension" in text, text
     assert "reduce it with a mean or sum" not in text, text
+
+
+def test_batch_norm_over_two_batches_with_a_sliced_loss_runs():
+    """Review 32: batch norm over ``tf.concat([real, fake])`` with the loss on the generated
+    half stopped in an internal error (the merged batch norm output's weights read a node the
+    rewire pass had removed). It is inexact, with its reason, and runs."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        z = v1.placeholder(tf.float32, [None, 3], name="z")
+        g = v1.get_variable("g", [3, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        d = v1.get_variable("d", [3, 4], initializer=v1.glorot_uniform_initializer(seed=2))
+        h = v1.layers.batch_normalization(tf.nn.relu(tf.matmul(tf.concat([x, tf.matmul(z, g)], 0), d)),
+                                          training=True, name="dbn")
+        loss = tf.reduce_mean(tf.square(h[tf.shape(x)[0]:]), name="loss")
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"], batch_inputs=["x:0", "z:0"])
+    assert not res.report.exact and "StridedSlice" in str(res.report.reasons[0])
+    rng = np.random.RandomState(1)
+    compare(graph, res.graph, "train", [{"x:0": rng.randn(7, 3), "z:0": rng.randn(7, 3)}], cpus=4)

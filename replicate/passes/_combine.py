@@ -132,7 +132,7 @@ def _numerator(ir: IR, towers: Towers, k: int, name: str, tf_dtype, spec: tuple,
     copy = _ref(f"{towers.prefixes[k]}/{node}:{idx}")
     if spec[0] == "size":
         size = ir.add(f"{name}_size", "Size", [copy], device=towers.devices[k],
-                      attrs={"T": dtypes.as_dtype(ir.output_dtype(spec[1])), "out_type": dtypes.int64}).name
+                      attrs={"T": dtypes.as_dtype(ir.output_dtype(copy)), "out_type": dtypes.int64}).name
         ir.add(name, "Cast", [size], device=towers.devices[k], attrs={"SrcT": dtypes.int64, "DstT": tf_dtype})
     else:
         src = dtypes.as_dtype(ir.output_dtype(copy))
