@@ -216,3 +216,23 @@ def test_positions_computed_from_fed_rows_through_a_tf1_cond_are_refused():
     with pytest.raises(replicate.ReplicateError, match="positions computed from numbers fed in "
                        "'idx:0'.*pick with the fed tuples as they are"):
         replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+@pytest.mark.parametrize("path", ["reshape", "cond_v2", "where", "reverse"])
+def test_positions_computed_from_fed_rows_on_other_paths_are_refused(path):
+    """Review 32: fed tuples reshaped, returned by a cond_v2, chosen by ``tf.where`` or
+    reversed before the pick failed at step 1 ("does not index into param shape")."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        idx = v1.placeholder(tf.int32, [None, 2], name="idx")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        w = v1.get_variable("w", [4, 3], initializer=v1.random_normal_initializer(seed=1))
+        chosen = {"reshape": lambda: tf.reshape(tf.reshape(idx, [-1]), [-1, 2]),
+                  "cond_v2": lambda: tf.cond(flag, lambda: tf.identity(idx), lambda: idx * tf.constant([1, 0])),
+                  "where": lambda: tf.where(tf.fill(tf.shape(idx), flag), idx, idx * tf.constant([1, 0])),
+                  "reverse": lambda: tf.reverse(idx, [0])}[path]()
+        pick = tf.gather_nd(tf.matmul(x, w), chosen)
+        v1.train.GradientDescentOptimizer(0.3).minimize(tf.reduce_mean(tf.square(pick)), name="train")
+    with pytest.raises(replicate.ReplicateError, match="positions computed from numbers fed in 'idx:0'"):
+        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])

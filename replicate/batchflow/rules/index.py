@@ -11,6 +11,8 @@ rebuild per-example rows (the gradient of a gather).
 
 from __future__ import annotations
 
+from tensorflow.python.framework import dtypes
+
 from replicate.batchflow.context import FED_PATH, Context
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact
 from replicate.batchflow.rules import strided
@@ -28,7 +30,7 @@ from replicate.batchflow.rules.common import (
     taint_of,
 )
 from replicate.batchflow.table import behind
-from replicate.graph.ir import Node, node_of
+from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["gather", "gather_nd", "where", "unique", "segment", "sparse_to_dense",
            "scatter_nd", "candidate_sampler", "accidental_hits",
@@ -97,7 +99,7 @@ def _refuse_fed_positions(ctx: Context, node: Node, index: Fact) -> None:
         tensor = next((t for t in map(ctx.fed, stacked.inputs) if t is not None), None)
     if tensor is None:      # computed from fed numbers (a TF1 cond's Merge of idx and idx * [1, 0])
         tensor, how = _fed_under(ctx, node.inputs[1]), "computed from numbers fed in"
-    if index.kind != PART or tensor is None or ctx.in_gradient(node):
+    if index.kind not in (PART, MIXED) or tensor is None or ctx.in_gradient(node):
         return
     where = strided.unchecked(ctx, node)
     if where:
@@ -117,24 +119,25 @@ def _refuse_fed_positions(ctx: Context, node: Node, index: Fact) -> None:
                "compute the positions in the graph, or train this graph on one device")
 
 
-#: Ops whose integer results keep fed numbers as positions (a TF1 cond's ``Merge`` of its
-#: branches, a column zeroed by ``idx * [1, 0]``, columns stacked or concatenated).
-_POSITION_PATH = FED_PATH | {"Merge", "Mul", "Add", "AddV2", "Sub", "Pack", "ConcatV2", "Maximum", "Minimum"}
-
-
 def _fed_under(ctx: Context, ref: str) -> str | None:
-    """A batch input whose numbers reach ``ref`` through ops of ``_POSITION_PATH``."""
-    work, seen = [node_of(ref)], set()
-    while work and len(seen) < 32:
-        name = work.pop()
-        fed = ctx.fed(f"{name}:0")
-        node = ctx.ir.nodes.get(name)
-        if fed is not None or node is None or node.op not in _POSITION_PATH:
-            if fed is not None:
-                return fed
+    """A batch input whose integers reach ``ref`` through integer tensors (a TF1 cond's
+    ``Merge`` of ``idx`` and ``idx * [1, 0]``, a reshape, a cond_v2 or a defun returning them,
+    ``tf.where``, ``tf.reverse``, columns unstacked and stacked again: review 31, 32). Numbers
+    computed from float values (an ``argmax``) are the examples' values, not fed ones."""
+    work, seen = [tensor_name(*parse_tensor(ref))], set()
+    while work and len(seen) < 48:
+        tensor = work.pop()
+        fed = ctx.fed(tensor)
+        if fed is not None:
+            return fed
+        node = ctx.ir.nodes.get(node_of(tensor))
+        if node is None or ctx.in_gradient(node):
             continue
-        seen.add(name)
-        work.extend(n for n in map(node_of, node.inputs) if n not in seen)
+        seen.add(tensor)
+        for r in node.inputs:
+            r = tensor_name(*parse_tensor(r))
+            if r not in seen and dtypes.as_dtype(ctx.ir.output_dtype(r)).is_integer:
+                work.append(r)
     return None
 
 
@@ -221,9 +224,11 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     p, i = ins[0], ins[1]
     taint = couple(ctx, node, ins)
     bad = first_mixed(ins)
-    if bad is not None:
-        return [bad]
     i_shape = ctx.shape(node.inputs[1])
+    if bad is not None:
+        if p.kind == PART and i.kind == MIXED and i_shape and i_shape[-1] is not None and p.axis < i_shape[-1]:
+            _refuse_fed_positions(ctx, node, i)     # fed rows reordered (tf.reverse): review 32
+        return [bad]
     if i_shape is None or i_shape[-1] is None:
         return [mixed(node.name, "GatherNd with index tuples of unknown length", taint)] \
             if p.dependent or i.dependent else [shared()]
