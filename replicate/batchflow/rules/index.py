@@ -29,7 +29,7 @@ from replicate.batchflow.rules.common import (
     size_fact,
     taint_of,
 )
-from replicate.batchflow.table import behind
+from replicate.batchflow.table import SHAPE_READERS, behind
 from replicate.graph.ir import Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["gather", "gather_nd", "where", "unique", "segment", "sparse_to_dense",
@@ -89,16 +89,18 @@ def _fed_rows(ctx: Context, node: Node, data: Fact, index: Fact) -> bool:
     return True
 
 
-def _refuse_fed_positions(ctx: Context, node: Node, index: Fact) -> None:
+def _refuse_fed_positions(ctx: Context, node: Node, index: Fact, column: int = 0) -> None:
     """Positions fed in a batch input that are not the examples' own row numbers (rows of a
     folded ``[B * T, A]`` batch): each tower holds other rows than those numbers name, and the
     step would fail on TensorFlow's "does not index into param shape" (review 29)."""
-    tensor, how = ctx.fed(node.inputs[1]), "fed in"
-    stacked = ctx.ir.nodes.get(node_of(behind(ctx.ir, node.inputs[1], FED_PATH)))
-    if tensor is None and stacked is not None and stacked.op == "Pack":
-        tensor = next((t for t in map(ctx.fed, stacked.inputs) if t is not None), None)
+    start = behind(ctx.ir, node.inputs[1], FED_PATH)
+    stacked = ctx.ir.nodes.get(node_of(start))
+    if stacked is not None and stacked.op == "Pack" and int(stacked.attr("axis", 0)) in (1, -1) \
+            and column < len(stacked.inputs):
+        start = stacked.inputs[column]      # the column that numbers the rows ([rows, actions])
+    tensor, how = ctx.fed(start), "fed in"
     if tensor is None:      # computed from fed numbers (a TF1 cond's Merge of idx and idx * [1, 0])
-        tensor, how = _fed_under(ctx, node.inputs[1]), "computed from numbers fed in"
+        tensor, how = _fed_under(ctx, start), "computed from numbers fed in"
     if index.kind not in (PART, MIXED) or tensor is None or ctx.in_gradient(node):
         return
     where = strided.unchecked(ctx, node)
@@ -131,8 +133,8 @@ def _fed_under(ctx: Context, ref: str) -> str | None:
         if fed is not None:
             return fed
         node = ctx.ir.nodes.get(node_of(tensor))
-        if node is None or ctx.in_gradient(node):
-            continue
+        if node is None or ctx.in_gradient(node) or node.op in SHAPE_READERS:
+            continue        # (a shape carries no fed numbers: range(tf.shape(a)[0]))
         seen.add(tensor)
         for r in node.inputs:
             r = tensor_name(*parse_tensor(r))
@@ -227,7 +229,7 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     i_shape = ctx.shape(node.inputs[1])
     if bad is not None:
         if p.kind == PART and i.kind == MIXED and i_shape and i_shape[-1] is not None and p.axis < i_shape[-1]:
-            _refuse_fed_positions(ctx, node, i)     # fed rows reordered (tf.reverse): review 32
+            _refuse_fed_positions(ctx, node, i, p.axis)     # fed rows reordered: review 32
         return [bad]
     if i_shape is None or i_shape[-1] is None:
         return [mixed(node.name, "GatherNd with index tuples of unknown length", taint)] \
@@ -250,7 +252,7 @@ def gather_nd(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                 return [part(i.axis, p.cls, i.block, ordered=i.ordered, taint=taint)]
             if i.kind == PART and i.axis < i_rank - 1 and (local or (p.axis == 0 and _fed_rows(ctx, node, p, i))):
                 return [part(i.axis, p.cls, None, ordered=i.ordered, filtered=True, taint=taint)]
-            _refuse_fed_positions(ctx, node, i)
+            _refuse_fed_positions(ctx, node, i, p.axis)
             return [mixed(node.name, "GatherNd picks examples of the batch by position", taint)]
         if i.kind == PART:
             return [mixed(node.name, "GatherNd of two batch axes", taint)]
