@@ -173,9 +173,9 @@ def attach(report, graph: Any, towers: int, options: Options, result=None) -> No
     a claimed exact is also checked on the rewrite's structure: a variable its step reads and
     writes with no order between the two (where the program's own step orders them) makes it
     inexact, naming both ops -- a race a few numeric steps on a quiet machine need not see."""
-    if result is not None and report.exact:
-        _structure(report, result)
     distributed = options.between_graph or options.cluster is not None
+    if result is not None and report.exact and not distributed:
+        _structure(report, result)
     if distributed:
         cert = Certificate(False, "devices of a cluster: run replicate verify on the single-machine graph")
     else:

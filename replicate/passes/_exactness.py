@@ -16,11 +16,10 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import Analysis, Reason
-from replicate.batchflow.lattice import RED
-from replicate.batchflow.lattice import batch_size
-from replicate.batchflow.table import value_only
+from replicate.batchflow.lattice import RED, batch_size
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
+from replicate.batchflow.table import value_only
 from replicate.graph.ir import IR, node_of
 from replicate.graph.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
 

@@ -165,12 +165,17 @@ def _restricts(ir: IR, copy: Node, axis: int, rank: int | None) -> bool:
     begin, strides = (_constant(ir, copy.inputs[i]) for i in (1, 3))
     if begin is None or strides is None or np.ndim(begin) != 1 or rank is None:
         return True
-    bm, em, ell, new, shrink = (int(copy.attr(k, 0)) for k in (
-        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask"))
+    bm, em, ell, new, shrink = _masks(copy)
     for din, dout, i in strided_entries(rank, len(begin), ell, new, shrink):
         if din == axis:
             return i is not None and not ((bm >> i) & 1 and (em >> i) & 1 and int(strides[i]) == 1)
     return False
+
+
+def _masks(copy: Node) -> tuple[int, ...]:
+    """A strided slice's begin, end, ellipsis, new-axis and shrink masks."""
+    return tuple(int(copy.attr(k, 0)) for k in ("begin_mask", "end_mask", "ellipsis_mask",
+                                                 "new_axis_mask", "shrink_axis_mask"))
 
 
 def _position_plus_one(ir: IR, copy: Node, axis: int, rank: int | None, spec: list | None) -> str | None:
@@ -179,7 +184,7 @@ def _position_plus_one(ir: IR, copy: Node, axis: int, rank: int | None, spec: li
     example on ``axis`` (a shrunk axis)."""
     if rank is None or not spec or len(spec) != 1 or not isinstance(spec[0], int):
         return None
-    ell, new, shrink = (int(copy.attr(k, 0)) for k in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask"))
+    _, _, ell, new, shrink = _masks(copy)
     entry = next((e for e in strided_entries(rank, spec[0], ell, new, shrink) if e[0] == axis), None)
     if entry is None or entry[1] is not None or entry[2] is None:
         return None
