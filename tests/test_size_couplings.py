@@ -58,9 +58,9 @@ def _feeds(batches=(7, 5, 2)):
              "y:0": rng.integers(0, C, b).astype(np.int64)} for b in batches]
 
 
-@pytest.mark.parametrize("kind", ["shape_classes", "size_classes", "shape_positives", "centered",
-                                  "features_classes"])
-@pytest.mark.parametrize("batch_norm", ["tower0", "sync"])
+@pytest.mark.parametrize("kind,batch_norm", [(k, "sync") for k in ("shape_classes", "size_classes",
+                                                                   "shape_positives", "centered", "features_classes")]
+                         + [("shape_classes", "tower0"), ("centered", "tower0")])
 def test_a_tower_s_batch_size_is_synchronized_beside_a_statistic(kind, batch_norm):
     """Review 30 (``logsumexp - log(tf.shape(x)[0])``): the batch size a loss or its weights
     read is the batch's in every tower. A centering of activations stays inexact by default:
