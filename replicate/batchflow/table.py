@@ -234,6 +234,10 @@ def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
     return tensor_name(*parse_tensor(ref))
 
 
+#: Conds, whose boolean predicate decides a branch (as one device decides it, if it is the
+#: batch's); the boolean type's enum (types_pb2.DT_BOOL).
+_DECIDERS, _BOOL = frozenset({"If", "StatelessIf", "Switch"}), 10
+
 #: Ops that read only a tensor's shape, never its values.
 SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
@@ -254,8 +258,8 @@ def value_only(ir, name: str, limit: int = 64) -> bool:
             if consumer.op in SHAPE_READERS:
                 continue
             if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES:
-                if floating:
-                    continue        # a float value read by another op: no shape, no position
+                if floating or consumer.op in _DECIDERS and ir.output_dtype(f"{current}:0") == _BOOL:
+                    continue        # a float value, or a cond's predicate: no shape, no position
                 return False        # an integer (or boolean) read otherwise: maybe one
             if consumer.name not in seen:   # (cast back to an integer, it is followed on)
                 if len(seen) >= limit:

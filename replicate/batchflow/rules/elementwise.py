@@ -38,6 +38,7 @@ _LINEAR_UNARY = {"Identity", "Cast", "Neg", "Snapshot", "StopGradient"}
 _VALUE_UNARY = {"Cast", "Identity", "Snapshot", "StopGradient"}
 _SUMS = {"Add", "AddV2", "AddN", "AccumulateNV2", "BiasAdd", "BiasAddV1"}
 _DIVS = {"RealDiv", "Div", "DivNoNan", "TruncateDiv"}
+_COMPARISONS = {"Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual"}
 
 
 def unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -120,6 +121,9 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, "the batch size used as a value in per-example arithmetic: each "
                       "tower reads its own count", taint_of(ins))]
     if not ps:
+        synced = _sizes_synchronized(ctx, refs, ins) if node.op in _COMPARISONS and reds(ins) else None
+        if synced is not None:          # a cond decided by the batch size (``n > 4``)
+            return broadcast(ctx, node, synced)
         if reds(ins):
             return [_reduced_algebra(ctx, node, refs, ins)]
         values = [f.value for f in ins]
@@ -226,7 +230,10 @@ def _sizes_synchronized(ctx: Context, refs: list[str], ins: list[Fact]) -> list[
     """``ins`` with each batch size among them (:func:`batch_size`) read as the batch's, a
     value shared by the towers once synchronized: a coupling named after the op that gives
     it, which the sync pass synchronizes (a sum of the towers' sizes). None when another
-    batch-reduced operand is no such size, or the size is also read as a shape or a bound."""
+    batch-reduced operand is no such size, or the size is also read as a shape or a bound, or
+    the op is in a function body (whose arguments, seeded, the sync pass cannot reach)."""
+    if ctx.seeds:
+        return None
     out = []
     for ref, f in zip(refs, ins):
         if f.kind == RED:
