@@ -15,6 +15,8 @@ __all__ = ["UNARY", "BROADCAST", "SAME_SHAPE", "REDUCTIONS", "ARG_REDUCTIONS", "
 
 import dataclasses
 
+from tensorflow.core.framework import types_pb2
+
 from replicate.graph.ir import node_of, parse_tensor, tensor_name
 
 #: Elementwise ops of one data input; the output has the input's shape.
@@ -235,8 +237,8 @@ def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
 
 
 #: Conds, whose boolean predicate decides a branch (as one device decides it, if it is the
-#: batch's); the boolean type's enum (types_pb2.DT_BOOL).
-_DECIDERS, _BOOL = frozenset({"If", "StatelessIf", "Switch"}), 10
+#: batch's).
+_DECIDERS = frozenset({"If", "StatelessIf", "Switch"})
 
 #: Ops that read only a tensor's shape, never its values.
 SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
@@ -258,7 +260,7 @@ def value_only(ir, name: str, limit: int = 64) -> bool:
             if consumer.op in SHAPE_READERS:
                 continue
             if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES:
-                if floating or consumer.op in _DECIDERS and ir.output_dtype(f"{current}:0") == _BOOL:
+                if floating or consumer.op in _DECIDERS and ir.output_dtype(f"{current}:0") == types_pb2.DT_BOOL:
                     continue        # a float value, or a cond's predicate: no shape, no position
                 return False        # an integer (or boolean) read otherwise: maybe one
             if consumer.name not in seen:   # (cast back to an integer, it is followed on)
