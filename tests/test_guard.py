@@ -221,6 +221,9 @@ def _mining(k: str):
             return tf.reduce_mean(per * tf.cast(per >= third, tf.float32))
         if k == "last":         # the last example's loss (review 32: "slice index -1")
             return tf.reduce_mean(per) + per[n - 1]
+        if k == "quantile":     # the losses above the batch's 70% quantile (review 32): the pick
+            at = tf.cast(0.7 * tf.cast(n - 1, tf.float32), tf.int32)    # reads a mixed tensor
+            return tf.reduce_mean(per * tf.stop_gradient(tf.cast(per >= tf.sort(per)[at], tf.float32)))
         if k == "anchor":       # a random example's loss (the index drawn from the batch size)
             i = tf.compat.v1.random_uniform([1], 0, tf.maximum(n, 1), dtype=tf.int32, seed=9)
             return tf.reduce_mean(per) + tf.reduce_sum(tf.gather(per, i))
@@ -230,7 +233,8 @@ def _mining(k: str):
 
 
 @pytest.mark.parametrize("k,runs,stops", [("static", 6, 5), ("half", 3, 2), ("guarded", 2, None),
-                                          ("nth", 9, 8), ("anchor", 3, 2), ("last", 3, 2)])
+                                          ("nth", 9, 8), ("anchor", 3, 2), ("last", 3, 2),
+                                          ("quantile", 3, 2)])
 def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, stops):
     """``top_k`` over the towers' examples (inexact): a tower with fewer than k examples
     stopped in TensorFlow's "input must have at least k columns", and a tower without any in
@@ -255,7 +259,8 @@ def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, s
     if stops is not None:
         what = {"nth": "NthElement.{1,3} takes the n-th",
                 "anchor": "GatherV2.{1,3} picks example.s. of each tower.{1,3}s batch by a position computed",
-                "last": "strided_slice.{1,6} picks example.s. of each tower.{1,3}s batch by a position computed"}.get(
+                "last": "strided_slice.{1,6} picks example.s. of each tower.{1,3}s batch by a position computed",
+                "quantile": "strided_slice.{1,6} picks by a position computed at run time .{1,20} from .{1,3}sort/"}.get(
                     k, "TopKV2.{1,3} takes the k largest")
         with pytest.raises(RewriteError, match="a tower has too few examples: .{1,3}" + what):
             compare(_mining(k), res.graph, "train", feeds(stops), cpus=4)

@@ -7,7 +7,8 @@ Produces: ``ir.facts["min_batch"]`` (the smallest global batch every tower can r
 ops that need it) and, before every tower copy of a forward op that picks a fixed example
 (a constant position) of the tower's batch
 (``x[0]``, ``tf.gather(x, [2])``, the first element ``tf.scan`` reads to start, an
-``argmax`` over the batch, ...), an
+``argmax`` over the batch, ...), or any position of a tensor that already mixes the tower's
+examples along an axis of no static length (``tf.sort(losses)[k]``, a batch quantile), an
 ``Assert`` that the tower holds enough examples, as a control input of the copy. Nothing else
 changes: with enough examples the assertion passes and the values are the same.
 
@@ -86,13 +87,14 @@ def assert_examples(ir: IR) -> int:
                             # gradient slicing its pieces apart): no fixed example is picked
             source = tensor_name(*parse_tensor(copy.inputs[data]))
             original = inputs.get(source) or (source[len(prefix):] if source.startswith(prefix) else source)
-            picked = flow.fact(original)
-            out = flow.fact(f"{name}:0")
-            if picked is None or picked.kind != PART or out is None or out.kind != MIXED \
-                    or out.src != name:
+            axis = _batch_axis(flow, name, original)
+            if axis is None:
                 continue
+            mixed = original if flow.fact(original).kind == MIXED else None
             rank = flow.ctx.rank(original)
-            if not _along(ir, copy, picked.axis) or not _restricts(ir, copy, picked.axis, rank):
+            if mixed and copy.op in ("TopKV2", "NthElement") and rank != 1:
+                continue    # it picks along the last axis, not the first
+            if not _along(ir, copy, axis) or not _restricts(ir, copy, axis, rank):
                 continue    # a gather along another axis, or per example (batch_dims), or a
                             # slice that keeps every example (``sel[:, None]``): its positions
                             # are no examples' (an assertion on them misfired, review 31)
@@ -101,29 +103,43 @@ def assert_examples(ir: IR) -> int:
                             # constants outside the frame failed the step, review 16)
             if position is None and copy.op in _INDICES:
                 indices = copy.inputs[where]
-                check = _assert(ir, copy, k, picked.axis, _largest_plus_one(ir, copy, indices),
-                                kind, len(copies))
+                check = _assert(ir, copy, k, axis, _largest_plus_one(ir, copy, indices),
+                                kind, len(copies), mixed)
                 # the gradient reads the indices, not the gather: it must wait for the check too
                 # (its segment sum failed first, with TensorFlow's "out of range")
                 behind_check(ir, indices, check, f"{copy.name}/{SCOPE}/checked_indices", copy.device,
                              prefix, SCOPE)
             elif position is None and copy.op == "StridedSlice":
-                need = _position_plus_one(ir, copy, picked.axis, rank, flow.ctx.shape(
+                need = _position_plus_one(ir, copy, axis, rank, flow.ctx.shape(
                     inputs.get(copy.inputs[1]) or copy.inputs[1][len(prefix):]))
                 if need is None:
                     continue        # a range of examples, bounds at run time: no failure
-                check = _assert(ir, copy, k, picked.axis, need, kind, len(copies))
+                check = _assert(ir, copy, k, axis, need, kind, len(copies), mixed)
                 behind_check(ir, copy.inputs[1], check, f"{copy.name}/{SCOPE}/checked_begin",
                              copy.device, prefix, SCOPE)    # (its gradient reads it too)
             elif position is None:
-                _assert(ir, copy, k, picked.axis, copy.inputs[where], kind, len(copies))
+                _assert(ir, copy, k, axis, copy.inputs[where], kind, len(copies), mixed)
             else:
-                needs[name] = _needed(ir, copy, picked.axis, where)
-                _assert(ir, copy, k, picked.axis, needs[name], kind, len(copies))
+                needs[name] = _needed(ir, copy, axis, where)
+                _assert(ir, copy, k, axis, needs[name], kind, len(copies), mixed)
             done += 1
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
     return done
+
+
+def _batch_axis(flow, name: str, picked: str) -> int | None:
+    """The axis of ``picked`` that forward op ``name`` picks along and that may be as short as
+    a tower's batch: the batch axis when ``name`` is what makes the rewrite inexact by picking
+    from it; axis 0 when ``picked`` already mixes the examples and has no static length there
+    (``tf.sort(losses)``, ``tf.unique(labels)[0]``: as long as the tower makes it); else None."""
+    fact, out = flow.fact(picked), flow.fact(f"{name}:0")
+    if fact is None or out is None or out.kind != MIXED:
+        return None
+    if fact.kind == PART:
+        return fact.axis if out.src == name else None
+    shape = flow.ctx.shape(picked)
+    return 0 if fact.kind == MIXED and shape and shape[0] is None else None
 
 
 def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefix: str,
@@ -246,9 +262,10 @@ def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
 
 
 def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: str,
-            towers: int) -> str:
+            towers: int, mixed: str | None = None) -> str:
     """The assertion before ``copy``: its tower holds at least ``need`` examples (a number, or
-    a tensor of the tower computed at run time)."""
+    a tensor of the tower computed at run time); ``mixed`` names the tensor it picks from when
+    that already mixes the tower's examples."""
     scope = f"{copy.name}/{SCOPE}"
     i32, dev = dtypes.int32, copy.device
 
@@ -269,7 +286,8 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
     what = (f"{MARKER}: '{copy.name.split('/', 1)[1]}' "
             + {"TopKV2": "takes the k largest of each tower's examples",
                "NthElement": "takes the n-th smallest of each tower's examples"}.get(
-                   copy.op, "picks example(s) of each tower's batch by position")
+                   copy.op, f"picks by position from '{mixed}', which mixes each tower's examples"
+                   if mixed else "picks example(s) of each tower's batch by position")
             + f" (a reason the rewrite is inexact), so tower {tower} needs at least ")
     if isinstance(need, int):
         bound = ir.const(f"{scope}/need", need, i32, dev)

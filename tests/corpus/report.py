@@ -137,9 +137,9 @@ def markdown(results: list[dict], mode: str, seconds: dict[str, float]) -> str:
         "checkpoint must reproduce itself.",
         "",
         "`tests/test_corpus.py` runs the same harness in `quick` mode (the uneven batch only: "
-        "for each program's first variant the single-device replay, the API at 3 towers and, "
-        "for `dcgan`, the CLI at 2 towers; one API run at 2 towers of every other variant) and "
-        "asserts soundness and the expectations. Programs that train nondeterministically on one device declare what "
+        "for each program's first variant the API at 3 towers; one API run at 2 towers of every "
+        "other variant but five that repeat a sibling with one difference, `harness.QUICK_SKIP`) "
+        "and asserts soundness and the expectations. Programs that train nondeterministically on one device declare what "
         "(`NONDETERMINISTIC`); those values are not judged.",
         "",
     ]
