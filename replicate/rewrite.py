@@ -197,7 +197,7 @@ def _rewrite(graph: Any, devices: Sequence[str], options: Options) -> Result:
         if ir.facts.get("min_batch"):
             need = ir.facts["min_batch"]
             warnings.append(f"the rewrite needs at least {need['batch']} examples per step: "
-                            f"'{need['ops'][0]}' picks examples of each tower's batch by position; "
+                            f"'{need['ops'][0]}' reads examples of each tower's batch by position; "
                             "a smaller step stops with an assertion that says so")
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)

@@ -50,7 +50,16 @@ PICK_OPS = {
     "NthElement": (0, 1, "shape"),
     "ArgMax": (0, 1, "shape"),      # input 1 is the axis: over the batch, it needs one example
     "ArgMin": (0, 1, "shape"),
+    # a softmax over classes that are the tower's examples (in-batch negatives: logits
+    # ``a @ b^T``, labels ``tf.range(n)``) rejects an empty class axis; input 0 stands in for
+    # the position, which is always the first class
+    "SparseSoftmaxCrossEntropyWithLogits": (0, 0, "classes"),
+    "SoftmaxCrossEntropyWithLogits": (0, 0, "classes"),
 }
+
+#: Ops that pick along their input's last axis.
+_LAST_AXIS = frozenset({"TopKV2", "NthElement", "SparseSoftmaxCrossEntropyWithLogits",
+                        "SoftmaxCrossEntropyWithLogits"})
 
 #: Ops whose position input may be computed at run time: the assertion compares the tower's
 #: count with it (``tf.nn.top_k(losses, tf.maximum(1, n // 2))``: k of the tower's own count;
@@ -81,19 +90,19 @@ def assert_examples(ir: IR) -> int:
             if copy is None or copy.op not in PICK_OPS:
                 continue
             data, where, kind = PICK_OPS[copy.op]
-            position = _constant(ir, copy.inputs[where])
+            position = 0 if kind == "classes" else _constant(ir, copy.inputs[where])
             if name in flow.ctx.gradient or (position is None and copy.op not in _RUN_TIME):
                 continue    # gradient code, or bounds known only at run time (a concat's
                             # gradient slicing its pieces apart): no fixed example is picked
             source = tensor_name(*parse_tensor(copy.inputs[data]))
             original = inputs.get(source) or (source[len(prefix):] if source.startswith(prefix) else source)
-            axis = _batch_axis(flow, name, original)
+            spec = flow.ctx.shape(inputs.get(copy.inputs[1]) or copy.inputs[1][len(prefix):]) \
+                if copy.op == "StridedSlice" else None
+            axis = _batch_axis(ir, flow, copy, name, original, spec)
             if axis is None:
                 continue
             mixed = original if flow.fact(original).kind == MIXED else None
             rank = flow.ctx.rank(original)
-            if mixed and copy.op in ("TopKV2", "NthElement") and rank != 1:
-                continue    # it picks along the last axis, not the first
             if not _along(ir, copy, axis) or not _restricts(ir, copy, axis, rank):
                 continue    # a gather along another axis, or per example (batch_dims), or a
                             # slice that keeps every example (``sel[:, None]``): its positions
@@ -110,8 +119,7 @@ def assert_examples(ir: IR) -> int:
                 behind_check(ir, indices, check, f"{copy.name}/{SCOPE}/checked_indices", copy.device,
                              prefix, SCOPE)
             elif position is None and copy.op == "StridedSlice":
-                need = _position_plus_one(ir, copy, axis, rank, flow.ctx.shape(
-                    inputs.get(copy.inputs[1]) or copy.inputs[1][len(prefix):]))
+                need = _position_plus_one(ir, copy, axis, rank, spec)
                 if need is None:
                     continue        # a range of examples, bounds at run time: no failure
                 check = _assert(ir, copy, k, axis, need, kind, len(copies), mixed)
@@ -128,18 +136,46 @@ def assert_examples(ir: IR) -> int:
     return done
 
 
-def _batch_axis(flow, name: str, picked: str) -> int | None:
-    """The axis of ``picked`` that forward op ``name`` picks along and that may be as short as
-    a tower's batch: the batch axis when ``name`` is what makes the rewrite inexact by picking
-    from it; axis 0 when ``picked`` already mixes the examples and has no static length there
-    (``tf.sort(losses)``, ``tf.unique(labels)[0]``: as long as the tower makes it); else None."""
+def _batch_axis(ir: IR, flow, copy: Node, name: str, picked: str, spec: list | None) -> int | None:
+    """The axis of ``picked`` that forward op ``name`` (tower copy ``copy``) picks along and
+    that may be as short as a tower's batch: the batch axis when ``name`` is what makes the
+    rewrite inexact by picking from it; the axis the op picks along when ``picked`` already
+    mixes the examples and has no static length there (``tf.sort(losses)[k]``,
+    ``tf.unique(labels)[0][0]``, in-batch logits ``a @ b^T``: as long as the tower makes it);
+    else None. A softmax's classes are its last axis: the tower's examples when that is the
+    batch axis, or when the logits mix them and it has no static length. ``spec``: the shape
+    of a strided slice's begin."""
     fact, out = flow.fact(picked), flow.fact(f"{name}:0")
-    if fact is None or out is None or out.kind != MIXED:
+    classes = PICK_OPS[copy.op][2] == "classes"
+    if fact is None or not classes and (out is None or out.kind != MIXED):
         return None
-    if fact.kind == PART:
+    if fact.kind == PART and not classes:
         return fact.axis if out.src == name else None
     shape = flow.ctx.shape(picked)
-    return 0 if fact.kind == MIXED and shape and shape[0] is None else None
+    if fact.kind not in (PART, MIXED) or not shape:
+        return None
+    if copy.op == "StridedSlice" and not _shrinks(copy, len(shape), spec):
+        return None         # a range of a mixed tensor: never out of bounds
+    axis = 0
+    if copy.op in _LAST_AXIS:
+        axis = len(shape) - 1
+    elif copy.op in ("ArgMax", "ArgMin"):
+        value = _constant(ir, copy.inputs[1])
+        if value is None or np.ndim(value) != 0 or not -len(shape) <= int(value) < len(shape):
+            return None
+        axis = int(value) % len(shape)
+    if fact.kind == PART:
+        return axis if fact.axis == axis else None
+    return axis if shape[axis] is None else None
+
+
+def _shrinks(copy: Node, rank: int, spec: list | None) -> bool:
+    """Whether strided slice ``copy`` of a rank-``rank`` tensor picks one element of axis 0."""
+    if not spec or len(spec) != 1 or not isinstance(spec[0], int):
+        return False
+    _, _, ell, new, shrink = _masks(copy)
+    entry = next((e for e in strided_entries(rank, spec[0], ell, new, shrink) if e[0] == 0), None)
+    return entry is not None and entry[1] is None and entry[2] is not None
 
 
 def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefix: str,
@@ -216,14 +252,18 @@ def _position_plus_one(ir: IR, copy: Node, axis: int, rank: int | None, spec: li
 
 
 def _largest_plus_one(ir: IR, copy: Node, indices: str) -> str:
-    """A tensor of the tower: the largest of ``indices`` plus one (the examples it needs)."""
+    """A tensor of the tower: the largest of ``indices`` plus one (the examples it needs), 0 for
+    no indices (the largest of none is the dtype's least value: an int64 one plus one, cast to
+    int32, was 1, and the check failed on an empty tower that gathers nothing)."""
     scope, dev = f"{copy.name}/{SCOPE}", copy.device
     index = dtypes.as_dtype(ir.output_dtype(indices))
     flat = ir.add(f"{scope}/indices", "Reshape", [indices, ir.const(f"{scope}/flat", [-1], dtypes.int32, dev)],
                   device=dev, attrs={"T": index, "Tshape": dtypes.int32}).name
     top = ir.add(f"{scope}/largest", "Max", [flat, ir.const(f"{scope}/all", 0, dtypes.int32, dev)],
                  device=dev, attrs={"T": index, "Tidx": dtypes.int32, "keep_dims": False}).name
-    return ir.add(f"{scope}/largest_plus_one", "AddV2", [top, ir.const(f"{scope}/one", 1, index, dev)],
+    after = ir.add(f"{scope}/largest_plus_one", "AddV2", [top, ir.const(f"{scope}/one", 1, index, dev)],
+                   device=dev, attrs={"T": index}).name
+    return ir.add(f"{scope}/at_least_none", "Maximum", [after, ir.const(f"{scope}/none", 0, index, dev)],
                   device=dev, attrs={"T": index}).name
 
 
@@ -234,6 +274,8 @@ def _constant(ir: IR, ref: str):
 
 def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
     """How many examples a tower needs for ``node``'s constant position(s)."""
+    if PICK_OPS[node.op][2] == "classes":
+        return 1
     value = np.asarray(_constant(ir, node.inputs[where]))
     if node.op == "StridedSlice":
         masks = [int(node.attr(k, 0)) for k in ("begin_mask", "ellipsis_mask", "new_axis_mask")]
@@ -285,7 +327,11 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
                     Tparams=i32, Tindices=i32, Taxis=i32)
     what = (f"{MARKER}: '{copy.name.split('/', 1)[1]}' "
             + {"TopKV2": "takes the k largest of each tower's examples",
-               "NthElement": "takes the n-th smallest of each tower's examples"}.get(
+               "NthElement": "takes the n-th smallest of each tower's examples",
+               "SparseSoftmaxCrossEntropyWithLogits": f"takes a softmax over '{mixed}', whose "
+               "classes are each tower's examples",
+               "SoftmaxCrossEntropyWithLogits": f"takes a softmax over '{mixed}', whose classes "
+               "are each tower's examples"}.get(
                    copy.op, f"picks by position from '{mixed}', which mixes each tower's examples"
                    if mixed else "picks example(s) of each tower's batch by position")
             + f" (a reason the rewrite is inexact), so tower {tower} needs at least ")
