@@ -38,6 +38,8 @@ def _graph(kind: str) -> tf.Graph:
         def clipped(t):
             if kind == "clip_by_norm":
                 return t, lambda dy: tf.clip_by_norm(dy, 0.05)
+            if kind == "batch_size":     # review 33: a gradient reversal scaled by 1 / batch
+                return t, lambda dy: -dy * 4.0 / tf.cast(tf.shape(t)[0], tf.float32)
             return t, lambda dy: tf.clip_by_value(dy, -0.08, 0.08)
 
         if kind == "override":
@@ -77,13 +79,53 @@ def test_a_per_example_custom_gradient_is_exact(kind, options):
         np.testing.assert_allclose(single, multi, rtol=1e-5)
 
 
-def test_a_custom_gradient_over_the_batch_is_a_reason():
-    graph = _graph("clip_by_norm")
+@pytest.mark.parametrize("kind", ["clip_by_norm", "batch_size"])
+def test_a_custom_gradient_over_the_batch_is_a_reason(kind):
+    """Also one that divides the incoming gradient by the tower's batch size (review 33:
+    claimed exact, 0.05-0.8 off): each tower divides by its own count."""
+    graph = _graph(kind)
     res = replicate.transform(graph, DEVICES)
     assert not res.report.exact
     assert any("reduces over the batch" in r.what for r in res.report.reasons), res.report.reasons
     cmp = compare(graph, res.graph, "train", _feeds())
     assert cmp.max_rel > 1e-4            # and the graph does train differently
+
+
+def _seeded(seed: str) -> tf.Graph:
+    """A summed loss differentiated from a given seed: ``1 / n`` of the batch size, or the
+    per-example gradients a DDPG actor is fed (``-dQ/da``), as such or divided by ``n``."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4], initializer=v1.glorot_uniform_initializer(seed=1))
+        p = tf.tanh(tf.reduce_sum(x * w, 1))
+        loss = tf.reduce_sum(tf.square(p - y), name="loss")
+        n = tf.cast(tf.shape(x)[0], tf.float32)
+        if seed == "one_over_n":
+            grads = tf.gradients(loss, [w], grad_ys=1.0 / n)
+        else:       # y stands for the fed action gradients
+            grads = tf.gradients(p, [w], -y / n if seed == "actions_over_n" else -y)
+        v1.train.GradientDescentOptimizer(0.3).apply_gradients(zip(grads, [w]), name="train")
+    return graph
+
+
+@pytest.mark.parametrize("seed,exact", [("one_over_n", False), ("actions_over_n", False),
+                                        ("actions", True)])
+def test_a_seed_given_to_the_gradients_must_be_the_same_or_per_example(seed, exact):
+    """Review 33: ``tf.gradients(sum_loss, params, grad_ys=1/n)`` (and ``minimize``'s
+    ``grad_loss``, and a DDPG actor's fed action gradients divided by the batch size) was
+    claimed exact, 0.2-1.0 off: each tower seeded its gradients with its own ``1/n_k``. Such a
+    seed is now a reason that names it; fed per-example seeds stay exact."""
+    res = replicate.transform(_seeded(seed), DEVICES)
+    assert res.report.exact == exact, [str(r) for r in res.report.reasons]
+    feeds = [{k: v for k, v in f.items() if k != "m:0"} for f in _feeds()]
+    cmp = compare(_seeded(seed), res.graph, "train", feeds, fetch=("loss:0",))
+    if exact:
+        assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    else:
+        assert any("start from 'truediv" in r.what and "grad_ys" in r.what for r in res.report.reasons)
+        assert cmp.max_rel > 1e-4            # and the graph does train differently
 
 
 def test_recompute_grad_is_named_as_the_reason():

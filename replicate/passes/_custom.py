@@ -24,7 +24,7 @@ as is any other custom gradient on a batch-dependent path.
 from __future__ import annotations
 
 from replicate.batchflow.facts import GradScope, Reason
-from replicate.batchflow.lattice import PART, RED, SHARED
+from replicate.batchflow.lattice import PART, RED, SHARED, batch_size
 from replicate.batchflow.roles import FLOAT_TYPES
 from replicate.graph.ir import IR
 from replicate.passes._weights import weigh_in_towers
@@ -51,7 +51,8 @@ def settle(ir: IR, flow, region: list[str], scopes: list[GradScope]) -> list[Rea
             continue
         for name in (bad or dependent)[:4]:
             kind = ir.nodes[name].attr("_gradient_op_type")
-            why = ("its gradient code reduces over the batch or reads a batch-reduced value"
+            why = ("its gradient code reduces over the batch or reads a batch-reduced value "
+                   "(the batch size included)"
                    if name in bad else "the loss's terms cannot all be weighed in the towers")
             reasons.append(Reason(name, f"its gradient is replaced by a custom one ('{kind}', from "
                                   "tf.custom_gradient or gradient_override_map), which each tower "
@@ -74,6 +75,9 @@ def _per_example(ir: IR, flow, name: str, code: list[str]) -> bool:
     tensors += [f"{name}:{i}" for i in range(len(ir.output_types(node)))]
     for g in code:
         gnode = ir.nodes[g]
+        if gnode.op == "Cast" and ir.output_dtype(f"{g}:0") in FLOAT_TYPES \
+                and _size(flow.fact(gnode.inputs[0])):
+            return False        # the tower's batch size as a value: ``-dy * 4.0 / n`` (review 33)
         tensors += list(gnode.inputs)
         tensors += [f"{g}:{i}" for i in range(len(ir.output_types(gnode)))]
     for ref in tensors:
@@ -83,3 +87,8 @@ def _per_example(ir: IR, flow, name: str, code: list[str]) -> bool:
         if fact.kind not in (PART, SHARED) and not (fact.kind == RED and fact.merge == "size"):
             return False        # a shape of the tower's rows is fine; a value over them is not
     return True
+
+
+def _size(fact) -> bool:
+    """Whether ``fact`` is of a count of the tower's examples (``tf.shape(t)[0]``)."""
+    return fact is not None and (fact.kind == RED and fact.merge == "size" or batch_size(fact))

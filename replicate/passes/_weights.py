@@ -12,7 +12,7 @@ from __future__ import annotations
 import networkx as nx
 
 from replicate.batchflow.facts import GradScope, Reason
-from replicate.batchflow.lattice import Sym
+from replicate.batchflow.lattice import PART, SHARED, Sym, batch_size
 from replicate.batchflow.loss import (
     ONES,
     UNIFORM,
@@ -142,12 +142,36 @@ def drop_unweighable_fetches(grad_scopes: list[GradScope], flow) -> list[Reason]
     return reasons
 
 
+def _given_seeds(flow, scope: GradScope) -> list[Reason]:
+    """A reason for each seed given to ``tf.gradients`` (``grad_ys``, ``minimize``'s
+    ``grad_loss``) that is not proved the same in every tower as on one device (a constant, a
+    shared value) or per example (the action gradients a DDPG actor is fed): ``1 / n`` of the
+    tower's own batch size seeded each tower's gradients with its own scale (review 33)."""
+    ir, out = flow.ctx.ir, []
+    for seed in scope.seeds:
+        node = ir.nodes.get(node_of(seed))
+        if node is None or node.op != "Identity" or not node.inputs:
+            continue                    # TensorFlow's own seed: ones shaped like the loss
+        given = tensor_name(*parse_tensor(node.inputs[0]))
+        fact = flow.fact(given)
+        if fact is not None and not fact.taint and (fact.kind == PART or fact.kind == SHARED
+                                                    and not batch_size(fact)):
+            continue
+        out.append(Reason(node_of(given), f"the gradients of '{scope.loss or scope.prefix}' start "
+                          f"from '{given}' (grad_ys, or minimize's grad_loss), which is computed "
+                          "from the batch: each tower starts from its own slice's value",
+                          "scale the loss instead (tf.gradients(loss / n, ...): replicate "
+                          "synchronizes the batch size n), or seed with ones"))
+    return out
+
+
 def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reason]:
     """Set each scope's kind, weights and corrections from the decomposed losses."""
     reasons: list[Reason] = []
     for scope in grad_scopes:
         terms = []
         failed = False
+        reasons.extend(_given_seeds(flow, scope))
         if any(l is None for l in scope.losses) or not scope.losses:
             if _nested(flow.ctx.ir, scope.prefix, [s.prefix for s in grad_scopes]):
                 # tf.recompute_grad differentiates its function again inside the custom
