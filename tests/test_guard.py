@@ -535,10 +535,13 @@ def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column(crossed):
     assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5
 
 
-def test_an_empty_tower_pools_with_argmax():
+@pytest.mark.parametrize("kind", ["argmax", "reflect"])
+def test_an_empty_tower_pools_with_argmax(kind):
     """Review 28: ``tf.nn.max_pool_with_argmax`` (SegNet's pooling) and its gradient reject an
     empty batch ("tensor_in must not be empty"); a tower without examples now pools one zero
-    example and slices it away."""
+    example and slices it away. Review 33: so does reflection padding (``MirrorPad``: "paddings
+    must be less than the dimension size: 0, 0 not less than 0"; CycleGAN's generators,
+    ``tf.image.sobel_edges``), claimed exact."""
     import numpy as np
     import tensorflow as tf
 
@@ -552,7 +555,11 @@ def test_an_empty_tower_pools_with_argmax():
             x = v1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
             y = v1.placeholder(tf.int32, [None], name="y")
             scale = v1.get_variable("scale", [2], initializer=tf.ones_initializer())
-            pooled, _ = tf.nn.max_pool_with_argmax(x * scale, [1, 2, 2, 1], [1, 2, 2, 1], "SAME")
+            if kind == "argmax":
+                pooled, _ = tf.nn.max_pool_with_argmax(x * scale, [1, 2, 2, 1], [1, 2, 2, 1], "SAME")
+            else:
+                padded = tf.pad(x * scale, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT")
+                pooled = tf.nn.avg_pool2d(padded, 3, 2, "VALID")
             w = v1.get_variable("w", [8, 3], initializer=v1.glorot_uniform_initializer(seed=2))
             logits = tf.matmul(tf.reshape(pooled, [-1, 8]), w)
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))

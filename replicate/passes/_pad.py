@@ -7,7 +7,7 @@ zero example appended when its tower has none, and its readers get its batch-sha
 sliced back to the tower's examples (none). With examples nothing is appended and the slices
 are whole, so the values are the same bits.
 
-Why: ``tf.nn.max_pool_with_argmax`` (SegNet's pooling, whose indices the decoder unpools by)
+Why (for ``MirrorPad``, see :data:`MIRRORED`): ``tf.nn.max_pool_with_argmax`` (SegNet's pooling, whose indices the decoder unpools by)
 rejects an empty batch with "tensor_in must not be empty", with or without oneDNN, and so does
 its gradient; a tower gets no examples when a step's batch is smaller than the number of
 towers (review 28: exact claimed, the train step failed where one device runs).
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from tensorflow.python.framework import dtypes
 
-from replicate.graph.ir import IR
+from replicate.graph.ir import IR, node_of
 from replicate.passes._empty import dimension_of, tower_copies
 
-__all__ = ["PADDED", "pad_empty_batches"]
+__all__ = ["PADDED", "MIRRORED", "pad_empty_batches"]
 
 #: Op -> (positions of its inputs with examples on axis 0, outputs with examples on axis 0,
 #: their rank).
@@ -29,41 +29,60 @@ PADDED = {
     "MaxPoolGradWithArgmax": ((0, 1, 2), (0,), 4),
 }
 
+#: Reflection padding (CycleGAN's and style transfer's generators, ``tf.image.sobel_edges``)
+#: and its gradient: every padding must be less than its dimension (``REFLECT``), so a batch
+#: axis padded by none is rejected when it is empty ("paddings must be less than the dimension
+#: size: 0, 0 not less than 0", review 33). Padded like the ops above, when the constant
+#: paddings leave the batch axis alone.
+MIRRORED = frozenset({"MirrorPad", "MirrorPadGrad"})
+
 SCOPE = "replicate/pad"
 
 
 def pad_empty_batches(ir: IR) -> int:
-    """Pad the tower copies of :data:`PADDED` ops (module docstring); returns how many."""
-    done, i32 = 0, dtypes.int32
+    """Pad the tower copies of :data:`PADDED` ops, and of :data:`MIRRORED` ops that pad no
+    examples (module docstring); returns how many."""
+    done = 0
     for op in tower_copies(ir, PADDED):
-        ins, outs, rank = PADDED[op.op]
-        scope, dev = f"{op.name}/{SCOPE}", op.device
-
-        def add(name, kind, inputs, **attrs):
-            return ir.add(f"{scope}/{name}", kind, inputs, device=dev, attrs=attrs).name
-
-        def const(name, value):
-            return ir.const(f"{scope}/{name}", value, i32, dev)
-
-        batch = dimension_of(ir, op.inputs[ins[0]], 0, scope, dev)
-        extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
-                                          incompatible_shape_error=True)], SrcT=dtypes.bool, DstT=i32)
-        row = add("row", "Reshape", [add("pair", "Pack", [const("none", 0), extra], T=i32, N=2),
-                                     const("row_shape", [1, 2])], T=i32, Tshape=i32)
-        paddings = add("paddings", "ConcatV2", [row, const("rest", [[0, 0]] * (rank - 1)), const("axis", 0)],
-                       T=i32, N=2, Tidx=i32)
-        for i in ins:
-            ref = op.inputs[i]
-            ir.set_input(op.name, i, add(f"input_{i}", "Pad", [ref, paddings],
-                                         T=dtypes.as_dtype(ir.output_dtype(ref)), Tpaddings=i32))
-        size = add("size", "Pack", [batch] + [const(f"all_{d}", -1) for d in range(1, rank)], T=i32, N=rank)
-        for out in outs:
-            ref = f"{op.name}:{out}" if out else op.name
-            readers = [c.name for c, _ in ir.data_consumers(ref)]
-            if not readers:
-                continue
-            sliced = add(f"output_{out}", "Slice", [ref, const(f"begin_{out}", [0] * rank), size],
-                         T=dtypes.as_dtype(ir.output_dtype(ref)), Index=i32)
-            ir.replace_uses(ref, sliced, only=readers)
+        _pad(ir, op, *PADDED[op.op])
+        done += 1
+    for op in tower_copies(ir, MIRRORED):
+        paddings = ir.const_value(node_of(op.inputs[1]))
+        if paddings is None or paddings.ndim != 2 or not len(paddings) or paddings[0].any():
+            continue        # padding the batch axis itself, or at run time: left as it is
+        _pad(ir, op, (0,), (0,), len(paddings))
         done += 1
     return done
+
+
+def _pad(ir: IR, op, ins: tuple[int, ...], outs: tuple[int, ...], rank: int) -> None:
+    """``op`` reads inputs ``ins`` with one zero example appended when its batch is empty;
+    its readers get outputs ``outs`` sliced back to the batch."""
+    i32, scope, dev = dtypes.int32, f"{op.name}/{SCOPE}", op.device
+
+    def add(name, kind, inputs, **attrs):
+        return ir.add(f"{scope}/{name}", kind, inputs, device=dev, attrs=attrs).name
+
+    def const(name, value):
+        return ir.const(f"{scope}/{name}", value, i32, dev)
+
+    batch = dimension_of(ir, op.inputs[ins[0]], 0, scope, dev)
+    extra = add("extra", "Cast", [add("empty", "Equal", [batch, const("zero", 0)], T=i32,
+                                      incompatible_shape_error=True)], SrcT=dtypes.bool, DstT=i32)
+    row = add("row", "Reshape", [add("pair", "Pack", [const("none", 0), extra], T=i32, N=2),
+                                 const("row_shape", [1, 2])], T=i32, Tshape=i32)
+    paddings = add("paddings", "ConcatV2", [row, const("rest", [[0, 0]] * (rank - 1)), const("axis", 0)],
+                   T=i32, N=2, Tidx=i32)
+    for i in ins:
+        ref = op.inputs[i]
+        ir.set_input(op.name, i, add(f"input_{i}", "Pad", [ref, paddings],
+                                     T=dtypes.as_dtype(ir.output_dtype(ref)), Tpaddings=i32))
+    size = add("size", "Pack", [batch] + [const(f"all_{d}", -1) for d in range(1, rank)], T=i32, N=rank)
+    for out in outs:
+        ref = f"{op.name}:{out}" if out else op.name
+        readers = [c.name for c, _ in ir.data_consumers(ref)]
+        if not readers:
+            continue
+        sliced = add(f"output_{out}", "Slice", [ref, const(f"begin_{out}", [0] * rank), size],
+                     T=dtypes.as_dtype(ir.output_dtype(ref)), Index=i32)
+        ir.replace_uses(ref, sliced, only=readers)
