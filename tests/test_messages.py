@@ -511,6 +511,14 @@ def test_fixes_fit_the_mode_and_the_control_flow():
             tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h)), name="train")
     fixes = _fixes(graph)
     assert "before the loop" in fixes and "disable_control_flow_v2" not in fixes, fixes
+    graph = tf.Graph()      # activations scaled by their batch-wide maximum (review 33)
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        h = tf.tanh(tf.matmul(x, v1.get_variable("w", [4, 3])))
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(
+            tf.square(h / (tf.reduce_max(tf.abs(h)) + 1e-3))), name="train")
+    fixes = _fixes(graph)
+    assert "tf.stop_gradient" in fixes and "batch_norm='sync'" not in fixes, fixes
 
 
 def _discriminated() -> tf.Graph:

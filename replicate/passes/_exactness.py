@@ -156,6 +156,14 @@ def collect(ir: IR, analysis: Analysis) -> None:
                                   "respect to the inputs, of a sum over the examples, would be "
                                   "per example)"))
             continue
+        if ir.nodes[name].op in ("Max", "Min") and _differentiated(ir, inner, name):
+            # synchronizing the value would not help (review 33: the advice given was sync)
+            op = ir.nodes[name].op.lower()
+            reasons.append(Reason(name, f"the gradient of a batch {op}imum goes to the example that "
+                                  "attains it, which one tower holds; it cannot be synchronized "
+                                  "across towers", "stop its gradient (tf.stop_gradient) or use a "
+                                  "mean or sum"))
+            continue
         what = ("batch norm normalizes each tower by its own slice's statistics"
                 if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name
                 else f"batch reduction ({ir.nodes[name].op}) feeds per-example values; each tower "
@@ -168,6 +176,12 @@ def collect(ir: IR, analysis: Analysis) -> None:
     reasons.extend(_unproven_gradients(ir, analysis))
     reasons.extend(_gradients_in_the_forward(ir, analysis))
     reasons.extend(_half_precision_sums(ir, analysis))
+
+
+def _differentiated(ir: IR, scopes: tuple[str, ...], name: str) -> bool:
+    """Whether gradient code (of the scopes ``scopes``) reads forward op ``name``'s output, as
+    a maximum's gradient does to find the examples that attain it."""
+    return any(c.name.startswith(scopes) for c in ir.consumers(name))
 
 
 #: Types whose rounding is coarser than the exactness the report promises (1e-5 relative).
