@@ -590,3 +590,19 @@ def test_batch_norm_over_two_batches_with_a_sliced_loss_runs():
     assert not res.report.exact and "StridedSlice" in str(res.report.reasons[0])
     rng = np.random.RandomState(1)
     compare(graph, res.graph, "train", [{"x:0": rng.randn(7, 3), "z:0": rng.randn(7, 3)}], cpus=4)
+
+
+def test_a_sparse_placeholder_without_its_rank_is_told_to_give_it():
+    """Review 33: ``tf.compat.v1.sparse_placeholder`` without ``shape=`` (the usual TF1
+    spelling) was told to "give the batch input a dynamic batch dimension"; its rank is what
+    is missing (``shape=[None, None]`` makes the same program exact)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        ids = v1.sparse_placeholder(tf.int64, name="ids")
+        dense = tf.sparse.to_dense(ids, default_value=0)
+        emb = v1.get_variable("emb", [10, 4], initializer=v1.random_normal_initializer(seed=1))
+        pooled = tf.reduce_sum(tf.nn.embedding_lookup(emb, dense), 1)
+        v1.train.GradientDescentOptimizer(0.3).minimize(tf.reduce_mean(tf.square(pooled)), name="train")
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1"])
+    reason = next(r for r in res.report.reasons if r.node == "ids/shape")
+    assert "sparse placeholder" in reason.what and "shape=[None, None]" in reason.fix

@@ -419,6 +419,11 @@ class _Resolver:
                     return
             self.reason(name, f"'{name}' computes the batch size from values replicate cannot "
                         "rewrite per tower", "give the batch input a dynamic batch dimension")
+        elif node.op == "Placeholder" and ctx.sparse.get(tensor_name(name)) == "shape":
+            self.reason(name, f"'{name}' is the dense shape of a sparse placeholder whose rank is "
+                        "not given; each tower needs its own batch size in it",
+                        "give tf.compat.v1.sparse_placeholder its shape (shape=[None, None] for "
+                        "a batch of id lists)")
         else:
             self.reason(name, f"'{name}' ({node.op}) holds the batch size where each tower needs its "
                         "own count", "give the batch input a dynamic batch dimension")
