@@ -133,9 +133,10 @@ def collect(ir: IR, analysis: Analysis) -> None:
                                   "move the update out of the function or loop, or make it "
                                   "depend on merged values only"))
             continue
-        fix = ("it sees 1/N of the examples: compute the update outside the model from values "
-               "fetched for the whole batch (a center loss's centers), or train this graph on one "
-               "device" if "Scatter" in ir.nodes[name].op else
+        fix = ("it sees 1/N of the examples: run it beside the train op (tf.group(train_op, "
+               "update), which replicate runs once on the whole batch) instead of making the "
+               "train op wait for it (a center loss's centers), or compute it outside the model "
+               "from values fetched for the whole batch" if "Scatter" in ir.nodes[name].op else
                "pass batch_norm='sync' if it averages a batch statistic (moving averages), or "
                "compute it outside the model from values fetched for the whole batch")
         reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower "
