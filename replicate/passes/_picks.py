@@ -181,14 +181,30 @@ def _shrinks(copy: Node, rank: int, spec: list | None) -> bool:
 def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefix: str,
                  scope: str) -> str:
     """Every reader of ``indices`` in the tower ``prefix`` (outside ``scope``, the check's own
-    ops) reads them through an ``Identity`` named ``name`` that waits for ``check``: the op
-    and its gradient, which reads the indices too. Returns the identity's tensor."""
+    ops, and the ops the check waits for) reads them through an ``Identity`` named ``name``
+    that waits for ``check``: the op and its gradient, which reads the indices too. Returns the
+    identity's tensor. (Class weights gathered by the labels, ``tf.gather(weights, y)``, are
+    counted from the same labels: their counting must not wait for the check it feeds.)"""
     guarded = ir.add(name, "Identity", [indices], [check], device=device,
                      attrs={"T": dtypes.as_dtype(ir.output_dtype(indices))}).name
+    before = _feeding(ir, check, prefix)
     readers = [c.name for c, _ in ir.data_consumers(indices)
-               if c.name.startswith(prefix) and f"/{scope}/" not in c.name]
+               if c.name.startswith(prefix) and f"/{scope}/" not in c.name and c.name not in before]
     ir.replace_uses(indices, guarded, only=readers)
     return guarded
+
+
+def _feeding(ir: IR, name: str, prefix: str) -> set[str]:
+    """The nodes of the tower ``prefix`` that node ``name`` depends on."""
+    seen, work = set(), [name]
+    while work:
+        node = ir.nodes.get(work.pop())
+        for ref in (node.inputs + node.control) if node is not None else ():
+            up = node_of(ref)
+            if up not in seen and up.startswith(prefix):
+                seen.add(up)
+                work.append(up)
+    return seen
 
 
 def _along(ir: IR, copy: Node, axis: int) -> bool:
