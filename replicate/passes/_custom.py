@@ -84,6 +84,8 @@ def _per_example(ir: IR, flow, name: str, code: list[str]) -> bool:
         fact = flow.fact(ref)
         if fact is None or fact.taint:
             return False
+        if _size(fact) and ir.output_dtype(ref) in FLOAT_TYPES:
+            return False        # a batch size as a value, wherever it was cast (review 34)
         if fact.kind not in (PART, SHARED) and not (fact.kind == RED and fact.merge == "size"):
             return False        # a shape of the tower's rows is fine; a value over them is not
     return True

@@ -187,21 +187,22 @@ def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefi
     counted from the same labels: their counting must not wait for the check it feeds.)"""
     guarded = ir.add(name, "Identity", [indices], [check], device=device,
                      attrs={"T": dtypes.as_dtype(ir.output_dtype(indices))}).name
-    before = _feeding(ir, check, prefix)
+    before = _feeding(ir, check)
     readers = [c.name for c, _ in ir.data_consumers(indices)
                if c.name.startswith(prefix) and f"/{scope}/" not in c.name and c.name not in before]
     ir.replace_uses(indices, guarded, only=readers)
     return guarded
 
 
-def _feeding(ir: IR, name: str, prefix: str) -> set[str]:
-    """The nodes of the tower ``prefix`` that node ``name`` depends on."""
+def _feeding(ir: IR, name: str) -> set[str]:
+    """The nodes that node ``name`` depends on (through nodes outside its tower too: a
+    synchronized maximum of the labels sizes their counts)."""
     seen, work = set(), [name]
     while work:
         node = ir.nodes.get(work.pop())
         for ref in (node.inputs + node.control) if node is not None else ():
             up = node_of(ref)
-            if up not in seen and up.startswith(prefix):
+            if up not in seen:
                 seen.add(up)
                 work.append(up)
     return seen
