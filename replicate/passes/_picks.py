@@ -81,6 +81,7 @@ def assert_examples(ir: IR) -> int:
         return 0
     done, needs = 0, {}
     towers = ir.facts["towers"]
+    grads = tuple(f"{s.prefix}/" for s in ir.facts["analysis"].scopes)
     for k, names in enumerate(copies):
         prefix = f"{towers.prefixes[k]}/"
         # a batch input's slice for the tower is read as the input (``x[0]`` of a placeholder)
@@ -126,10 +127,11 @@ def assert_examples(ir: IR) -> int:
                 behind_check(ir, copy.inputs[1], check, f"{copy.name}/{SCOPE}/checked_begin",
                              copy.device, prefix, SCOPE)    # (its gradient reads it too)
             elif position is None:
-                _assert(ir, copy, k, axis, copy.inputs[where], kind, len(copies), mixed)
+                check = _assert(ir, copy, k, axis, copy.inputs[where], kind, len(copies), mixed)
             else:
                 needs[name] = _needed(ir, copy, axis, where)
-                _assert(ir, copy, k, axis, needs[name], kind, len(copies), mixed)
+                check = _assert(ir, copy, k, axis, needs[name], kind, len(copies), mixed)
+            _gradient_waits(ir, names, name, check, grads)
             done += 1
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
@@ -192,6 +194,18 @@ def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefi
                if c.name.startswith(prefix) and f"/{scope}/" not in c.name and c.name not in before]
     ir.replace_uses(indices, guarded, only=readers)
     return guarded
+
+
+def _gradient_waits(ir: IR, names: dict[str, str], name: str, check: str, scopes: tuple[str, ...]) -> None:
+    """The tower's copies (``names``) of op ``name``'s gradient code wait for ``check``: a
+    pick's gradient places the incoming gradient at the position picked and fails as the pick
+    does, and when the loss is the pick itself nothing makes it wait (review 34:
+    ``tf.sort(l)[1]``)."""
+    inside = tuple(f"{s}{name}_grad/" for s in scopes)
+    for original, copied in names.items():
+        node = ir.nodes.get(copied)
+        if node is not None and original.startswith(inside) and check not in node.control:
+            ir.set_control(copied, node.control + [check])
 
 
 def _feeding(ir: IR, name: str) -> set[str]:
