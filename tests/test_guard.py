@@ -538,7 +538,7 @@ def test_an_empty_tower_sparse_reshapes_a_hashed_feature_column(crossed):
     assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["argmax", "reflect"])
+@pytest.mark.parametrize("kind", ["argmax", "reflect", "reflect_batch_second"])
 def test_an_empty_tower_pools_with_argmax(kind):
     """Review 28: ``tf.nn.max_pool_with_argmax`` (SegNet's pooling) and its gradient reject an
     empty batch ("tensor_in must not be empty"); a tower without examples now pools one zero
@@ -560,9 +560,13 @@ def test_an_empty_tower_pools_with_argmax(kind):
             scale = v1.get_variable("scale", [2], initializer=tf.ones_initializer())
             if kind == "argmax":
                 pooled, _ = tf.nn.max_pool_with_argmax(x * scale, [1, 2, 2, 1], [1, 2, 2, 1], "SAME")
-            else:
+            elif kind == "reflect":
                 padded = tf.pad(x * scale, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT")
                 pooled = tf.nn.avg_pool2d(padded, 3, 2, "VALID")
+            else:       # the batch on axis 1 (review 34: only axis 0 was padded)
+                rows = tf.pad(tf.transpose(x * scale, [1, 0, 2, 3]), [[1, 1], [0, 0], [1, 1], [0, 0]],
+                              mode="REFLECT")
+                pooled = tf.nn.avg_pool2d(tf.transpose(rows, [1, 0, 2, 3]), 3, 2, "VALID")
             w = v1.get_variable("w", [8, 3], initializer=v1.glorot_uniform_initializer(seed=2))
             logits = tf.matmul(tf.reshape(pooled, [-1, 8]), w)
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))

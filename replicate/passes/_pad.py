@@ -32,8 +32,8 @@ PADDED = {
 #: Reflection padding (CycleGAN's and style transfer's generators, ``tf.image.sobel_edges``)
 #: and its gradient: every padding must be less than its dimension (``REFLECT``), so a batch
 #: axis padded by none is rejected when it is empty ("paddings must be less than the dimension
-#: size: 0, 0 not less than 0", review 33). Padded like the ops above, when the constant
-#: paddings leave the batch axis alone.
+#: size: 0, 0 not less than 0", review 33). Each empty axis it pads by none reads one zero row
+#: more, cut from the result (the batch axis wherever it is, review 34).
 MIRRORED = frozenset({"MirrorPad", "MirrorPadGrad"})
 
 SCOPE = "replicate/pad"
@@ -48,11 +48,36 @@ def pad_empty_batches(ir: IR) -> int:
         done += 1
     for op in tower_copies(ir, MIRRORED):
         paddings = ir.const_value(node_of(op.inputs[1]))
-        if paddings is None or paddings.ndim != 2 or not len(paddings) or paddings[0].any():
-            continue        # padding the batch axis itself, or at run time: left as it is
-        _pad(ir, op, (0,), (0,), len(paddings))
+        if paddings is None or paddings.ndim != 2 or not len(paddings):
+            continue        # paddings known only at run time: left as they are
+        _mirror(ir, op, [int(not p.any()) for p in paddings])
         done += 1
     return done
+
+
+def _mirror(ir: IR, op, unpadded: list[int]) -> None:
+    """``op`` (``MirrorPad`` or its gradient) reads its input with one zero row more along
+    every axis it pads by none that is empty (the batch axis of an empty tower, wherever it
+    is: ``[T, B, C]`` too), and its readers get its output cut by that row."""
+    i32, scope, dev, rank = dtypes.int32, f"{op.name}/{SCOPE}", op.device, len(unpadded)
+
+    def add(name, kind, inputs, **attrs):
+        return ir.add(f"{scope}/{name}", kind, inputs, device=dev, attrs=attrs).name
+
+    def const(name, value):
+        return ir.const(f"{scope}/{name}", value, i32, dev)
+
+    dtype = dtypes.as_dtype(ir.output_dtype(op.inputs[0]))
+    readers = [c.name for c, _ in ir.data_consumers(op.name)]
+    empty = add("empty", "Equal", [add("shape", "Shape", [op.inputs[0]], T=dtype, out_type=i32),
+                                   const("zero", 0)], T=i32, incompatible_shape_error=True)
+    extra = add("extra", "Mul", [add("empty_axes", "Cast", [empty], SrcT=dtypes.bool, DstT=i32),
+                                 const("unpadded", unpadded)], T=i32)
+    rows = add("paddings", "Pack", [const("none", [0] * rank), extra], T=i32, N=2, axis=1)
+    ir.set_input(op.name, 0, add("input_0", "Pad", [op.inputs[0], rows], T=dtype, Tpaddings=i32))
+    size = add("size", "Sub", [add("out_shape", "Shape", [op.name], T=dtype, out_type=i32), extra], T=i32)
+    sliced = add("output_0", "Slice", [op.name, const("begin", [0] * rank), size], T=dtype, Index=i32)
+    ir.replace_uses(op.name, sliced, only=readers)
 
 
 def _pad(ir: IR, op, ins: tuple[int, ...], outs: tuple[int, ...], rank: int) -> None:
