@@ -76,3 +76,24 @@ def test_labels_gathering_their_own_counts_run():
     feeds = [{"x:0": rng.normal(size=(b, D)).astype(np.float32), "y:0": rng.integers(0, C, b).astype(np.int32)}
              for b in (7, 2)]
     assert np.isfinite(compare(build(), res.graph, "train", feeds, cpus=4).max_rel)
+
+
+@pytest.mark.parametrize("use", ["counts", "positions"])
+def test_what_unique_numbers_per_tower_is_a_reason(use):
+    """Review 34: ``tf.unique_with_counts(y)``'s counts gathered back by its ``idx``
+    (``l / count[idx]``) were taken for each example's own value, and ``idx`` itself (the order
+    in which the batch first meets each label) used as a value: both claimed exact, 0.01-0.1
+    off. Each tower counts and numbers its own labels."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        logits = v1.layers.dense(x, C, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        l = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        _, idx, count = tf.unique_with_counts(y)
+        scale = tf.cast(tf.gather(count, idx), tf.float32) if use == "counts" else 1.0 + tf.cast(idx, tf.float32)
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(l / scale), name="train")
+    res = replicate.transform(g, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("counts values" in r.what or "row numbers local" in r.what for r in res.report.reasons), \
+        res.report.reasons

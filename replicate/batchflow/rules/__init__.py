@@ -199,7 +199,7 @@ ROW_NUMBER_OPERANDS = {
     "SparseTensorDenseMatMul": (0,), "SparseReduceSum": (0,), "SparseReduceMax": (0,),
     "SparseFillEmptyRows": (0,), "SparseReshape": (0,), "CTCLoss": (1,), "CropAndResize": (2,),
     "CropAndResizeGradImage": (2,), "CropAndResizeGradBoxes": (3,),
-    **{op: (2,) for op in (
+    **{op: (1, 2) for op in (       # the rows of the data looked up, and the segments
         "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
         "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments", "SparseSegmentSumGrad",
         "SparseSegmentMeanGrad", "SparseSegmentSqrtNGrad")},

@@ -247,10 +247,12 @@ def forward_of(ctx: Context, node: Node, op_types: tuple[str, ...]) -> Node | No
 
 
 def row_numbers(f: Fact | None) -> bool:
-    """True for row numbers local to a tower (``tf.range`` over the batch, ``tf.where``), and
+    """True for row numbers local to a tower (``tf.range`` over the batch, ``tf.where``, the
+    positions ``tf.unique`` numbers its values by, in the order the tower meets them), and
     for offsets computed from them (:mod:`replicate.batchflow.rules.strided`): they start at 0
     in every tower, so they are no values of its examples."""
-    return f is not None and f.kind == PART and f.index is not None and f.index[0] in ("rows", "cols", "strided", "example", "stacked")
+    return f is not None and f.kind == PART and f.index is not None and f.index[0] in (
+        "rows", "cols", "strided", "example", "stacked", "unique")
 
 
 def numbered(node: Node, taint: frozenset) -> Fact:
