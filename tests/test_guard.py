@@ -227,6 +227,8 @@ def _mining(k: str):
         if k == "anchor":       # a random example's loss (the index drawn from the batch size)
             i = tf.compat.v1.random_uniform([1], 0, tf.maximum(n, 1), dtype=tf.int32, seed=9)
             return tf.reduce_mean(per) + tf.reduce_sum(tf.gather(per, i))
+        if k == "mirror":       # reflection padding of the batch axis (review 34: "paddings must be
+            return tf.reduce_mean(tf.pad(per[:, None], [[1, 1], [0, 0]], "REFLECT"))  # less than")
         if k == "second":       # the second smallest loss, its gradient flowing (review 34: the
             return tf.sort(per)[1]      # pick's gradient ran first and failed)
         if k == "in_batch":     # in-batch negatives: the classes are the examples (review 32:
@@ -240,7 +242,8 @@ def _mining(k: str):
 
 @pytest.mark.parametrize("k,runs,stops", [("static", 6, 5), ("half", 3, 2), ("guarded", 2, None),
                                           ("nth", 9, 8), ("anchor", 3, 2), ("last", 3, 2),
-                                          ("quantile", 3, 2), ("in_batch", 3, 2), ("second", 6, 5)])
+                                          ("quantile", 3, 2), ("in_batch", 3, 2), ("second", 6, 5),
+                                          ("mirror", 6, 5)])
 def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, stops):
     """``top_k`` over the towers' examples (inexact): a tower with fewer than k examples
     stopped in TensorFlow's "input must have at least k columns", and a tower without any in
@@ -266,6 +269,7 @@ def test_top_k_over_the_batch_runs_or_says_how_many_examples_it_needs(k, runs, s
         what = {"nth": "NthElement.{1,3} takes the n-th",
                 "anchor": "GatherV2.{1,3} picks example.s. of each tower.{1,3}s batch by a position computed",
                 "last": "strided_slice.{1,6} picks example.s. of each tower.{1,3}s batch by a position computed",
+                "mirror": "MirrorPad.{1,3} mirrors each tower.{1,3}s examples",
                 "second": "strided_slice.{1,6} picks by position from .{1,3}sort/",
                 "in_batch": "SparseSoftmaxCrossEntropyWithLogits.{1,60} takes a softmax over .{1,3}mul",
                 "quantile": "strided_slice.{1,6} picks by a position computed at run time .{1,20} from .{1,3}sort/"}.get(

@@ -55,6 +55,8 @@ PICK_OPS = {
     # the position, which is always the first class
     "SparseSoftmaxCrossEntropyWithLogits": (0, 0, "classes"),
     "SoftmaxCrossEntropyWithLogits": (0, 0, "classes"),
+    # reflection padding along the batch axis mirrors examples: it needs more than its padding
+    "MirrorPad": (0, 1, "shape"),
 }
 
 #: Ops that pick along their input's last axis.
@@ -308,6 +310,10 @@ def _needed(ir: IR, node: Node, axis: int, where: int) -> int:
     if PICK_OPS[node.op][2] == "classes":
         return 1
     value = np.asarray(_constant(ir, node.inputs[where]))
+    if node.op == "MirrorPad":      # REFLECT needs more rows than its padding, SYMMETRIC as many
+        if value.ndim != 2 or axis >= len(value):
+            return 1
+        return max(1, int(value[axis].max()) + (node.attr("mode", "REFLECT") == "REFLECT"))
     if node.op == "StridedSlice":
         masks = [int(node.attr(k, 0)) for k in ("begin_mask", "ellipsis_mask", "new_axis_mask")]
         if masks[1] or masks[2] or value.ndim != 1 or axis >= len(value) or (masks[0] >> axis) & 1:
@@ -358,6 +364,7 @@ def _assert(ir: IR, copy: Node, tower: int, axis: int, need: int | str, kind: st
                     Tparams=i32, Tindices=i32, Taxis=i32)
     what = (f"{MARKER}: '{copy.name.split('/', 1)[1]}' "
             + {"TopKV2": "takes the k largest of each tower's examples",
+               "MirrorPad": "mirrors each tower's examples by reflection padding",
                "NthElement": "takes the n-th smallest of each tower's examples",
                "SparseSoftmaxCrossEntropyWithLogits": f"takes a softmax over '{mixed}', whose "
                "classes are each tower's examples",
