@@ -55,27 +55,32 @@ def test_bincount_sized_by_the_batch_largest_label_is_a_reason():
     assert any("DenseBincount" in r.node for r in res.report.reasons)
 
 
+def _scaled(scale_of) -> tf.Graph:
+    """Each example's cross entropy divided by ``scale_of(labels)`` (int32 labels), averaged."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        logits = v1.layers.dense(x, C, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        l = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(l / scale_of(y)), name="train")
+    return g
+
+
+def _counted(y):
+    return tf.gather(tf.math.bincount(y, dtype=tf.float32), y)
+
+
 def test_labels_gathering_their_own_counts_run():
     """Review 34: ``l / tf.gather(tf.math.bincount(y), y)``, the batch's largest label
     synchronized to size the counts: the labels read behind the gather's check fed the
     counts the check reads (a cycle). Inexact, and it runs, an empty tower included."""
-    def build():
-        g = tf.Graph()
-        with g.as_default():
-            x = v1.placeholder(tf.float32, [None, D], name="x")
-            y = v1.placeholder(tf.int32, [None], name="y")
-            logits = v1.layers.dense(x, C, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
-            l = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-            cnt = tf.math.bincount(y, dtype=tf.float32)
-            v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(l / tf.gather(cnt, y)), name="train")
-        return g
-
-    res = replicate.transform(build(), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    res = replicate.transform(_scaled(_counted), ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
     rng = np.random.default_rng(3)
     feeds = [{"x:0": rng.normal(size=(b, D)).astype(np.float32), "y:0": rng.integers(0, C, b).astype(np.int32)}
              for b in (7, 2)]
-    assert np.isfinite(compare(build(), res.graph, "train", feeds, cpus=4).max_rel)
+    assert np.isfinite(compare(_scaled(_counted), res.graph, "train", feeds, cpus=4).max_rel)
 
 
 @pytest.mark.parametrize("use", ["counts", "positions"])
@@ -84,16 +89,10 @@ def test_what_unique_numbers_per_tower_is_a_reason(use):
     (``l / count[idx]``) were taken for each example's own value, and ``idx`` itself (the order
     in which the batch first meets each label) used as a value: both claimed exact, 0.01-0.1
     off. Each tower counts and numbers its own labels."""
-    g = tf.Graph()
-    with g.as_default():
-        x = v1.placeholder(tf.float32, [None, D], name="x")
-        y = v1.placeholder(tf.int32, [None], name="y")
-        logits = v1.layers.dense(x, C, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
-        l = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+    def scale(y):
         _, idx, count = tf.unique_with_counts(y)
-        scale = tf.cast(tf.gather(count, idx), tf.float32) if use == "counts" else 1.0 + tf.cast(idx, tf.float32)
-        v1.train.GradientDescentOptimizer(0.5).minimize(tf.reduce_mean(l / scale), name="train")
-    res = replicate.transform(g, ["/cpu:1", "/cpu:2", "/cpu:3"])
+        return tf.cast(tf.gather(count, idx), tf.float32) if use == "counts" else 1.0 + tf.cast(idx, tf.float32)
+    res = replicate.transform(_scaled(scale), ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
     assert any("counts values" in r.what or "row numbers local" in r.what for r in res.report.reasons), \
         res.report.reasons
