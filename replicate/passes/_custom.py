@@ -75,9 +75,6 @@ def _per_example(ir: IR, flow, name: str, code: list[str]) -> bool:
     tensors += [f"{name}:{i}" for i in range(len(ir.output_types(node)))]
     for g in code:
         gnode = ir.nodes[g]
-        if gnode.op == "Cast" and ir.output_dtype(f"{g}:0") in FLOAT_TYPES \
-                and _size(flow.fact(gnode.inputs[0])):
-            return False        # the tower's batch size as a value: ``-dy * 4.0 / n`` (review 33)
         tensors += list(gnode.inputs)
         tensors += [f"{g}:{i}" for i in range(len(ir.output_types(gnode)))]
     for ref in tensors:
@@ -85,7 +82,8 @@ def _per_example(ir: IR, flow, name: str, code: list[str]) -> bool:
         if fact is None or fact.taint:
             return False
         if _size(fact) and ir.output_dtype(ref) in FLOAT_TYPES:
-            return False        # a batch size as a value, wherever it was cast (review 34)
+            return False        # the batch size as a value, ``-dy * 4.0 / n``, wherever it
+                                # was cast (reviews 33, 34)
         if fact.kind not in (PART, SHARED) and not (fact.kind == RED and fact.merge == "size"):
             return False        # a shape of the tower's rows is fine; a value over them is not
     return True

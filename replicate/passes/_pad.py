@@ -7,10 +7,11 @@ zero example appended when its tower has none, and its readers get its batch-sha
 sliced back to the tower's examples (none). With examples nothing is appended and the slices
 are whole, so the values are the same bits.
 
-Why (for ``MirrorPad``, see :data:`MIRRORED`): ``tf.nn.max_pool_with_argmax`` (SegNet's pooling, whose indices the decoder unpools by)
-rejects an empty batch with "tensor_in must not be empty", with or without oneDNN, and so does
-its gradient; a tower gets no examples when a step's batch is smaller than the number of
-towers (review 28: exact claimed, the train step failed where one device runs).
+Why (for ``MirrorPad``, see :data:`MIRRORED`): ``tf.nn.max_pool_with_argmax`` (SegNet's
+pooling, whose indices the decoder unpools by) rejects an empty batch with "tensor_in must not
+be empty", with or without oneDNN, and so does its gradient; a tower gets no examples when a
+step's batch is smaller than the number of towers (review 28: exact claimed, the train step
+failed where one device runs).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ SCOPE = "replicate/pad"
 
 
 def pad_empty_batches(ir: IR) -> int:
-    """Pad the tower copies of :data:`PADDED` ops, and of :data:`MIRRORED` ops that pad no
-    examples (module docstring); returns how many."""
+    """Pad the tower copies of :data:`PADDED` and :data:`MIRRORED` ops (module docstring);
+    returns how many."""
     done = 0
     for op in tower_copies(ir, PADDED):
         _pad(ir, op, *PADDED[op.op])

@@ -284,8 +284,7 @@ def unique(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     ids = mixed(node.name, f"{node.op} deduplicates values across the examples of the batch",
                 f.taint).with_(handle=UNIQUE)
     idx = f.with_(index=(UNIQUE, node.name), value=None)
-    # the counts are the tower's: gathered back by ``idx`` they are no value of the example
-    # (``l / count[idx]`` was taken for the example's own label, review 34)
+    # the tower's counts: gathered back by ``idx`` no example's value (review 34)
     counts = mixed(node.name, f"{node.op} counts values across the examples of the batch", f.taint)
     return [ids, idx] + [counts] * (n - 2)
 
