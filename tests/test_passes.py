@@ -45,6 +45,18 @@ def run_until(graph, last, **options):
     return ir
 
 
+def test_ancestors_walk_the_nodes_as_the_networkx_view_does():
+    """``IR.ancestors`` without a view walks the nodes' own inputs: the same sets, with and
+    without control edges, for every node of a rewrite (control edges included)."""
+    ir = run_until(tiny(), "rewire")
+    with_control, data_only = ir.to_networkx(), ir.to_networkx(control=False)
+    assert any(n.control for n in ir)
+    for name in ir.nodes:
+        assert ir.ancestors([name]) == ir.ancestors([name], with_control), name
+        assert ir.ancestors([name], control=False) == ir.ancestors([name], data_only), name
+    assert ir.ancestors(["train"], stop=["loss"]) == ir.ancestors(["train"], with_control, stop=["loss"])
+
+
 def test_analyze_roles():
     ir = run_until(tiny(), "analyze")
     a = ir.facts["analysis"]

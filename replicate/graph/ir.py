@@ -273,21 +273,31 @@ class IR:
         return graph
 
     def ancestors(self, targets: Iterable[str], graph: nx.DiGraph | None = None,
-                  stop: Iterable[str] = ()) -> set[str]:
-        """All nodes with a path (data or control) into ``targets``, targets included.
+                  stop: Iterable[str] = (), control: bool = True) -> set[str]:
+        """All nodes with a path (data, and with ``control`` control) into ``targets``, targets
+        included. Walks ``graph`` (a view from :meth:`to_networkx`, ``control`` ignored) when
+        one is given, else the nodes' own inputs, with no view built.
 
         Nodes in ``stop`` are included but not walked through.
         """
-        graph = graph if graph is not None else self.to_networkx()
+        if graph is not None:
+            known, predecessors = graph.__contains__, graph.predecessors
+        else:
+            known = self.nodes.__contains__
+
+            def predecessors(name: str) -> list[str]:
+                node = self.nodes.get(name)
+                refs = () if node is None else node.inputs + node.control if control else node.inputs
+                return [node_of(r) for r in refs]
         stop = set(stop)
         seen: set[str] = set()
-        work = [t for t in targets if t in graph]
+        work = [t for t in targets if known(t)]
         seen.update(work)
         while work:
             name = work.pop()
             if name in stop:
                 continue
-            for pred in graph.predecessors(name):
+            for pred in predecessors(name):
                 if pred not in seen:
                     seen.add(pred)
                     work.append(pred)

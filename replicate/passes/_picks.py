@@ -188,10 +188,11 @@ def behind_check(ir: IR, indices: str, check: str, name: str, device: str, prefi
     ops, and the ops the check waits for) reads them through an ``Identity`` named ``name``
     that waits for ``check``: the op and its gradient, which reads the indices too. Returns the
     identity's tensor. (Class weights gathered by the labels, ``tf.gather(weights, y)``, are
-    counted from the same labels: their counting must not wait for the check it feeds.)"""
+    counted from the same labels, through nodes outside the tower too: a synchronized maximum
+    sizes the counts. Their counting must not wait for the check it feeds.)"""
     guarded = ir.add(name, "Identity", [indices], [check], device=device,
                      attrs={"T": dtypes.as_dtype(ir.output_dtype(indices))}).name
-    before = _feeding(ir, check)
+    before = ir.ancestors([check])
     readers = [c.name for c, _ in ir.data_consumers(indices)
                if c.name.startswith(prefix) and f"/{scope}/" not in c.name and c.name not in before]
     ir.replace_uses(indices, guarded, only=readers)
@@ -208,20 +209,6 @@ def _gradient_waits(ir: IR, names: dict[str, str], name: str, check: str, scopes
         node = ir.nodes.get(copied)
         if node is not None and original.startswith(inside) and check not in node.control:
             ir.set_control(copied, node.control + [check])
-
-
-def _feeding(ir: IR, name: str) -> set[str]:
-    """The nodes that node ``name`` depends on (through nodes outside its tower too: a
-    synchronized maximum of the labels sizes their counts)."""
-    seen, work = set(), [name]
-    while work:
-        node = ir.nodes.get(work.pop())
-        for ref in (node.inputs + node.control) if node is not None else ():
-            up = node_of(ref)
-            if up not in seen:
-                seen.add(up)
-                work.append(up)
-    return seen
 
 
 def _along(ir: IR, copy: Node, axis: int) -> bool:

@@ -156,30 +156,15 @@ def _given_seeds(flow, scope: GradScope) -> list[Reason]:
         fact = flow.fact(given)
         if fact is not None and not fact.taint and (fact.kind == PART or fact.kind == SHARED
                                                     and not batch_size(fact)) \
-                and not _differentiated(ir, flow.ctx.gradient, node_of(given)):
-            continue
+                and flow.ctx.gradient.isdisjoint(ir.ancestors([node_of(given)], control=False)):
+            continue        # (computed from gradient code: the gradient of a batch mean carries
+                            # each tower's own 1/n, a DDPG actor seeded by its critic's, review 34)
         out.append(Reason(node_of(given), f"the gradients of '{scope.loss or scope.prefix}' start "
                           f"from '{given}' (grad_ys, or minimize's grad_loss), which is computed "
                           "from the batch: each tower starts from its own slice's value",
                           "scale the loss instead (tf.gradients(loss / n, ...): replicate "
                           "synchronizes the batch size n), or seed with ones"))
     return out
-
-
-def _differentiated(ir: IR, gradient, name: str) -> bool:
-    """Whether ``name`` is computed from gradient code (``gradient``): the gradient of a batch
-    mean carries each tower's own ``1/n`` (a DDPG actor seeded by the critic's action
-    gradients of its mean, review 34)."""
-    seen, work = {name}, [name]
-    while work:
-        here = work.pop()
-        if here in gradient:
-            return True
-        for ref in ir.nodes[here].inputs if here in ir.nodes else ():
-            if node_of(ref) not in seen:
-                seen.add(node_of(ref))
-                work.append(node_of(ref))
-    return False
 
 
 def assign(grad_scopes: list[GradScope], flow, primary_class: int) -> list[Reason]:

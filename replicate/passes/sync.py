@@ -193,17 +193,7 @@ def _divides_a_loss(ir: IR, analysis, name: str) -> bool:
     trained 0.5-0.9 off)."""
     dens = [node_of(t.spec[1]) for terms, _ in analysis.flow.losses.values() for t in terms
             if t.spec and t.spec[0] in ("value", "size", "shifted") and len(t.spec) > 1]
-    work, seen = list(dens), set(dens)
-    while work:         # the denominators' inputs, back to ``name`` (no networkx view built)
-        current = work.pop()
-        if current == name:
-            return True
-        node = ir.nodes.get(current)
-        for producer in map(node_of, node.inputs + node.control if node is not None else ()):
-            if producer not in seen:
-                seen.add(producer)
-                work.append(producer)
-    return False
+    return name in ir.ancestors(dens)
 
 
 def _ratio(ir: IR, towers, k: int, dtype: int, top: tuple, bottom: tuple, device: str, name: str) -> str:
