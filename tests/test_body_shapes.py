@@ -52,8 +52,7 @@ def _feeds():
              "y:0": rng.integers(0, C, b).astype(np.int64)} for b in (7, 5, 2)]
 
 
-@pytest.mark.parametrize("kind", ["scan", "function"])
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("kind,accumulate", [("scan", 1), ("function", 2)])   # crossed: suite time
 def test_a_scan_crf_recursion_is_exact_with_its_fetches_merged(kind, accumulate):
     _exact_and_matching(lambda: _graph(kind), accumulate, FETCH)
 
