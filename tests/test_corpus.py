@@ -3,7 +3,8 @@
 One test per group of up to five programs: the harness runs them in one subprocess
 (``tests/corpus/harness.py PROGRAM... --mode quick``, for each: on the uneven global batch, the single-device program replayed, the API at 3
 towers, ``replicate convert`` at 2 towers for the programs in ``harness.QUICK_CLI``, one API
-run at 2 towers of every other variant but ``harness.QUICK_SKIP``'s) and every record is judged:
+run at 2 towers of every other variant but ``harness.QUICK_SKIP``'s; ``harness.QUICK_LEAD``
+names SGD siblings that take an Adam primary's runs) and every record is judged:
 
 - soundness: whenever the report claims exact, every variable and fetched value agrees
   with single-device training within 1e-5 (relative to scale) after the driver's steps;

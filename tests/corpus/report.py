@@ -138,7 +138,9 @@ def markdown(results: list[dict], mode: str, seconds: dict[str, float]) -> str:
         "",
         "`tests/test_corpus.py` runs the same harness in `quick` mode (the uneven batch only: "
         "for each program's first variant the API at 3 towers; one API run at 2 towers of every "
-        "other variant but five that repeat a sibling with one difference, `harness.QUICK_SKIP`) "
+        "other variant but five that repeat a sibling with one difference, `harness.QUICK_SKIP`; "
+        "where an Adam first variant has a plain-SGD sibling, the SGD one takes its runs, "
+        "`harness.QUICK_LEAD`) "
         "and asserts soundness and the expectations. Programs that train nondeterministically on one device declare what "
         "(`NONDETERMINISTIC`); those values are not judged.",
         "",
