@@ -57,6 +57,39 @@ def test_ancestors_walk_the_nodes_as_the_networkx_view_does():
     assert ir.ancestors(["train"], stop=["loss"]) == ir.ancestors(["train"], with_control, stop=["loss"])
 
 
+def test_one_walk_finds_the_ancestors_of_many_writes_through_a_loop():
+    """``_evict.reaching`` (one walk for every write run once) marks exactly the ancestors
+    ``IR.ancestors`` finds for each target, in a graph whose TF1 while loop has back edges
+    (a cycle) and a graph given in reverse order (nodes later than their consumers)."""
+    from replicate.passes._evict import reaching
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 3], name="x")
+        with v1.variable_scope("", use_resource=False):
+            a, b = v1.get_variable("a", [3]), v1.get_variable("b", [])
+        v1.disable_control_flow_v2()
+        try:
+            h = tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * a), [0, x])[1]
+        finally:
+            v1.enable_control_flow_v2()
+        v1.assign_add(b, tf.reduce_sum(h), name="late")
+        v1.assign(a, tf.reduce_mean(x, 0), name="early")
+        v1.assign_sub(b, tf.reduce_sum(a), name="other")
+    for order in (1, -1):
+        definition = graph.as_graph_def()
+        nodes = list(definition.node)[::order]
+        del definition.node[:]
+        definition.node.extend(nodes)
+        ir = IR.from_graph_def(definition)
+        view = ir.to_networkx()
+        assert any(n.op == "NextIteration" for n in ir)
+        targets = ["late", "early", "other", "x"]
+        masks = reaching(ir, view, targets)
+        for i, target in enumerate(targets):
+            assert {n for n, m in masks.items() if m >> i & 1} == ir.ancestors([target], view), target
+
+
 def test_analyze_roles():
     ir = run_until(tiny(), "analyze")
     a = ir.facts["analysis"]

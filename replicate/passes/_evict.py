@@ -28,12 +28,14 @@ after the assign normalized by the next step's ``sigma``: claimed exact, 0.17 of
 
 from __future__ import annotations
 
+import heapq
+
 from replicate.batchflow.effects import called_functions, draws, writes
 from replicate.batchflow.lattice import MIXED, PART, RED, SHARED
 from replicate.batchflow.merge import batch_multiple
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["evictable", "reads_before"]
+__all__ = ["evictable", "reads_before", "reaching"]
 
 #: Merges under which a batch-reduced value read by an evicted op equals the single-device one.
 _GLOBAL = frozenset({"sum", "mean", "ratio", "count", "max", "min"})
@@ -161,16 +163,49 @@ def reads_before(ir: IR, graph, evicted: set[str], region: list[str], depths: di
     often shared, outside the towers): what reads them reads the variable. Reads inside TF1
     loops are left out: a control edge out of a loop frame is invalid (a stateful RNN's
     ``Enter`` of its state failed to import)."""
-    inside, out = set(region), {}
+    inside, candidates = set(region), {}
     for name in sorted(evicted):
         node = ir.nodes[name]
         reads = {n for r in node.inputs if ir.is_handle(r) for n in _readers(ir, node_of(r), inside)
                  if not depths.get(n, 0) and n != name}
         if reads:
-            before = sorted(reads & ir.ancestors([name], graph))
-            if before:
-                out[name] = before
+            candidates[name] = reads
+    masks = reaching(ir, graph, list(candidates))
+    out = {}
+    for i, (name, reads) in enumerate(candidates.items()):
+        before = sorted(r for r in reads if masks.get(r, 0) >> i & 1)
+        if before:
+            out[name] = before
     return out
+
+
+def reaching(ir: IR, graph, targets: list[str]) -> dict[str, int]:
+    """For every node with a path into some of ``targets`` (in ``graph``, a view from
+    :meth:`IR.to_networkx`), the bit mask of the targets it reaches: bit ``i`` for
+    ``targets[i]``, a target's own bit included.
+
+    One walk for all targets instead of one ancestor search each (ResNet-152 in the default
+    batch-norm mode has 310 writes tower 0 runs alone): nodes are taken latest in graph order
+    first, so in a graph without loops each passes its bits on once, after every consumer has
+    given it theirs; a TF1 loop's back edge only sends a node round again when it brings new
+    bits."""
+    position = {name: i for i, name in enumerate(ir.nodes)}
+    masks = {t: 1 << i for i, t in enumerate(targets)}
+    heap = [(-position.get(t, len(position)), t) for t in targets]
+    heapq.heapify(heap)
+    queued = set(targets)
+    while heap:
+        _, name = heapq.heappop(heap)
+        queued.discard(name)
+        mask = masks[name]
+        for pred in graph.predecessors(name):
+            old = masks.get(pred, 0)
+            if old | mask != old:
+                masks[pred] = old | mask
+                if pred not in queued:
+                    queued.add(pred)
+                    heapq.heappush(heap, (-position.get(pred, len(position)), pred))
+    return masks
 
 
 def _readers(ir: IR, variable: str, inside: set[str]) -> set[str]:

@@ -170,7 +170,10 @@ def _ignored(ir: IR, read) -> bool:
     """``read``'s value is only passed where it is not used: the moving statistics a fused
     batch norm takes in training mode (a discriminator called on real and generated images
     reads them in its second call while the first call's update writes them)."""
-    users = [(c, i) for c in ir.consumers(read.name) for i, r in enumerate(c.inputs) if node_of(r) == read.name]
+    consumers = ir.consumers(read.name)
+    if not any(c.op.startswith("FusedBatchNorm") for c in consumers):
+        return False            # no user of that kind (the scan below is long: a Saver's op)
+    users = [(c, i) for c in consumers for i, r in enumerate(c.inputs) if node_of(r) == read.name]
     return bool(users) and all(c.op.startswith("FusedBatchNorm") and i in (3, 4) and c.attr("is_training", True)
                                and float(c.attr("exponential_avg_factor", 1.0)) == 1.0 for c, i in users)
 

@@ -94,7 +94,8 @@ def run_pipeline(ir: IR, passes: Sequence[Pass], *, verify_each: bool = False,
         except Exception as exc:  # noqa: BLE001 - any failure becomes a PassError naming the pass
             raise PassError(p.name, done, exc) from exc
         millis = (time.perf_counter() - start) * 1000.0
-        record = PassRecord(p.name, millis, len(ir), ir.edge_count(), result.modified)
+        edges = ir.edge_count() if result.modified or not records else records[-1].edges
+        record = PassRecord(p.name, millis, len(ir), edges, result.modified)
         records.append(record)
         log.info("pass %-9s %7d nodes %7d edges %8.1f ms%s", p.name, record.nodes, record.edges,
                  millis, "" if result.modified else " (unchanged)")
