@@ -99,18 +99,14 @@ class Rewire:
 
     @staticmethod
     def _controls(ir: IR, analysis, copies: list[dict[str, str]], controller: str) -> None:
-        gates: dict[tuple[str, ...], str] = {}
         for write, reads in analysis.evicted_reads.items():
             waits = [c[r] for r in reads for c in copies if r in c]
             if write in analysis.region_set:
                 # run by tower 0 alone (its own reads precede it already): the other towers'
-                # reads meet at a node outside the towers, which it waits for; writes that
-                # wait for the same reads (a batch norm's mean and variance) share the node
-                others = tuple(c[r] for r in reads for c in copies[1:] if r in c)
-                if others and others not in gates:
-                    gates[others] = ir.add(f"{write}/replicate_reads", "NoOp", control=others,
-                                           device=controller).name
-                waits = [gates[others]] if others else []
+                # reads meet at a node outside the towers, which it waits for
+                others = [c[r] for r in reads for c in copies[1:] if r in c]
+                gate = f"{write}/replicate_reads"
+                waits = [ir.add(gate, "NoOp", control=others, device=controller).name] if others else []
                 write = copies[0][write]
             ir.set_control(write, list(dict.fromkeys(ir.nodes[write].control + waits)))
         replicated = analysis.region_set - analysis.keep
