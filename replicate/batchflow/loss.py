@@ -143,7 +143,23 @@ FIXES = (
 )
 
 
-def _fix_for(why: str) -> str:
+#: The advice for a RaggedTensor's row ops (their ``Range`` over the row count and segment
+#: ids are not followed across towers): the padded tensor under its mask is per example.
+RAGGED_FIX = ("keep the padded [batch, length] tensor and reduce it under its mask, so each "
+              "example keeps its own row: tf.reduce_max(tf.where(tf.sequence_mask(lengths, T), h, "
+              "tf.fill(tf.shape(h), -1e9)), axis=1), or reduce_sum(h * mask, 1) / "
+              "reduce_sum(mask, 1); or train this graph on one device")
+
+
+def ragged(name: str) -> bool:
+    """Whether ``name`` is inside RaggedTensor code (``RaggedReduceMax/RaggedSplitsToSegmentIds/
+    range``, ``RaggedFromRowLengths/...``): the user wrote none of its ops."""
+    return any(part.startswith("Ragged") for part in name.split("/")[:-1])
+
+
+def _fix_for(why: str, name: str = "") -> str:
+    if ragged(name):
+        return RAGGED_FIX
     return next(fix for fragment, fix in FIXES if fragment in why)
 
 
@@ -182,7 +198,7 @@ def decompose(ctx: Context, loss: str, statistics: frozenset = frozenset()
             return
         if fact.kind == MIXED:
             fail(fact.src or name, f"the loss depends on '{fact.src}': {fact.why}; towers see "
-                 "only their own examples", _fix_for(fact.why))
+                 "only their own examples", _fix_for(fact.why, fact.src or name))
             return
         if fact.kind == PART and fact.tail:
             fail(name, f"the loss sums rows that are part batch, part shared ('{ref}'): each tower "

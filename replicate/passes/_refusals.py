@@ -12,6 +12,7 @@ import networkx as nx
 
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import INSIDE
+from replicate.batchflow.loss import RAGGED_FIX, ragged
 from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
@@ -181,6 +182,10 @@ def refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
                     "have one entry more than the batch has examples), which no tower's slice of "
                     "it keeps. Feed the rows padded per example ([batch, length] with the lengths "
                     "or a mask), or train this graph on one device")
+            if ragged(name):    # a RaggedTensor's row count: the user wrote no range
+                raise AnalysisError(f"'{name}' is RaggedTensor code that counts the rows of a "
+                                    "ragged tensor built from the batch, and replicate does not "
+                                    f"follow row splits across towers; {RAGGED_FIX}")
             raise AnalysisError(f"'{name}' counts up to the batch size minus a constant "
                                 f"('{node_of(node.inputs[1])}'): a tower with fewer examples than "
                                 "that constant (the last, uneven batch) cannot run it. Slice the "
