@@ -30,6 +30,7 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.facts import Reason
+from replicate.batchflow.fixes import fix_for
 from replicate.batchflow.lattice import INSIDE, MIXED, PART, RED, SHARED, Sym, batch_size
 from replicate.batchflow.table import behind, value_only
 from replicate.graph import ops
@@ -102,67 +103,6 @@ def _trainable_cone(ir: IR, ref: str, limit: int = 2000) -> str | None:
     return None
 
 
-#: What to do about a loss that mixes examples, by a fragment of the mixing op's reason
-#: (first match wins); the last entry is the general advice.
-FIXES = (
-    ("adds shared rows to the batch",
-     "replicate follows shared rows only after the batch's rows, as nce_loss and "
-     "sampled_softmax_loss append the sampled classes to the labels: put the batch first"),
-    ("part batch, part shared",
-     "replicate follows rows that are part batch, part shared only through gathers, "
-     "elementwise ops and the slices that take the batch rows and the shared rows apart "
-     "(as nce_loss and sampled_softmax_loss do): slice them apart before any other op"),
-    ("the batch size used as a value",
-     "divide the summed loss by the batch size (reduce_sum(loss) / B) instead of each example, "
-     "or feed the global batch size as a placeholder"),
-    ("decided by the batch size",
-     "bound the loop or decide the branch by a constant or a fed value, not tf.shape(x)[0]"),
-    ("with the batch size as its value",
-     "divide the summed loss by the batch size instead, or feed the global batch size"),
-    ("also draws from with no order between them",
-     "draw from seeded tf.random ops (tf.random.normal(..., seed=...)), or from one "
-     "tf.random.Generator per draw"),
-    ("drawn from once per step only",
-     "draw from seeded tf.random ops (tf.random.normal(..., seed=...)), or from one "
-     "tf.random.Generator per draw"),
-    ("a loop over the batch's examples draws",
-     "draw the noise for the whole batch before tf.map_fn (one tf.nn.dropout on the stacked "
-     "result), or train this graph on one device"),
-    ("carries a value from one example to the next",
-     "if the loop is over time steps of a time-major input ([T, B, ...]), name its batch axis: "
-     "batch_inputs={'x:0': 1} (--batch-inputs x:0@1); else keep each example's computation to "
-     "itself (tf.map_fn, not tf.scan over the batch), or train this graph on one device"),
-    ("puts values of the whole batch into its results",
-     "compute what the examples share (a batch mean, the batch size) outside the loop and "
-     "feed it as a constant, or train this graph on one device"),
-    ("two different orders",
-     "keep the examples in the order they are fed (regroup both sides alike), or train this "
-     "graph on one device"),
-    ("", "compute the loss per example and reduce it with a mean or sum over the batch, or "
-         "train this graph on one device"),
-)
-
-
-#: The advice for a RaggedTensor's row ops (their ``Range`` over the row count and segment
-#: ids are not followed across towers): the padded tensor under its mask is per example.
-RAGGED_FIX = ("keep the padded [batch, length] tensor and reduce it under its mask, so each "
-              "example keeps its own row: tf.reduce_max(tf.where(tf.sequence_mask(lengths, T), h, "
-              "tf.fill(tf.shape(h), -1e9)), axis=1), or reduce_sum(h * mask, 1) / "
-              "reduce_sum(mask, 1); or train this graph on one device")
-
-
-def ragged(name: str) -> bool:
-    """Whether ``name`` is inside RaggedTensor code (``RaggedReduceMax/RaggedSplitsToSegmentIds/
-    range``, ``RaggedFromRowLengths/...``): the user wrote none of its ops."""
-    return any(part.startswith("Ragged") for part in name.split("/")[:-1])
-
-
-def _fix_for(why: str, name: str = "") -> str:
-    if ragged(name):
-        return RAGGED_FIX
-    return next(fix for fragment, fix in FIXES if fragment in why)
-
-
 def decompose(ctx: Context, loss: str, statistics: frozenset = frozenset()
               ) -> tuple[list[Term], Reason | None]:
     """The terms of ``loss``, or the first reason it is not a linear combination of batch
@@ -198,11 +138,11 @@ def decompose(ctx: Context, loss: str, statistics: frozenset = frozenset()
             return
         if fact.kind == MIXED:
             fail(fact.src or name, f"the loss depends on '{fact.src}': {fact.why}; towers see "
-                 "only their own examples", _fix_for(fact.why, fact.src or name))
+                 "only their own examples", fix_for(fact.why, fact.src or name))
             return
         if fact.kind == PART and fact.tail:
             fail(name, f"the loss sums rows that are part batch, part shared ('{ref}'): each tower "
-                 "would add the shared rows again", _fix_for("part batch, part shared"))
+                 "would add the shared rows again", fix_for("part batch, part shared"))
             return
         if fact.kind == PART:
             terms.append(Term(ref, "sum", ONES, ctx.classes.find(fact.cls)))   # tf.gradients sums

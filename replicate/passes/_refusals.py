@@ -12,7 +12,7 @@ import networkx as nx
 
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import INSIDE
-from replicate.batchflow.loss import RAGGED_FIX, ragged
+from replicate.batchflow.fixes import RAGGED_FIX, ragged
 from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
