@@ -321,3 +321,28 @@ def test_a_v1_select_on_a_shapeless_condition_is_not_claimed_exact():
     feeds = [{"x:0": rng.random((b, D), dtype=np.float32), "y:0": rng.integers(0, C, b).astype(np.int32),
               "p:0": True} for b in BATCHES]
     compare(_in_a_branch("select"), res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
+
+
+@pytest.mark.parametrize("shape", [None, [None, 5, 3]], ids=["shapeless", "shaped"])
+def test_a_default_computed_by_the_model_is_an_op_of_the_towers(shape):
+    """``placeholder_with_default(h, ...)`` over an activation (a driver may override it) was an
+    input: the region stopped there and every tower read the whole batch's activation,
+    computed once outside the towers. Without a shape the inexact rewrite failed at step 1
+    ("Incompatible shapes: [7] vs. [2]"). It is now an op of the towers, each passing its own
+    rows on: the rewrite runs, exact where the rest of the loss is."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
+        y = v1.placeholder(tf.float32, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        h = v1.placeholder_with_default(tf.tensordot(x, w, 1), shape, name="h")
+        p = tf.reduce_sum(tf.reduce_max(h, axis=1), -1)
+        v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(p - y)), name="train")
+    res = replicate.transform(graph, DEVICES)
+    assert res.report.exact == (shape is not None), res.report.reasons   # shapeless: Sum over unknown axes
+    rng = np.random.RandomState(0)
+    for batch in (7, 2):
+        feeds = [{"x:0": rng.randn(batch, 5, 4).astype("f"), "y:0": rng.randn(batch).astype("f")}
+                 for _ in range(3)]
+        result = compare(graph, res.meta_graph_def, "train", feeds)
+        assert result.max_rel <= 1e-5, (batch, result.worst, result.max_rel)

@@ -14,7 +14,7 @@ from replicate.graph import ops
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step", "independent_terms",
+__all__ = ["candidates", "computed_defaults", "sparse_triples", "forced", "variables", "global_step", "independent_terms",
            "set_aside"]
 
 log = logging.getLogger(__name__)
@@ -153,6 +153,21 @@ def forced(ir: IR, names: Mapping[str, int] | Sequence[str]) -> dict[str, int]:
         out[ref] = axis
     if not out:
         raise AnalysisError("batch_inputs is empty; name at least one input to split")
+    return out
+
+
+def computed_defaults(ir: IR, graph) -> set[str]:
+    """``PlaceholderWithDefault`` ops whose default the model computes from its variables
+    (``placeholder_with_default(h, ...)`` over an activation a driver may override): ops of
+    the towers, each passing its own rows on, not inputs. Taken for an input, the region
+    stopped there and the towers read the whole batch's activation, computed once outside
+    them (an inexact rewrite that failed at step 1: "Incompatible shapes: [7] vs. [2]").
+    A default read from an iterator, a constant or the batch size stays an input."""
+    out = set()
+    for node in ir:
+        if node.op == "PlaceholderWithDefault" and node.inputs and any(
+                ir.nodes[n].op in ops.VARIABLE_OPS for n in ir.ancestors([node_of(node.inputs[0])], graph)):
+            out.add(node.name)
     return out
 
 
