@@ -76,7 +76,7 @@ def library_fix(name: str) -> str | None:
 
 def ragged(name: str) -> bool:
     """Whether ``name`` is inside RaggedTensor code."""
-    return any(s.startswith("Ragged") for s in name.split("/")[:-1])
+    return library_fix(name) is RAGGED_FIX
 
 
 def fix_for(why: str, name: str = "") -> str:

@@ -14,8 +14,8 @@ from replicate.graph import ops
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["candidates", "computed_defaults", "sparse_triples", "forced", "variables", "global_step", "independent_terms",
-           "set_aside"]
+__all__ = ["candidates", "computed_defaults", "sparse_triples", "forced", "variables", "global_step",
+           "independent_terms", "set_aside"]
 
 log = logging.getLogger(__name__)
 
