@@ -323,13 +323,7 @@ def test_a_v1_select_on_a_shapeless_condition_is_not_claimed_exact():
     compare(_in_a_branch("select"), res.graph, "train", feeds, fetch=("loss:0",), cpus=4)
 
 
-@pytest.mark.parametrize("shape", [None, [None, 5, 3]], ids=["shapeless", "shaped"])
-def test_a_default_computed_by_the_model_is_an_op_of_the_towers(shape):
-    """``placeholder_with_default(h, ...)`` over an activation (a driver may override it) was an
-    input: the region stopped there and every tower read the whole batch's activation,
-    computed once outside the towers. Without a shape the inexact rewrite failed at step 1
-    ("Incompatible shapes: [7] vs. [2]"). It is now an op of the towers, each passing its own
-    rows on: the rewrite runs, exact where the rest of the loss is."""
+def _overridable(shape):
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, 5, 4], name="x")
@@ -338,11 +332,25 @@ def test_a_default_computed_by_the_model_is_an_op_of_the_towers(shape):
         h = v1.placeholder_with_default(tf.tensordot(x, w, 1), shape, name="h")
         p = tf.reduce_sum(tf.reduce_max(h, axis=1), -1)
         v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(p - y)), name="train")
+    return graph
+
+
+def test_an_overridable_activation_without_a_shape_is_refused_and_with_one_is_exact():
+    """``placeholder_with_default(h, ...)`` over an activation a driver may override is an
+    input; without a shape it was shared whole, every tower computed on the whole batch's
+    activation beside its own rows and the inexact rewrite failed at step 1 ("Incompatible
+    shapes: [7] vs. [2]"). It is refused, naming the shape to give; with the shape it is split
+    and exact, fed by its name or not (making it an op of the towers instead lost the feed:
+    review 35)."""
+    with pytest.raises(replicate.ReplicateError, match="placeholder_with_default without a shape.*shape=\\[None"):
+        replicate.transform(_overridable(None), DEVICES)
+    graph = _overridable([None, 5, 3])
     res = replicate.transform(graph, DEVICES)
-    assert res.report.exact == (shape is not None), res.report.reasons   # shapeless: Sum over unknown axes
+    assert res.report.exact, res.report.reasons
     rng = np.random.RandomState(0)
     for batch in (7, 2):
         feeds = [{"x:0": rng.randn(batch, 5, 4).astype("f"), "y:0": rng.randn(batch).astype("f")}
                  for _ in range(3)]
+        feeds[1]["h:0"] = rng.randn(batch, 5, 3).astype("f")       # the driver overrides a step
         result = compare(graph, res.meta_graph_def, "train", feeds)
         assert result.max_rel <= 1e-5, (batch, result.worst, result.max_rel)

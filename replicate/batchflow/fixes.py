@@ -49,10 +49,11 @@ FIXES = (
 
 #: The advice for a RaggedTensor's row ops (their ``Range`` over the row count and segment
 #: ids are not followed across towers): the padded tensor under its mask is per example.
-RAGGED_FIX = ("keep the padded [batch, length] tensor and reduce it under its mask, so each "
-              "example keeps its own row: tf.reduce_max(tf.where(tf.sequence_mask(lengths, T), h, "
-              "tf.fill(tf.shape(h), -1e9)), axis=1), or reduce_sum(h * mask, 1) / "
-              "reduce_sum(mask, 1); or train this graph on one device")
+RAGGED_FIX = ("keep the padded [batch, T, ...] tensor h with its mask m = tf.sequence_mask(lengths, "
+              "T) (m[:, :, None] beside a [batch, T, D] tensor) and reduce under the mask, so "
+              "each example keeps its own rows: tf.reduce_max(tf.where(m, h, tf.fill(tf.shape(h), "
+              "-1e9)), axis=1), tf.reduce_sum(h * tf.cast(m, h.dtype), 1), divided by "
+              "tf.reduce_sum(tf.cast(m, h.dtype), 1) for a mean; or train this graph on one device")
 
 
 #: Library code whose ops the user never wrote, by the name scope it builds them in: the

@@ -14,7 +14,7 @@ from replicate.graph import ops
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["candidates", "computed_defaults", "sparse_triples", "forced", "variables", "global_step",
+__all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step",
            "independent_terms", "set_aside"]
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,12 @@ def candidates(ir: IR, region: list[str], sources: set[str]) -> tuple[list[str],
         if source.op not in ops.BATCH_SOURCE_OPS:
             continue
         shape = ir.static_shape(ref)
+        if shape is None and _computed_rows(ir, source):
+            raise AnalysisError(
+                f"'{source.name}' is a placeholder_with_default without a shape whose default the "
+                "model computes from the batch and its variables: its rows cannot be split without "
+                "its rank, and every tower reading the whole batch's value would not run. Give it "
+                f"its shape (placeholder_with_default(..., shape=[None, ...]))")
         if shape is None:
             warnings.append(f"input '{ref}' has unknown rank; it is shared, not split")
             shared.append(ref)
@@ -45,6 +51,17 @@ def candidates(ir: IR, region: list[str], sources: set[str]) -> tuple[list[str],
         else:
             found.append(ref)
     return found, shared, warnings
+
+
+def _computed_rows(ir: IR, source) -> bool:
+    """A ``PlaceholderWithDefault`` whose default reads both the batch's inputs and the model's
+    variables (an activation a driver may override). Shared whole for want of a rank, its
+    default made every tower compute on the whole batch's rows beside its own, and the
+    rewrite failed at step 1 ("Incompatible shapes: [7] vs. [2]")."""
+    if source.op != "PlaceholderWithDefault" or not source.inputs:
+        return False
+    found = {ir.nodes[n].op for n in ir.ancestors([node_of(source.inputs[0])], control=False)}
+    return bool(found & ops.VARIABLE_OPS) and bool(found & ops.BATCH_SOURCE_OPS)
 
 
 def _source(ir: IR, ref: str) -> str:
@@ -153,21 +170,6 @@ def forced(ir: IR, names: Mapping[str, int] | Sequence[str]) -> dict[str, int]:
         out[ref] = axis
     if not out:
         raise AnalysisError("batch_inputs is empty; name at least one input to split")
-    return out
-
-
-def computed_defaults(ir: IR, graph) -> set[str]:
-    """``PlaceholderWithDefault`` ops whose default the model computes from its variables
-    (``placeholder_with_default(h, ...)`` over an activation a driver may override): ops of
-    the towers, each passing its own rows on, not inputs. Taken for an input, the region
-    stopped there and the towers read the whole batch's activation, computed once outside
-    them (an inexact rewrite that failed at step 1: "Incompatible shapes: [7] vs. [2]").
-    A default read from an iterator, a constant or the batch size stays an input."""
-    out = set()
-    for node in ir:
-        if node.op == "PlaceholderWithDefault" and node.inputs and any(
-                ir.nodes[n].op in ops.VARIABLE_OPS for n in ir.ancestors([node_of(node.inputs[0])], graph)):
-            out.add(node.name)
     return out
 
 

@@ -340,7 +340,7 @@ class Analyze:
                 cut: set[str]) -> tuple[list[str], set[str]]:
         stop: set[str] = set(barriers) | cut
         stop |= {n for n, node in ir.nodes.items() if node.op in ops.VARIABLE_OPS or _large_const(ir, node)
-                 or node.op in ops.INPUT_SOURCE_OPS} - _inputs.computed_defaults(ir, graph)
+                 or node.op in ops.INPUT_SOURCE_OPS}
         seen = ir.ancestors(targets, graph, stop=stop)
         applies = [n for n in seen if ir.nodes[n].op in ops.APPLY_OPS and n not in barriers]
         read = [node_of(r) for n in seen if n not in stop for r in ir.nodes[n].inputs
