@@ -339,8 +339,9 @@ class Analyze:
     def _region(self, ir: IR, graph: nx.DiGraph, targets: list[str], barriers: set[str],
                 cut: set[str]) -> tuple[list[str], set[str]]:
         stop: set[str] = set(barriers) | cut
-        stop |= {n for n, node in ir.nodes.items() if node.op in ops.VARIABLE_OPS or _large_const(ir, node)
-                 or node.op in ops.INPUT_SOURCE_OPS}
+        for name, node in ir.nodes.items():
+            if node.op in ops.VARIABLE_OPS or node.op in ops.INPUT_SOURCE_OPS or _large_const(ir, node):
+                stop.add(name)
         seen = ir.ancestors(targets, graph, stop=stop)
         applies = [n for n in seen if ir.nodes[n].op in ops.APPLY_OPS and n not in barriers]
         read = [node_of(r) for n in seen if n not in stop for r in ir.nodes[n].inputs
