@@ -2,9 +2,11 @@
 
     python benchmarks/randomness.py                  # the CNN and the LSTM, 2 and 4 devices
     python benchmarks/randomness.py --models cnn --devices 2 --rounds 5
+    python benchmarks/randomness.py --models lstm_loop      # the LSTM in dynamic_rnn's loop
 
 For each model (the seeds' CNN with seeded dropout on its dense layer; a char-RNN-style
-2-layer LSTM, unrolled, with seeded dropout on every step's input and output) and device
+2-layer LSTM, unrolled, with seeded dropout on every step's input and output; the same LSTM
+in ``dynamic_rnn(parallel_iterations=1)``, its draws in the loop's body) and device
 count, one process builds three graphs: one device, replicate's output (the global batch's
 mask drawn with the original seeds, once per step for a draw at the top level, and each tower
 keeps its rows) and the same transform with
@@ -61,7 +63,8 @@ def cnn(batch: int) -> tuple[tf.Graph, dict]:
     return graph, {"x:0": rng.rand(batch, 28, 28, 1).astype(np.float32), "y:0": rng.randint(0, 10, batch)}
 
 
-def lstm(batch: int, steps: int = 20, hidden: int = 128, vocab: int = 64) -> tuple[tf.Graph, dict]:
+def lstm(batch: int, steps: int = 20, hidden: int = 128, vocab: int = 64, loop: bool = False
+         ) -> tuple[tf.Graph, dict]:
     graph = tf.Graph()
     with graph.as_default():
         v1.set_random_seed(1)
@@ -72,8 +75,11 @@ def lstm(batch: int, steps: int = 20, hidden: int = 128, vocab: int = 64) -> tup
         cells = [v1.nn.rnn_cell.DropoutWrapper(v1.nn.rnn_cell.LSTMCell(hidden), input_keep_prob=0.7,
                                                output_keep_prob=0.7, seed=5 + k) for k in range(2)]
         cell = v1.nn.rnn_cell.MultiRNNCell(cells)
-        outputs, _ = v1.nn.static_rnn(cell, tf.unstack(inputs, axis=1), dtype=tf.float32)
-        logits = v1.layers.dense(tf.stack(outputs, axis=1), vocab)
+        if loop:        # the draws run in the loop's body, one iteration at a time
+            outputs, _ = v1.nn.dynamic_rnn(cell, inputs, dtype=tf.float32, parallel_iterations=1)
+        else:
+            outputs = tf.stack(v1.nn.static_rnn(cell, tf.unstack(inputs, axis=1), dtype=tf.float32)[0], axis=1)
+        logits = v1.layers.dense(outputs, vocab)
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
                               name="loss")
         v1.train.AdamOptimizer(1e-3).minimize(loss, name="train")
@@ -81,7 +87,7 @@ def lstm(batch: int, steps: int = 20, hidden: int = 128, vocab: int = 64) -> tup
     return graph, {"x:0": rng.randint(0, vocab, (batch, steps)), "y:0": rng.randint(0, vocab, (batch, steps))}
 
 
-MODELS = {"cnn": (cnn, 64), "lstm": (lstm, 64)}
+MODELS = {"cnn": (cnn, 64), "lstm": (lstm, 64), "lstm_loop": (lambda b: lstm(b, loop=True), 64)}
 
 
 def _step(graph: tf.Graph, feed: dict, cpus: int):
@@ -93,14 +99,17 @@ def _step(graph: tf.Graph, feed: dict, cpus: int):
     return lambda i: sess.run(fetches, feed)
 
 
-def _extra_bytes(graph: tf.Graph, res) -> int:
+def _extra_bytes(graph: tf.Graph, res) -> int | None:
     """Bytes per example of the global batch that the masks add, all towers together (float32):
     a draw made once per step holds every example's row once until the towers' slices are
-    cut; one made in every tower holds it in N - 1 towers more."""
+    cut; one made in every tower holds it in N - 1 towers more. None for draws in a loop's body
+    (kind ``body``): every tower holds the other towers' rows of a draw for one iteration."""
     towers = len(res.towers.devices)
     shared = {n.name for n in res.graph_def.node if n.name.startswith("replicate/draw/")}
     extra = 0
-    for name in res.report.random.get("reproduced", {}):
+    for name, kind in res.report.random.get("reproduced", {}).items():
+        if kind == "body":
+            return None
         dims = graph.get_operation_by_name(name).outputs[0].shape.as_list()
         row_bytes = int(np.prod([d for d in dims[1:] if d is not None] or [1])) * 4
         extra += row_bytes * (1 if f"replicate/draw/{name}" in shared else towers - 1)
@@ -131,8 +140,10 @@ def measure(model: str, n: int, rounds: int, per_round: int) -> dict:
           f"{out['random_ops']} random ops reproduced, exact={out['exact']}")
     for label, t in timed.items():
         print(f"  {label:20s} {t['median'] * 1e3:8.1f} ms/step  ({t['min'] * 1e3:.0f}-{t['max'] * 1e3:.0f})")
-    print(f"  exact/streams {out['overhead']:.3f}; extra mask memory "
-          f"{out['extra_bytes_per_example']} B per example of the global batch")
+    extra = out["extra_bytes_per_example"]
+    print(f"  exact/streams {out['overhead']:.3f}; extra mask memory " + (
+        f"{extra} B per example of the global batch" if extra is not None else
+        "transient, per iteration of the loop (each tower draws the global batch's rows)"))
     return out
 
 

@@ -94,8 +94,11 @@ def test_towers_with_their_own_streams_differ():
     assert changed == 1                         # one global draw per step, sliced by the towers
     splits = [n.name for n in broken.graph_def.node if n.op == "SplitV"
               and n.name.startswith("replicate/draw/")]
-    readers = {i for n in broken.graph_def.node for i in n.input if i.startswith(splits[0])}
+    readers = {i.removesuffix(":0") for n in broken.graph_def.node for i in n.input
+               if i.startswith(splits[0])}
     assert len(splits) == 1 and readers == {splits[0], f"{splits[0]}:1"}
+    views = {n.op for n in broken.graph_def.node if any(i.startswith(splits[0]) for i in n.input)}
+    assert views == {"Reshape"}     # each tower's rows take its own shape again, a view
     draws = [n.name for n in broken.graph_def.node if n.name.startswith("tower_")
              and n.name.endswith("RandomUniform")]
     assert not draws        # the towers read their rows from the split, not from an identity each

@@ -78,6 +78,11 @@ NOT_PER_EXAMPLE = {
     # a running sum over the examples: tower k's sums start from zero
     "running sum": (lambda x, y, w: tf.scan(lambda a, r: a + _matvec(w, r), x, initializer=tf.zeros([4])),
                     "carries a value from one example to the next"),
+    # discounted returns, from the last example back (review 36: the advice was to bound the
+    # loop by a constant, as for a loop whose condition reads the batch size)
+    "reversed running sum": (lambda x, y, w: tf.scan(lambda a, r: _matvec(w, r) + 0.9 * a, x, reverse=True,
+                                                     initializer=tf.zeros([4])),
+                             "carries a value from one example to the next"),
     # each example minus the batch's mean: a tower's mean is its slice's
     "batch mean": (lambda x, y, w: tf.map_fn(lambda r: _matvec(w, r) - tf.reduce_mean(x, 0), x),
                    "values of the whole batch"),
@@ -90,7 +95,7 @@ NOT_PER_EXAMPLE = {
     "reversed": (lambda x, y, w: v1.while_loop(
         lambda i, ta: i < tf.shape(x)[0],
         lambda i, ta: (i + 1, ta.write(tf.shape(x)[0] - 1 - i, _matvec(w, tf.gather(x, i)))),
-        [0, tf.TensorArray(tf.float32, size=tf.shape(x)[0])])[1].stack(), "decided by the batch size"),
+        [0, tf.TensorArray(tf.float32, size=tf.shape(x)[0])])[1].stack(), "a loop over the batch's examples"),
 }
 
 

@@ -69,6 +69,8 @@ class Flow:
     guessed: dict = dataclasses.field(default_factory=dict)
     #: inputs of a fixed shape taken to be read whole by every tower, with why
     unsplit: dict = dataclasses.field(default_factory=dict)
+    #: batch inputs that, read whole by every tower instead, leave nothing unproven
+    shareable: list = dataclasses.field(default_factory=list)
 
     @property
     def classes(self) -> Classes:
@@ -208,6 +210,19 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
                 trial.guessed = {**flow.guessed, t: "only so do the ops that read it pair its rows "
                                  "with the batch's"}
                 flow, pool = trial, trial_pool
+    columns = [t for t in pool if pool[t] == 0 and t in flow.inputs and _columns(ir, t)] \
+        if not forced and _blocked(flow) else []
+    if columns:
+        # examples as columns ([features, None] inputs and W @ X, a course's TF1 style):
+        # taken for a batch of its fixed size, a [6, 4] weight read as per-example state
+        # (review 36: refused). Moved to axis 1 if that proves more
+        trial_pool = {**pool, **{t: 1 for t in columns}}
+        trial = settle(trial_pool)
+        if _blocked(trial) < _blocked(flow) and not set(trial.demoted) - set(flow.demoted):
+            trial.guessed = {**{t: why for t, why in flow.guessed.items() if t in trial.inputs},
+                             **{t: f"its axis 0 has a fixed size and axis 1 is its only dynamic one "
+                                f"{COLUMNS}" for t in columns if t in trial.inputs}}
+            flow, pool = trial, trial_pool
     fixed = _fixed_classes(ir, flow, pool) if not forced and _blocked(flow) else []
     if fixed:
         # a vector of a fixed length beside a batch of any size (multi-task loss weights, a
@@ -222,6 +237,15 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
                              + ("could not be split over the towers" if flow.plan.unsplittable else
                                 "made the result inexact") for t in fixed}
             flow = trial
+    if not forced and _blocked(flow) and len(flow.classes_of_inputs()) > 1:
+        # an input of its own split as examples (a few-shot program's support set) made the
+        # result inexact, and the reasons only blamed the op that mixed its rows (review 36):
+        # the first input which, read whole by every tower, leaves nothing unproven is named
+        for t in [t for t in pool if t in flow.inputs]:
+            trial = settle({u: a for u, a in pool.items() if u != t})
+            if not _blocked(trial) and trial.inputs and not set(trial.demoted) - set(flow.demoted):
+                flow.shareable = [t]
+                break
     return flow
 
 
@@ -261,6 +285,24 @@ def _fixed_classes(ir: IR, flow: Flow, pool: dict[str, int]) -> list[str]:
         if classes.find(cls) not in mixed_in and shape and all(d is not None for d in shape):
             out.append(t)
     return out
+
+
+def moved(tensor: str, why: str) -> str:
+    """How reports state the guess that ``tensor`` holds its batch on axis 1 (``Flow.guessed``)."""
+    layout = "laid out with its examples" if why.endswith(COLUMNS) else "time-major, its batch"
+    return f"input '{tensor}' is taken to be {layout} on axis 1 ({why})"
+
+
+#: The end of the reason for moving an input whose examples are its columns to axis 1.
+COLUMNS = "(one example per column)"
+
+
+def _columns(ir: IR, tensor: str) -> bool:
+    """``tensor`` may hold one example per column: a fixed axis 0, and axis 1 its only
+    dynamic axis."""
+    shape = ir.static_shape(tensor)
+    return shape is not None and len(shape) >= 2 and shape[0] is not None \
+        and [i for i, d in enumerate(shape) if d is None] == [1]
 
 
 def _laid_out_like(ir: IR, tensor: str, steps: set) -> bool:

@@ -4,8 +4,8 @@ batch's rows.
 A dropout under a training flag (``tf.compat.v1.layers.dropout(training=flag)``, Keras
 ``Dropout``) draws its mask inside an ``If`` branch. Every tower calls the same branch
 functions, so the towers cannot each get a copy with their own offset baked in; instead each
-rewritten branch takes two more arguments, the global batch size and the tower's first row,
-and every tower passes its own. In the branch that draws, each random op draws the tower's
+rewritten branch takes two more arguments, the other towers' example count (what the global
+batch adds to the tower's) and the tower's first row, and every tower passes its own. In the branch that draws, each random op draws the tower's
 shape with the batch dimension set to the global size, with its original seeds, and a
 ``Slice`` under the op's own name keeps the tower's rows, so every reference to the op's
 output inside the function (returns included) reads the tower's rows. The other branch only
@@ -57,8 +57,9 @@ SUFFIX = "_replicate_rows"
 #: The suffix of a tower's copy of functions whose draws every tower draws whole ("same").
 COPY_SUFFIX = "_replicate_tower"
 
-#: Names of the two arguments every rewritten branch gains.
-BATCH_ARG, OFFSET_ARG = "replicate_global_batch", "replicate_first_row"
+#: Names of the two arguments every rewritten branch gains: the other towers' example count
+#: (what the global batch adds to the tower's) and the tower's first row.
+OTHERS_ARG, OFFSET_ARG = "replicate_other_rows", "replicate_first_row"
 
 
 def rewrite_branches(ir: IR, call: str, draw, tower: int) -> tuple[str, ...]:
@@ -112,21 +113,22 @@ def _pass_arguments(nd) -> None:
     """Call node ``nd`` (inside a rewritten function) passes that function's two arguments on."""
     loop = nd.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"
-    nd.input.extend([BATCH_ARG, OFFSET_ARG])
+    nd.input.extend([OTHERS_ARG, OFFSET_ARG])
     nd.attr[types].list.type.extend([dtypes.int32.as_datatype_enum] * 2)
     if loop and "output_shapes" in nd.attr:
         nd.attr["output_shapes"].list.shape.add()
         nd.attr["output_shapes"].list.shape.add()       # two scalars
 
 
-def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], batch: str | None = None,
+def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], others: str | None = None,
                 offset: str | None = None) -> None:
     """Point tower copy ``copy`` of the cond, loop or defun call at the rewritten functions,
-    passing the global batch size and the tower's first row (none for functions only copied)."""
+    passing the other towers' example count and the tower's first row (none for functions
+    only copied)."""
     node = ir.nodes[copy]
     loop = node.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"
-    extra = [batch, offset] if batch is not None else []
+    extra = [others, offset] if others is not None else []
     tin = list(node.attr(types, [])) + [dtypes.int32.as_datatype_enum] * len(extra)
     inputs = list(node.inputs) + extra
     ir.remove_many([copy])
@@ -151,7 +153,7 @@ def _rewrite(fdef, name: str, draws: list, passes_on: bool, args: bool = True
     out = function_pb2.FunctionDef()
     out.CopyFrom(fdef)
     out.signature.name = name
-    for arg in (BATCH_ARG, OFFSET_ARG) if args else ():
+    for arg in (OTHERS_ARG, OFFSET_ARG) if args else ():
         new = out.signature.input_arg.add()
         new.name = arg
         new.type = dtypes.int32.as_datatype_enum
@@ -166,7 +168,11 @@ def _rewrite(fdef, name: str, draws: list, passes_on: bool, args: bool = True
 
 
 def _rows(fdef, op: str, d) -> None:
-    """Replace node ``op`` of ``fdef`` by a global-shape draw and a slice of the tower's rows."""
+    """Replace node ``op`` of ``fdef`` by a global-shape draw and a slice of the tower's rows.
+    Inside a loop body every op runs once per iteration, so the draw costs four more: the
+    global shape (the tower's, plus the other towers' rows at the axis) and where the rows
+    begin, then the slice, whose size is the tower's shape tensor (so Grappler knows the rows
+    have it, and the gradient of the mask's product needs no broadcast reductions)."""
     node = next(n for n in fdef.node_def if n.name == op)
     shape_ref = node.input[0]
     shape_type = node.attr["T"].type if "T" in node.attr else node.attr["Tshape"].type
@@ -199,21 +205,8 @@ def _rows(fdef, op: str, d) -> None:
     hot = np.zeros(d.rank)
     hot[d.axis] = 1
     hot_ref = const("axis_mask", hot)
-    axis = add("axis", "Const", [], dtype=make_attr(dtypes.int32),
-               value=attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(
-                   np.int32(d.axis)))) + ":output:0"
-    zero = add("zero", "Const", [], dtype=make_attr(dtypes.int32),
-               value=attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(
-                   np.int32(0)))) + ":output:0"
-    local = add("local_rows", "GatherV2", [shape_ref, axis, zero], Tparams=make_attr(index),
-                Tindices=make_attr(dtypes.int32), Taxis=make_attr(dtypes.int32),
-                batch_dims=make_attr(0)) + ":output:0"
-    grow = arith("grow", "Mul", hot_ref, arith("missing", "Sub", as_index(BATCH_ARG), local))
-    global_shape = arith("shape", "AddV2", shape_ref, grow)
-    one = const("one", 1)
+    global_shape = arith("shape", "AddV2", shape_ref, arith("grow", "Mul", hot_ref, as_index(OTHERS_ARG)))
     begin = arith("begin", "Mul", hot_ref, as_index(OFFSET_ARG))
-    size = arith("size", "Sub", arith("rows_plus_one", "Mul", hot_ref,
-                                      arith("count_plus_one", "AddV2", local, one)), one)
     draw = node_def_pb2.NodeDef()
     draw.CopyFrom(node)
     draw.name = base
@@ -221,7 +214,7 @@ def _rows(fdef, op: str, d) -> None:
     out_type = node.attr["dtype"].type
     node.op = "Slice"
     del node.input[:]
-    node.input.extend([f"{base}:output:0", begin, size])
+    node.input.extend([f"{base}:output:0", begin, shape_ref])
     node.ClearField("attr")
     node.attr["T"].type = out_type
     node.attr["Index"].type = shape_type

@@ -177,6 +177,21 @@ def collect(ir: IR, analysis: Analysis) -> None:
     reasons.extend(_unproven_gradients(ir, analysis))
     reasons.extend(_gradients_in_the_forward(ir, analysis))
     reasons.extend(_half_precision_sums(ir, analysis))
+    analysis.warnings.extend(_separate_batches(analysis))
+
+
+def _separate_batches(analysis: Analysis) -> list[str]:
+    """A hint when the result is not exact and reading one batch input whole in every tower
+    would leave nothing unproven (``Flow.shareable``): an input of its own split as examples
+    (a few-shot program's support set, a table of per-class values) is a common cause, and
+    ``shared_inputs=`` its fix (review 36: the reasons only blamed the op that mixed its rows)."""
+    if not analysis.reasons or analysis.flow is None or not analysis.flow.shareable:
+        return []
+    names = analysis.flow.shareable
+    return [f"{', '.join(repr(t) for t in names)} is split as a batch of examples, and is what keeps "
+            "the result from being exact: if it holds no examples (a support set, a table of "
+            f"per-class values) rather than one row per example, name it with "
+            f"shared_inputs={names!r} (--shared-inputs)"]
 
 
 def _differentiated(ir: IR, scopes: tuple[str, ...], name: str) -> bool:

@@ -15,11 +15,11 @@ from replicate.graph.ir import IR
 __all__ = ["Frame", "frames", "enter"]
 
 
-def enter(ir: IR, tensor: str, chain: list[Frame], base: str, device: str) -> str:
-    """``tensor`` (of the root frame, int32) entered as a loop constant into each frame of
-    ``chain`` in turn; returns the tensor inside the innermost one."""
+def enter(ir: IR, tensor: str, chain: list[Frame], base: str, device: str, dtype=dtypes.int32) -> str:
+    """``tensor`` (of the root frame, int32 unless ``dtype`` says otherwise) entered as a loop
+    constant into each frame of ``chain`` in turn; returns the tensor inside the innermost one."""
     for depth, frame in enumerate(chain):
         tensor = ir.add(f"{base}/enter_{depth}", "Enter", [tensor], device=device,
-                        attrs={"T": dtypes.int32, "frame_name": frame.name, "is_constant": True,
+                        attrs={"T": dtype, "frame_name": frame.name, "is_constant": True,
                                "parallel_iterations": frame.parallel}).name
     return tensor

@@ -24,7 +24,7 @@ import math
 import networkx as nx
 
 from replicate.batchflow import inputs as _inputs
-from replicate.batchflow.analysis import analyze as settle
+from replicate.batchflow.analysis import analyze as settle, moved
 from replicate.batchflow.context import Demand
 from replicate.batchflow.effects import draws, writes
 from replicate.batchflow.facts import Analysis, BatchInput, Reason
@@ -274,8 +274,7 @@ class Analyze:
         order = _order(ir)
         controls = dict(sorted(controls.items(), key=lambda kv: order(kv[0])))
         fed = {classes.find(b.cls) for b in batch_inputs}
-        warnings += [f"input '{t}' is taken to be time-major, its batch on axis 1 ({why}); if it "
-                     f"is fed batch-major, say so with batch_inputs={{'{t}': 0}}"
+        warnings += [f"{moved(t, why)}; if it is fed batch-major, say so with batch_inputs={{'{t}': 0}}"
                      for t, why in flow.guessed.items() if t in flow.inputs]
         warnings += [f"input '{t}' is taken to be read whole by every tower ({why}); if it holds "
                      f"examples, say so with batch_inputs=" for t, why in flow.unsplit.items()]

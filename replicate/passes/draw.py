@@ -11,10 +11,10 @@ tower's shape with the batch dimension set back to the global batch size ``B``, 
 original seeds; under the copy's own name a ``Slice`` keeps rows
 ``[offset_k, offset_k + n_k)`` of that axis. Two kernels with equal seeds and equal shapes
 give equal streams, step after step, so tower ``k`` sees exactly its rows of the draw one
-device makes. An empty tower keeps zero rows. A draw inside TF1 while loops gets the global
-batch size and the tower's first row through ``Enter`` nodes of each frame around it
-(:mod:`replicate.passes._frames`), its constants run in its frame, and its row count is read
-from its own shape. A draw whose axis holds ``block`` rows per example takes rows
+device makes. An empty tower keeps zero rows. A draw inside TF1 while loops gets what the
+global shape adds to the tower's and where its rows begin, computed once per step, through
+``Enter`` nodes of each frame around it (:mod:`replicate.passes._frames`); the slice's size is
+the tower's own shape tensor. A draw whose axis holds ``block`` rows per example takes rows
 ``[offset_k * block, (offset_k + n_k) * block)``; one whose axis holds ``outer`` copies of the
 batch is viewed as ``[outer, B * block]`` and keeps the tower's rows of every copy, then takes
 the tower's shape again. ``same`` draws need nothing here (the clone
@@ -33,8 +33,8 @@ the original seeds and keeps its rows.
 
 ``body`` draws (a dropout mask inside a ``tf.cond`` branch under a training flag) are
 rewritten inside the branches (:mod:`replicate.passes._body_draws`): each tower's copy of the
-cond calls branches that take the global batch size and the tower's first row as two more
-arguments.
+cond calls branches that take the other towers' example count and the tower's first row as
+two more arguments.
 """
 
 from __future__ import annotations
@@ -58,6 +58,20 @@ log = logging.getLogger(__name__)
 SCOPE = "replicate/draw"
 
 
+def _other_rows(ir: IR, towers, cls: int) -> list[str]:
+    """For each tower, how many examples of batch class ``cls`` the other towers hold (``B -
+    n_k``: what a global-shape draw adds to the tower's shape), once per class on the
+    controller."""
+    out = []
+    for k, count in enumerate(towers.class_counts[cls]):
+        name = f"{SCOPE}/class_{cls}/other_rows_{k}"
+        if name not in ir.nodes:
+            ir.add(name, "Sub", [towers.class_batch[cls], count], device=ir.nodes[node_of(count)].device,
+                   attrs={"T": dtypes.int32})
+        out.append(name)
+    return out
+
+
 class Draw:
     """Rewrite of reproducible random draws (no options: everything comes from the facts)."""
 
@@ -70,10 +84,12 @@ class Draw:
         rows = [d for d in analysis.draws.values() if d.kind in ("rows", "body", "param_rows")]
         done = self._copied(ir, analysis, copies)
         offsets: dict[int, list[str]] = {}
+        others: dict[int, list[str]] = {}
         groups: dict[tuple, list[tuple]] = {}     # once-per-step draws cut together
         for draw in rows:
             if draw.cls not in offsets:
                 offsets[draw.cls] = tower_offsets(ir, towers, draw.cls)
+                others[draw.cls] = _other_rows(ir, towers, draw.cls)
             mine = [c[draw.name] for c in copies if draw.name in c]
             if draw.kind == "rows" and self._once(ir, draw, copies, towers, offsets[draw.cls], groups):
                 done += mine
@@ -84,13 +100,13 @@ class Draw:
                     continue
                 if draw.kind == "body":
                     branches = rewrite_branches(ir, draw.name, draw, k)   # conds and loops
-                    rewire_call(ir, copy, branches, towers.class_batch[draw.cls], offsets[draw.cls][k])
+                    rewire_call(ir, copy, branches, others[draw.cls][k], offsets[draw.cls][k])
                 elif draw.kind == "param_rows":
                     self._param_rows(ir, copy, towers.class_batch[draw.cls],
                                      towers.class_counts[draw.cls][k], offsets[draw.cls][k])
                 else:
                     self._rows(ir, copy, draw, towers.class_batch[draw.cls],
-                               towers.class_counts[draw.cls][k], offsets[draw.cls][k])
+                               others[draw.cls][k], offsets[draw.cls][k])
                 done.append(copy)
         for key, members in groups.items():
             self._cut(ir, towers, key, members, copies)
@@ -215,13 +231,17 @@ class Draw:
         """Tower copy ``copy`` of draw ``original`` becomes its rows ``rows`` of the global draw."""
         node = ir.nodes[copy]
         readers = ir.consumers(copy)
+        # The rows take the copy's own shape again (a view, no copy): Grappler then proves the
+        # mask's shape equal to the activation's it multiplies and drops the gradient's
+        # broadcast reductions (BroadcastGradientArgs, Sum, Reshape per draw and tower: 2,400
+        # more nodes per step in an unrolled LSTM with 80 draws on 4 towers without it).
+        attrs = {"T": out_type, "Tshape": dtypes.as_dtype(ir.output_dtype(node.inputs[0]))}
         if node.control or any(copy in r.control for r in readers):
-            ir.remove_many([copy])      # the copy's name is read: an identity keeps it
-            ir.add(copy, "Identity", [rows], list(node.control), node.device, attrs={"T": out_type})
+            ir.remove_many([copy])      # the copy's name is read: it names the view
+            ir.add(copy, "Reshape", [rows, node.inputs[0]], list(node.control), node.device, attrs=attrs)
             return
-        # the readers take the tower's rows straight from the split (an identity per tower and
-        # draw was 80 x N ops per step in an unrolled LSTM with dropout)
-        ir.replace_uses(copy, rows)
+        view = ir.add(f"{copy}/rows", "Reshape", [rows, node.inputs[0]], device=node.device, attrs=attrs).name
+        ir.replace_uses(copy, view)
         ir.remove_many([copy])
         del names[original]
 
@@ -253,7 +273,37 @@ class Draw:
         ir.add(copy, "Slice", [base, begin, size], device=dev, attrs={"T": out_type, "Index": i32})
 
     @staticmethod
-    def _rows(ir: IR, copy: str, draw, batch: str, count: str, offset: str) -> None:
+    def _rows_once(ir: IR, copy: str, node: Node, index, out_type, chain, others: str,
+                   offset: str, axis: int, rank: int, block: int) -> None:
+        """A draw whose axis holds ``block`` rows per example of one copy of the batch: what
+        the global shape adds to the tower's (the other towers' ``B - n_k`` examples, ``block``
+        rows each, at the axis) and where the tower's rows begin are computed once per step
+        outside any loop and entered into the draw's frames, so that a draw in a loop costs two
+        ops per iteration more than one device's (the global shape's add, the slice). The
+        slice's size is the tower's own shape tensor, so Grappler knows the rows have the
+        activation's shape (see :meth:`_take`)."""
+        dev, i32, base = node.device, dtypes.int32, f"{copy}/global_draw"
+        shape = node.inputs[0]
+        hot = np.zeros(rank, dtype=np.int32)
+        hot[axis] = block
+        axis_rows = ir.const(f"{base}/rows_per_example_at_axis", hot, i32, dev)
+
+        def vector(name: str, scalar: str) -> str:
+            ref = ir.add(f"{base}/{name}", "Mul", [axis_rows, scalar], device=dev, attrs={"T": i32}).name
+            if index != i32:
+                ref = ir.add(f"{base}/{name}_{index.name}", "Cast", [ref], device=dev,
+                             attrs={"SrcT": i32, "DstT": index, "Truncate": False}).name
+            return enter(ir, ref, chain, f"{base}/{name}", dev, index)
+
+        grow, begin = vector("grow", others), vector("begin", offset)
+        global_shape = ir.add(f"{base}/shape", "AddV2", [shape, grow], device=dev, attrs={"T": index}).name
+        ir.remove_many([copy])
+        ir.add_node(Node(base, node.op, [global_shape] + list(node.inputs[1:]), list(node.control), dev,
+                         dict(node.attrs)))
+        ir.add(copy, "Slice", [base, begin, shape], device=dev, attrs={"T": out_type, "Index": index})
+
+    @staticmethod
+    def _rows(ir: IR, copy: str, draw, batch: str, others: str, offset: str) -> None:
         node = ir.nodes[copy]
         shape = node.inputs[0]
         index = dtypes.as_dtype(ir.output_dtype(shape))
@@ -296,6 +346,9 @@ class Draw:
             return op(f"size_{size}", "Sub", [op(f"rows_plus_one_{size}", "Mul", [
                 onehot(at, size), op(f"count_plus_one_{size}", "AddV2", [rows, one])]), one])
 
+        if outer == 1:
+            Draw._rows_once(ir, copy, node, index, out_type, chain, others, offset, axis_at, rank, block)
+            return
         axis = const("axis", axis_at, dtypes.int32)
         local = ir.add(f"{base}/local_rows", "GatherV2", [shape, axis, const("zero", 0, dtypes.int32)],
                        device=dev,
@@ -313,14 +366,6 @@ class Draw:
         ir.remove_many([copy])
         ir.add_node(Node(base, node.op, [global_shape] + readers[1:], list(node.control), dev,
                          dict(node.attrs)))
-        if outer == 1:
-            # The tower's rows: its count, or the local shape's (the same number) inside a
-            # loop, without another value to bring into the frame, or with block rows each.
-            rows = local if chain or block != 1 else cast(count, "count")
-            begin = op("begin", "Mul", [onehot(axis_at, rank), first])
-            ir.add(copy, "Slice", [base, begin, sizes(axis_at, rank, rows)], device=dev,
-                   attrs={"T": out_type, "Index": index})
-            return
         # `outer` copies one after the other: view the axis as [outer, rows of one copy], keep
         # the tower's rows of every copy, and give the draw the tower's shape again.
         copies = const("copies", [outer])

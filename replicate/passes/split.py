@@ -25,6 +25,7 @@ import logging
 
 from tensorflow.python.framework import dtypes
 
+from replicate.batchflow.analysis import moved
 from replicate.batchflow.facts import Towers
 from replicate.errors import AnalysisError
 from replicate.graph.ir import IR, parse_tensor, tensor_name
@@ -105,9 +106,7 @@ class Split:
                                        analysis.region_set)
                     if batch_input is not dense[0] and any(b.tensor in guessed for b in dense):
                         self._check_agree(ir, batch_input, dense[0], towers.class_batch[cls],
-                                          "; ".join(f"'{t}' was taken to be time-major, its "
-                                                    f"batch on axis 1 ({why})"
-                                                    for t, why in guessed.items())
+                                          "; ".join(moved(t, why) for t, why in guessed.items())
                                           + "; if an input is fed batch-major, say so with "
                                           "batch_inputs={'<name>': 0}")
                     elif batch_input is not dense[0] and evidence is not None:
@@ -149,6 +148,10 @@ class Split:
             # ranking loss) was refused without saying which input, or how to say it is none
             which = (f" ({', '.join(repr(b.tensor) for b in members)}; if they hold no examples, "
                      "name them with shared_inputs=)")
+            if any(b.source_op.startswith("QueueDequeue") for b in members):
+                # review 36: the advice read as if for placeholders only
+                which += ("; a queue's batch (tf.compat.v1.train.batch) gets one with "
+                          "allow_smaller_final_batch=True")
             if static < n and self.micro > 1:
                 raise AnalysisError(
                     f"accumulate={self.micro}: the batch inputs have a static batch size of "

@@ -16,10 +16,10 @@ import logging
 
 from replicate.batchflow.bodies import import_body, probe_of
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import EMPTY_LIST, INSIDE, MIXED, PART, SHARED, Fact, join, mixed
+from replicate.batchflow.lattice import EMPTY_LIST, INSIDE, MIXED, PART, ROWS, SHARED, Fact, join, mixed
 from replicate.batchflow.table import IDENTITIES, behind
-from replicate.batchflow.rules.common import condition, taint_of
-from replicate.batchflow.rules.rowloop import rows_loop
+from replicate.batchflow.rules.common import SIZE_DECIDES, condition, taint_of
+from replicate.batchflow.rules.rowloop import UNPROVEN, rows_loop
 from replicate.graph.ir import IR, Node, parse_tensor, tensor_name
 
 __all__ = ["while_", "if_", "call", "body_of"]
@@ -192,6 +192,12 @@ def while_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
         return _unanalysable(ctx, node, ins, f"the loop variables of '{node.name}' did not settle")
     pred = call(ctx, node, cond, refs, facts)
     decided = _condition(ctx, node, pred[0] if pred else None, facts)
+    if any(f is not None and f.handle == ROWS for f in ins):
+        # a loop over the batch's rows that rows_loop could not prove per example (tf.scan
+        # over the batch, reversed): the loop is the cause, not its condition (review 36: the
+        # advice was to bound the loop by a constant)
+        decided = [mixed(node.name, UNPROVEN, d.taint) if d is not None and d.kind == MIXED
+                   and d.why == SIZE_DECIDES else d for d in decided]
     return [f if i in kept else d for i, (f, d) in enumerate(zip(facts, decided))]
 
 

@@ -62,6 +62,8 @@ DRAWS = ("a loop over the batch's examples draws per iteration: iteration t is e
          "device but the tower's first row plus t in a tower")
 CARRIES = "a loop over the batch's examples carries a value from one example to the next"
 WHOLE = "a loop over the batch's examples puts values of the whole batch into its results"
+UNPROVEN = (f"{CARRIES}, or reads them in another order than one by one (a tf.scan over the "
+            "batch): replicate cannot prove it computes each example on its own")
 
 
 def rows_loop(ctx: Context, node: Node, ins: list[Fact], body_of, call, passed) -> list[Fact | None] | None:

@@ -1,0 +1,142 @@
+"""Inputs laid out as legacy programs lay them out (review 36).
+
+- Examples as columns (``X = placeholder([n_x, None])``, ``W @ X``: a course's TF1 style): taken
+  for a batch of its fixed size, the ``[6, 4]`` weight was read as per-example state and the
+  transform refused. The analysis now moves such inputs to axis 1 when that proves more, and
+  says so.
+- A support set fed beside the query batch (a prototypical network): split as examples it
+  makes the result inexact, and the reasons only blamed the op that mixed its rows. The
+  report now names the inputs that form a batch of their own and ``shared_inputs=``, which
+  makes it exact.
+- Sentences split into tokens in the graph (``tf.compat.v1.string_split``): "no batch rule for
+  StringSplit" made a rewrite that trains as one device does inexact, and its loss tower 0's.
+  (With ``embedding_lookup_sparse``, which gives as many rows as the last example with a token,
+  the transform refuses and says to fill empty rows, as for a sparse input fed by the driver.)
+- A queue's batch of a fixed size smaller than the towers: the advice now says how a queue
+  gets a dynamic batch dimension.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.check.equivalence import compare
+from replicate.errors import AnalysisError
+
+v1 = tf.compat.v1
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+RTOL = 1e-5
+
+
+def _train(loss):
+    loss = tf.identity(loss, name="loss")
+    v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+
+
+def _columns() -> tf.Graph:
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [4, None], name="x")            # one example per column
+        y = v1.placeholder(tf.float32, [3, None], name="y")
+        w1 = v1.get_variable("w1", [6, 4], initializer=v1.glorot_uniform_initializer(seed=1))
+        b1 = v1.get_variable("b1", [6, 1], initializer=v1.zeros_initializer())
+        w2 = v1.get_variable("w2", [3, 6], initializer=v1.glorot_uniform_initializer(seed=2))
+        logits = tf.matmul(w2, tf.nn.relu(tf.matmul(w1, x) + b1))
+        _train(tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(
+            labels=tf.transpose(y), logits=tf.transpose(logits))))
+    return g
+
+
+def _column_feeds(batch: int):
+    rng = np.random.default_rng(batch)
+    eye = np.eye(3, dtype=np.float32)
+    return [{"x:0": rng.normal(size=(4, batch)).astype(np.float32),
+             "y:0": eye[rng.integers(0, 3, batch)].T.copy()} for _ in range(3)]
+
+
+@pytest.mark.parametrize("batch", [7, 2])
+def test_examples_as_columns_are_split_along_axis_1(batch):
+    g = _columns()
+    res = replicate.transform(g, DEVICES)
+    assert res.report.exact, res.report.reasons
+    assert {b.tensor: b.axis for b in res.analysis.batch_inputs} == {"x:0": 1, "y:0": 1}
+    assert any("'x:0' is taken to be laid out with its examples on axis 1" in w
+               and "batch_inputs={'x:0': 0}" in w for w in res.report.warnings), res.report.warnings
+    cmp = compare(g, res.graph, "train", _column_feeds(batch), fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def _prototypes() -> tf.Graph:
+    g = tf.Graph()
+    with g.as_default():
+        s = v1.placeholder(tf.float32, [None, 4], name="s")      # 3 classes x K shots, class-major
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        w = v1.get_variable("w", [4, 5], initializer=v1.glorot_uniform_initializer(seed=2))
+        protos = tf.reduce_mean(tf.reshape(tf.matmul(s, w), [3, -1, 5]), 1)
+        d = tf.reduce_sum(tf.square(tf.matmul(x, w)[:, None] - protos[None]), -1)
+        _train(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=-d)))
+    return g
+
+
+def test_a_support_set_split_as_examples_is_named_with_its_fix():
+    g = _prototypes()
+    res = replicate.transform(g, DEVICES)
+    assert not res.report.exact
+    hint = [w for w in res.report.warnings if "is split as a batch of examples" in w]
+    assert hint and "shared_inputs=['s:0']" in hint[0], res.report.warnings
+    fixed = replicate.transform(g, DEVICES, shared_inputs=["s:0"])
+    assert fixed.report.exact, fixed.report.reasons
+    assert not any("is split as a batch of examples" in w for w in fixed.report.warnings)
+    rng = np.random.default_rng(0)
+    for batch in (7, 2):
+        feeds = [{"s:0": rng.normal(size=(6, 4)).astype(np.float32),
+                  "x:0": rng.normal(size=(batch, 4)).astype(np.float32),
+                  "y:0": rng.integers(0, 3, batch).astype(np.int32)} for _ in range(3)]
+        cmp = compare(g, fixed.graph, "train", feeds, fetch=("loss:0",))
+        assert cmp.max_rel <= RTOL, (batch, cmp.worst, cmp.max_rel)
+
+
+def _sentences() -> tf.Graph:
+    g = tf.Graph()
+    with g.as_default():
+        text = v1.placeholder(tf.string, [None], name="x")
+        y = v1.placeholder(tf.int32, [None], name="y")
+        tokens = v1.string_split(text, " ")
+        ids = tf.compat.v1.string_to_hash_bucket_fast(tokens.values, 11)
+        table = v1.get_variable("emb", [11, 4], initializer=v1.random_normal_initializer(seed=3))
+        words = tf.SparseTensor(tokens.indices, ids, tokens.dense_shape)
+        bags = tf.nn.safe_embedding_lookup_sparse(table, words, None, combiner="mean")
+        logits = v1.layers.dense(bags, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=2))
+        _train(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)))
+    return g
+
+
+@pytest.mark.parametrize("batch", [7, 2])
+def test_sentences_split_into_tokens_in_the_graph_are_exact(batch):
+    g = _sentences()
+    res = replicate.transform(g, DEVICES)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.default_rng(batch)
+    words = ["the", "cat", "sat", "on", "a", "mat"]
+    feeds = [{"x:0": np.array([" ".join(rng.choice(words, rng.integers(1, 5))) for _ in range(batch)],
+                              dtype=object),
+              "y:0": rng.integers(0, 3, batch).astype(np.int32)} for _ in range(3)]
+    cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+    for single, multi in cmp.fetched:          # the loss is the whole batch's, not tower 0's
+        np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
+
+
+def test_a_queue_batch_smaller_than_the_towers_is_told_how_to_be_dynamic():
+    g = tf.Graph()
+    with g.as_default():
+        images = tf.constant(np.ones((10, 4), np.float32))
+        labels = tf.constant(np.zeros(10, np.int32))
+        x, y = v1.train.slice_input_producer([images, labels], shuffle=False)
+        bx, by = v1.train.batch([x, y], batch_size=2)
+        logits = v1.layers.dense(bx, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=2))
+        _train(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=by, logits=logits)))
+    with pytest.raises(AnalysisError, match="allow_smaller_final_batch=True"):
+        replicate.transform(g, DEVICES)
