@@ -66,8 +66,10 @@ MAPS = {
 }
 
 
-@pytest.mark.parametrize("towers,accumulate", [(2, 1), (3, 1), (2, 2)])
-@pytest.mark.parametrize("name", sorted(MAPS))
+# every map and every split at least once (2 towers uneven, 3 with an empty one, accumulate=2),
+# crossed for the suite's time
+@pytest.mark.parametrize("name,towers,accumulate", [("map", 2, 1), ("map", 3, 1), ("standardize", 3, 1),
+                                                    ("standardize", 2, 2), ("pairs", 2, 2), ("pairs", 3, 1)])
 def test_map_over_the_batch_is_exact(name, towers, accumulate):
     report, max_rel, fetched = _run(_graph(MAPS[name]), towers, accumulate)
     assert report.exact, report.reasons
@@ -99,9 +101,9 @@ NOT_PER_EXAMPLE = {
 }
 
 
-@pytest.mark.parametrize("towers", [2, 3])
 @pytest.mark.parametrize("name", sorted(NOT_PER_EXAMPLE))
-def test_loops_that_are_not_per_example_are_inexact_and_run(name, towers):
+def test_loops_that_are_not_per_example_are_inexact_and_run(name, towers=3):
+    """At 3 towers, where the batch of 2 leaves one empty (the split that made rewrites fail)."""
     body, why = NOT_PER_EXAMPLE[name]
     report, max_rel, _ = _run(_graph(body), towers)
     assert not report.exact
