@@ -5,11 +5,12 @@ A dropout under a training flag (``tf.compat.v1.layers.dropout(training=flag)``,
 ``Dropout``) draws its mask inside an ``If`` branch. Every tower calls the same branch
 functions, so the towers cannot each get a copy with their own offset baked in; instead each
 rewritten branch takes two more arguments, the other towers' example count (what the global
-batch adds to the tower's) and the tower's first row, and every tower passes its own. In the branch that draws, each random op draws the tower's
-shape with the batch dimension set to the global size, with its original seeds, and a
-``Slice`` under the op's own name keeps the tower's rows, so every reference to the op's
-output inside the function (returns included) reads the tower's rows. The other branch only
-gains the two (unused) arguments: both branches of an ``If`` take the same arguments.
+batch adds to the tower's) and the tower's first row, and every tower passes its own. In the
+branch that draws, each random op draws the tower's shape with the batch dimension set to the
+global size, with its original seeds, and a ``Slice`` under the op's own name keeps the
+tower's rows, so every reference to the op's output inside the function (returns included)
+reads the tower's rows. The other branch only gains the two (unused) arguments: both branches
+of an ``If`` take the same arguments.
 
 A dropout inside a defun (a ``tf.function`` called from the graph: ``PartitionedCall``) is
 rewritten like a branch: its function takes the two values as two more arguments.
