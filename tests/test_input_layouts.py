@@ -6,8 +6,9 @@
   says so.
 - A support set fed beside the query batch (a prototypical network): split as examples it
   makes the result inexact, and the reasons only blamed the op that mixed its rows. The
-  report now names the inputs that form a batch of their own and ``shared_inputs=``, which
-  makes it exact.
+  report now names the input whose reading whole leaves nothing unproven, and
+  ``shared_inputs=``, which makes it exact. So it does for rewards that a ``tf.scan`` couples
+  into discounted returns: each tower computes the whole batch's returns and keeps its rows.
 - Sentences split into tokens in the graph (``tf.compat.v1.string_split``): "no batch rule for
   StringSplit" made a rewrite that trains as one device does inexact, and its loss tower 0's.
   (With ``embedding_lookup_sparse``, which gives as many rows as the last example with a token,
@@ -140,3 +141,28 @@ def test_a_queue_batch_smaller_than_the_towers_is_told_how_to_be_dynamic():
         _train(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=by, logits=logits)))
     with pytest.raises(AnalysisError, match="allow_smaller_final_batch=True"):
         replicate.transform(g, DEVICES)
+
+
+def test_rewards_a_scan_couples_are_named_and_read_whole_they_are_exact():
+    """Discounted returns by a ``tf.scan`` over the rewards (review 36: inexact, with advice
+    to bound the loop): read whole by every tower, each computes the whole batch's returns
+    and keeps its rows, exact with an empty tower. The warning says so."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        r = v1.placeholder(tf.float32, [None], name="r")
+        value = tf.squeeze(v1.layers.dense(x, 1, kernel_initializer=v1.glorot_uniform_initializer(seed=2)), 1)
+        returns = tf.scan(lambda acc, rt: rt + 0.9 * acc, r, reverse=True, initializer=0.0)
+        _train(tf.reduce_mean(tf.square(returns - value)))
+    res = replicate.transform(g, DEVICES)
+    assert not res.report.exact
+    assert any("'r:0' is split as a batch of examples" in w and "shared_inputs=['r:0']" in w
+               for w in res.report.warnings), res.report.warnings
+    fixed = replicate.transform(g, DEVICES, shared_inputs=["r:0"])
+    assert fixed.report.exact, fixed.report.reasons
+    rng = np.random.default_rng(1)
+    for batch in (7, 2):
+        feeds = [{"x:0": rng.normal(size=(batch, 4)).astype(np.float32),
+                  "r:0": rng.normal(size=batch).astype(np.float32)} for _ in range(3)]
+        cmp = compare(g, fixed.graph, "train", feeds, fetch=("loss:0",))
+        assert cmp.max_rel <= RTOL, (batch, cmp.worst, cmp.max_rel)

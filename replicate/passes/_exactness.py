@@ -183,15 +183,19 @@ def collect(ir: IR, analysis: Analysis) -> None:
 def _separate_batches(analysis: Analysis) -> list[str]:
     """A hint when the result is not exact and reading one batch input whole in every tower
     would leave nothing unproven (``Flow.shareable``): an input of its own split as examples
-    (a few-shot program's support set, a table of per-class values) is a common cause, and
-    ``shared_inputs=`` its fix (review 36: the reasons only blamed the op that mixed its rows)."""
+    (a few-shot program's support set) or values an op couples across the batch (rewards
+    summed into discounted returns by a ``tf.scan``), where ``shared_inputs=`` makes each
+    tower compute what depends on it from the whole batch and take its rows (review 36: the
+    reasons only blamed the op that mixed its rows)."""
     if not analysis.reasons or analysis.flow is None or not analysis.flow.shareable:
         return []
     names = analysis.flow.shareable
     return [f"{', '.join(repr(t) for t in names)} is split as a batch of examples, and is what keeps "
-            "the result from being exact: if it holds no examples (a support set, a table of "
-            f"per-class values) rather than one row per example, name it with "
-            f"shared_inputs={names!r} (--shared-inputs)"]
+            f"the result from being exact: read whole by every tower (shared_inputs={names!r}, "
+            "--shared-inputs), each tower computes what depends on it from the whole batch and "
+            "keeps its own rows, and the analysis finds nothing left to object to (at the cost of "
+            "repeating that work in every tower; right also for an input that holds no examples, "
+            "such as a support set)"]
 
 
 def _differentiated(ir: IR, scopes: tuple[str, ...], name: str) -> bool:
