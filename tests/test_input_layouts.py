@@ -9,10 +9,9 @@
   report now names the input whose reading whole leaves nothing unproven, and
   ``shared_inputs=``, which makes it exact. So it does for rewards that a ``tf.scan`` couples
   into discounted returns: each tower computes the whole batch's returns and keeps its rows.
-- Sentences split into tokens in the graph (``tf.compat.v1.string_split``): "no batch rule for
-  StringSplit" made a rewrite that trains as one device does inexact, and its loss tower 0's.
-  (With ``embedding_lookup_sparse``, which gives as many rows as the last example with a token,
-  the transform refuses and says to fill empty rows, as for a sparse input fed by the driver.)
+- Sentences split into tokens in the graph (``tf.compat.v1.string_split``) stay inexact ("no
+  batch rule for StringSplit"): a rule that took the tokens' dense width for the same in
+  every tower was claimed exact where a dense padding differs (review 37).
 - A queue's batch of a fixed size smaller than the towers: the advice now says how a queue
   gets a dynamic batch dimension.
 """
@@ -99,35 +98,34 @@ def test_a_support_set_split_as_examples_is_named_with_its_fix():
         assert cmp.max_rel <= RTOL, (batch, cmp.worst, cmp.max_rel)
 
 
-def _sentences() -> tf.Graph:
+def _padded_tokens(width) -> tf.Graph:
     g = tf.Graph()
     with g.as_default():
         text = v1.placeholder(tf.string, [None], name="x")
         y = v1.placeholder(tf.int32, [None], name="y")
         tokens = v1.string_split(text, " ")
-        ids = tf.compat.v1.string_to_hash_bucket_fast(tokens.values, 11)
-        table = v1.get_variable("emb", [11, 4], initializer=v1.random_normal_initializer(seed=3))
-        words = tf.SparseTensor(tokens.indices, ids, tokens.dense_shape)
-        bags = tf.nn.safe_embedding_lookup_sparse(table, words, None, combiner="mean")
-        logits = v1.layers.dense(bags, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=2))
+        ids = tf.compat.v1.string_to_hash_bucket_fast(tokens.values, 5)
+        shape = tokens.dense_shape if width is None else tf.stack(
+            [tf.shape(text, out_type=tf.int64)[0], tf.constant(width, tf.int64)])
+        dense = tf.sparse.to_dense(tf.SparseTensor(tokens.indices, ids, shape), default_value=5)
+        table = v1.get_variable("emb", [6, 4], initializer=v1.glorot_uniform_initializer(seed=2))
+        bags = tf.reduce_sum(tf.nn.embedding_lookup(table, dense), 1)      # the padding counts
+        logits = v1.layers.dense(bags, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=3))
         _train(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)))
     return g
 
 
-@pytest.mark.parametrize("batch", [7, 2])
-def test_sentences_split_into_tokens_in_the_graph_are_exact(batch):
-    g = _sentences()
-    res = replicate.transform(g, DEVICES)
-    assert res.report.exact, res.report.reasons
-    rng = np.random.default_rng(batch)
-    words = ["the", "cat", "sat", "on", "a", "mat"]
-    feeds = [{"x:0": np.array([" ".join(rng.choice(words, rng.integers(1, 5))) for _ in range(batch)],
-                              dtype=object),
-              "y:0": rng.integers(0, 3, batch).astype(np.int32)} for _ in range(3)]
-    cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
-    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
-    for single, multi in cmp.fetched:          # the loss is the whole batch's, not tower 0's
-        np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)
+@pytest.mark.parametrize("batch_norm", ["tower0", "sync"])
+def test_tokens_padded_to_each_towers_longest_sentence_are_not_claimed_exact(batch_norm):
+    """Review 37: with a batch rule for ``StringSplit`` whose dense width was taken to be the
+    same in every tower, a dense padding of the tokens (counted in a sum) pads each tower to
+    its own longest sentence: claimed exact, 0.04-1.04 off. The rule was withdrawn: the split
+    is inexact, in every mode, fixed width or not (a SparseReshape inside
+    safe_embedding_lookup_sparse reads the width too, and the facts cannot tell it cancels)."""
+    for width in (None, 6):
+        res = replicate.transform(_padded_tokens(width), DEVICES, batch_norm=batch_norm)
+        assert not res.report.exact
+        assert any("StringSplit" in str(r) for r in res.report.reasons), res.report.reasons
 
 
 def test_a_queue_batch_smaller_than_the_towers_is_told_how_to_be_dynamic():

@@ -115,7 +115,6 @@ RULES.update({
     "SparseReduceMax": sparse.reduce_, "SparseFillEmptyRows": sparse.fill_empty_rows,
     "SparseReshape": sparse.reshape, "CTCLoss": sparse.ctc_loss, "SparseCross": sparse.sparse_cross,
     "SparseCrossHashed": sparse.sparse_cross, "SparseCrossV2": sparse.sparse_cross,
-    "StringSplit": sparse.string_split, "StringSplitV2": sparse.string_split,
     **{op: sparse.segment for op in (
         "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN", "SparseSegmentSumWithNumSegments",
         "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments")},

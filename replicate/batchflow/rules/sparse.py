@@ -36,7 +36,7 @@ from replicate.batchflow.rules.common import (
 from replicate.batchflow.rules.index import ENTRIES, FILLED, UNIQUE, uncounted_rows
 from replicate.graph.ir import Node
 
-__all__ = ["source", "ctc_loss", "sparse_cross", "string_split", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
+__all__ = ["source", "ctc_loss", "sparse_cross", "dense_matmul", "reduce_", "reshape", "fill_empty_rows", "segment", "segment_grad", "FILLED",
            "ENTRIES"]
 
 
@@ -108,26 +108,6 @@ def sparse_cross(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     cls = classes[0] if classes else next(f.cls for f in dense if f.kind == PART)
     for other in classes[1:] + [f.cls for f in dense if f.kind == PART]:
         ctx.classes.union(cls, other, node.name)
-    indices = part(0, cls, None, ordered=False, filtered=True, index=("cols", 0, cls, 1), taint=taint)
-    values = part(0, cls, None, ordered=False, filtered=True, taint=taint)
-    return [indices.with_(handle=ENTRIES), values.with_(handle=ENTRIES),
-            size_fact((Sym(1, cls), None), taint)]
-
-
-def string_split(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
-    """``StringSplit(input [B], delimiter)`` / ``StringSplitV2(input, sep)`` -> a SparseTensor of
-    each example's tokens (``tf.compat.v1.string_split`` of a batch of sentences): the entries
-    of row ``b`` are example ``b``'s, named in column 0 like a sparse batch input's (review 36:
-    "no batch rule for StringSplit", where training matched one device). Its dense width is
-    the most tokens of any row, which a tower counts over its own rows: kept unknown."""
-    taint, settled = prologue(ctx, node, ins, 3)
-    if settled is not None:
-        return settled
-    text = ins[0]
-    if text.kind != PART or text.axis != 0 or (text.block, text.outer) != (1, 1) or text.filtered \
-            or not text.ordered or text.index is not None or any(f.dependent for f in ins[1:]):
-        return [mixed(node.name, f"{node.op} of values whose rows are not the examples in order", taint)] * 3
-    cls = text.cls
     indices = part(0, cls, None, ordered=False, filtered=True, index=("cols", 0, cls, 1), taint=taint)
     values = part(0, cls, None, ordered=False, filtered=True, taint=taint)
     return [indices.with_(handle=ENTRIES), values.with_(handle=ENTRIES),
