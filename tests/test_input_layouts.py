@@ -164,3 +164,23 @@ def test_rewards_a_scan_couples_are_named_and_read_whole_they_are_exact():
                   "r:0": rng.normal(size=batch).astype(np.float32)} for _ in range(3)]
         cmp = compare(g, fixed.graph, "train", feeds, fetch=("loss:0",))
         assert cmp.max_rel <= RTOL, (batch, cmp.worst, cmp.max_rel)
+
+
+def test_an_input_named_shared_is_never_split_behind_the_users_back():
+    """Review 37: in-batch negatives whose labels are ``tf.range(tf.shape(p)[0])`` pair the rows
+    of ``p`` with the batch's; named in ``shared_inputs=`` it was made a batch input anyway,
+    silently. The transform now refuses, naming it and the op."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        p = v1.placeholder(tf.float32, [None, 4], name="p")
+        a = v1.layers.dense(x, 5, kernel_initializer=v1.glorot_uniform_initializer(seed=2), name="fa")
+        c = v1.layers.dense(p, 5, kernel_initializer=v1.glorot_uniform_initializer(seed=3), name="fc")
+        labels = tf.range(tf.shape(p)[0])
+        _train(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=tf.matmul(a, c, transpose_b=True))))
+    with pytest.raises(AnalysisError, match="'p:0' is named in shared_inputs, but its rows pair"):
+        replicate.transform(g, DEVICES, shared_inputs=["p:0"])
+    res = replicate.transform(g, DEVICES)               # without the option: split, inexact
+    assert not res.report.exact
+    assert "p:0" in {b.tensor for b in res.analysis.batch_inputs}

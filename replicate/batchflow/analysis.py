@@ -137,7 +137,7 @@ def _drop_double_resizing(plan: Plan) -> None:
 
 def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str], scopes: list[str],
             losses: list[str], forced: dict[str, int] | None = None,
-            sparse: list[tuple[str, str | None, str | None]] = ()) -> Flow:
+            sparse: list[tuple[str, str | None, str | None]] = (), whole: frozenset = frozenset()) -> Flow:
     """Settle the batch dataflow of ``region``.
 
     Args:
@@ -150,6 +150,7 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         forced: the user's batch inputs (tensor -> axis); no evidence is weighed then.
         sparse: batch inputs fed as a SparseTensor: (indices, values, dense shape); the
             indices are the candidate, the other two follow it (None: not fed).
+        whole: the user's ``shared_inputs``, never made batch inputs by a demand.
     """
     visit = order(ir, region)
     depths = frame_depths(ir, visit)
@@ -159,7 +160,7 @@ def analyze(ir: IR, region: list[str], candidates: list[str], gradient: set[str]
         pool, demoted = dict(pool), {}
         for _ in range(len(pool) + 1):
             flow, victim = _settle(ir, region, pool, gradient, scopes, losses, visit, depths,
-                                   forced is not None, sparse)
+                                   forced is not None, sparse, whole)
             if victim is None:
                 break
             for tensor, why in victim.items():
@@ -361,7 +362,7 @@ def _unproven(flow: Flow) -> int:
 
 def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str], scopes: list[str],
             losses: list[str], visit: list[str], depths: dict[str, int], forced: bool,
-            sparse: list[tuple[str, str | None, str | None]] = ()
+            sparse: list[tuple[str, str | None, str | None]] = (), whole: frozenset = frozenset()
             ) -> tuple[Flow, dict[str, str] | None]:
     classes = Classes()
     inputs = {}
@@ -391,6 +392,15 @@ def _settle(ir: IR, region: list[str], pool: dict[str, int], gradient: set[str],
         plan.absorb(earlier)
         changed = False
         for tensor, d in plan.promote.items():
+            if tensor in whole:
+                # the user says every tower reads it whole, and its rows pair with the batch's
+                # (review 37: it was made a batch input all the same, silently)
+                why = (f"'{tensor}' is named in shared_inputs, but its rows pair with the batch's "
+                       f"in '{d.by}': every tower would need its own rows of it")
+                if not any(r.what == why for r in plan.unsplittable):
+                    plan.unsplittable.append(Reason(node_of(tensor), why, "leave it out of "
+                                                    "shared_inputs: it is then split with the batch"))
+                continue
             if tensor not in inputs:
                 shape = ir.static_shape(tensor)
                 inputs[tensor] = (d.dim, d.cls)

@@ -149,7 +149,7 @@ class Analyze:
             shared_inputs = [t for t in candidates + shared_inputs if t not in forced]
             candidates = []
         flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced,
-                      sparse=triples)
+                      sparse=triples, whole=frozenset(self.shared_inputs and named or ()))
         _refusals.refuse_batch_arithmetic_ranges(ir, flow, region)
         if forced:
             _refusals.refuse_inconsistent_override(ir, graph, flow, apply_ops, forced)
