@@ -184,3 +184,26 @@ def test_an_input_named_shared_is_never_split_behind_the_users_back():
     res = replicate.transform(g, DEVICES)               # without the option: split, inexact
     assert not res.report.exact
     assert "p:0" in {b.tensor for b in res.analysis.batch_inputs}
+
+
+def test_an_edge_list_of_a_fixed_leading_axis_is_told_to_name_its_axis():
+    """Review 37: an edge list ``e`` ``[2, None]`` (one edge per column) beside node features
+    read whole was refused, told to give ``e`` a dynamic batch dimension, which its axis 0
+    cannot have. The refusal now names ``batch_inputs={'e:0': 1}``, which is exact."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        e = v1.placeholder(tf.int32, [2, None], name="e")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        h = tf.matmul(x, w)
+        score = tf.reduce_sum(tf.gather(h, e[0]) * tf.gather(h, e[1]), 1)
+        _train(tf.reduce_mean(tf.nn.softplus(-score)))
+    with pytest.raises(AnalysisError, match=r"batch_inputs=\{'e:0': 1\}"):
+        replicate.transform(g, DEVICES)
+    res = replicate.transform(g, DEVICES, batch_inputs={"e:0": 1})
+    assert res.report.exact, res.report.reasons
+    rng = np.random.default_rng(5)
+    feeds = [{"x:0": rng.normal(size=(5, 4)).astype(np.float32),
+              "e:0": rng.integers(0, 5, (2, 7)).astype(np.int32)} for _ in range(3)]
+    cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
