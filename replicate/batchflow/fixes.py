@@ -9,6 +9,10 @@ __all__ = ["FIXES", "RAGGED_FIX", "LIBRARY_FIXES", "fix_for", "library_fix", "ra
 #: What to do about a loss that mixes examples, by a fragment of the mixing op's reason
 #: (first match wins); the last entry is the general advice.
 FIXES = (
+    ("dense width of a sparse result",
+     "give the sparse tensor a fixed width before making it dense: tf.SparseTensor(sp.indices, "
+     "sp.values, [tf.shape(x, out_type=tf.int64)[0], MAX_LEN]), or keep it sparse "
+     "(tf.nn.safe_embedding_lookup_sparse)"),
     ("adds shared rows to the batch",
      "replicate follows shared rows only after the batch's rows, as nce_loss and "
      "sampled_softmax_loss append the sampled classes to the labels: put the batch first"),

@@ -104,7 +104,7 @@ RULES.update({
     "UnsortedSegmentMin": index.segment, "UnsortedSegmentProd": index.segment,
     "SegmentSum": index.segment, "SegmentMax": index.segment, "SegmentMin": index.segment,
     "SegmentMean": index.segment, "SegmentProd": index.segment,
-    "SparseToDense": index.sparse_to_dense, "ScatterNd": index.scatter_nd,
+    "SparseToDense": sparse.to_dense, "ScatterNd": index.scatter_nd,
     **{f"TensorScatter{kind}": index.tensor_scatter for kind in ("Add", "Sub", "Update", "Max", "Min")},
     "RngReadAndSkip": shape.generator_state,
     "SpaceToBatchND": spatial.space_to_batch, "SpaceToBatch": spatial.space_to_batch,
