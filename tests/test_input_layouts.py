@@ -199,8 +199,9 @@ def test_an_edge_list_of_a_fixed_leading_axis_is_told_to_name_its_axis():
         h = tf.matmul(x, w)
         score = tf.reduce_sum(tf.gather(h, e[0]) * tf.gather(h, e[1]), 1)
         _train(tf.reduce_mean(tf.nn.softplus(-score)))
-    with pytest.raises(AnalysisError, match=r"batch_inputs=\{'e:0': 1\}"):
-        replicate.transform(g, DEVICES)
+    for towers in (3, 2):     # too few examples for 3 towers; at 2, a refusal from the rewrite
+        with pytest.raises(AnalysisError, match=r"batch_inputs=\{'e:0': 1\}"):
+            replicate.transform(g, DEVICES[:towers])
     res = replicate.transform(g, DEVICES, batch_inputs={"e:0": 1})
     assert res.report.exact, res.report.reasons
     rng = np.random.default_rng(5)

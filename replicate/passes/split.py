@@ -33,7 +33,7 @@ from replicate.passes import _sparse
 from replicate.passes._meets import check_meetings
 from replicate.passes.pipeline import PassResult
 
-__all__ = ["Split", "tower_prefixes", "tower_offsets", "SCOPE"]
+__all__ = ["Split", "tower_prefixes", "tower_offsets", "one_per_column", "SCOPE"]
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Split:
             # ranking loss) was refused without saying which input, or how to say it is none
             which = (f" ({', '.join(repr(b.tensor) for b in members)}; if they hold no examples, "
                      "name them with shared_inputs=)")
-            columns = [b.tensor for b in members if _one_per_column(ir.static_shape(b.tensor))]
+            columns = [b.tensor for b in members if one_per_column(ir.static_shape(b.tensor))]
             if columns:
                 # review 37: an edge list [2, None], one edge per column, was told to take a
                 # dynamic batch dimension, which axis 0 cannot have
@@ -312,6 +312,6 @@ def _ref(tensor: str) -> str:
     return name if idx == 0 else f"{name}:{idx}"
 
 
-def _one_per_column(shape) -> bool:
+def one_per_column(shape) -> bool:
     """A fixed axis 0 and a dynamic axis 1 (an edge list ``[2, None]``)."""
     return shape is not None and len(shape) >= 2 and shape[0] is not None and shape[1] is None
