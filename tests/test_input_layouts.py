@@ -12,8 +12,12 @@
 - Sentences split into tokens in the graph (``tf.compat.v1.string_split``) stay inexact ("no
   batch rule for StringSplit"): a rule that took the tokens' dense width for the same in
   every tower was claimed exact where a dense padding differs (review 37).
+  Crossed features (``tf.sparse.cross_hashed``) have the same per-tower width: made dense
+  with a default value they were claimed exact; now a reason with its fix (a fixed width).
 - A queue's batch of a fixed size smaller than the towers: the advice now says how a queue
-  gets a dynamic batch dimension.
+  gets a dynamic batch dimension; an edge list ``[2, None]`` (one edge per column) is told to
+  name its axis (review 37).
+- An input named in ``shared_inputs=`` is never split behind the user's back (review 37).
 """
 
 import numpy as np
