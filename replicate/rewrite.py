@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from replicate.batchflow.facts import Analysis, Towers
+from replicate.batchflow.inputs import columns_advice, one_per_column
 from replicate.errors import REPORT, AnalysisError, DeviceError, InternalError, ReplicateError
 from replicate.graph import io, meta, ops, registry
 from replicate.graph.ir import IR
@@ -35,7 +36,7 @@ from replicate.passes.pipeline import PassRecord, run_pipeline
 from replicate.passes.place import Place
 from replicate.passes.rebatch import Rebatch
 from replicate.passes.rewire import Rewire
-from replicate.passes.split import Split, one_per_column
+from replicate.passes.split import Split
 from replicate.passes.sync import Sync
 from replicate.passes.validate import Validate
 from replicate.passes.weigh import Weigh
@@ -230,15 +231,13 @@ def _rewrite(graph: Any, devices: Sequence[str], options: Options) -> Result:
         reason = analysis.reasons[0]
         static = f"its static batch size ({analysis.static_batch}) is baked into shapes and " \
             "constants, and " if analysis.static_batch is not None else ""
-        columns = [b.tensor for b in analysis.batch_inputs if one_per_column(ir.static_shape(b.tensor))]
         raise AnalysisError(f"cannot replicate this graph: {static}where the analysis could not "
                             f"establish its batch semantics ('{reason.node}': {reason.what}) it "
                             f"cannot tell which batch sizes to rewrite per tower ({first}); give "
                             "the batch inputs a dynamic batch dimension ([None, ...]) and compute "
-                            "sizes with tf.shape(x)[0]" + (
-                                "; if the examples are along axis 1 (one per column), say so: "
-                                "batch_inputs={" + ", ".join(f"'{t}': 1" for t in columns) + "}"
-                                if columns else "")) from None
+                            "sizes with tf.shape(x)[0]" + columns_advice(
+                                [b.tensor for b in analysis.batch_inputs
+                                 if one_per_column(ir.static_shape(b.tensor))])) from None
     towers: Towers = ir.facts["towers"]
     seconds = time.perf_counter() - start
     report = _report(ir, analysis, towers, devices, controller, records, len(loaded.graph_def.node),

@@ -28,6 +28,7 @@ from tensorflow.core.framework import types_pb2
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
 from replicate.batchflow.facts import Reason
+from replicate.batchflow.inputs import one_per_column
 from replicate.batchflow.lattice import SHARED, Classes, Fact
 from replicate.batchflow.loss import Term, decompose
 from replicate.batchflow.plan import Plan, frame_depths, resolve
@@ -302,8 +303,7 @@ def _columns(ir: IR, tensor: str) -> bool:
     """``tensor`` may hold one example per column: a fixed axis 0, and axis 1 its only
     dynamic axis."""
     shape = ir.static_shape(tensor)
-    return shape is not None and len(shape) >= 2 and shape[0] is not None \
-        and [i for i, d in enumerate(shape) if d is None] == [1]
+    return one_per_column(shape) and None not in shape[2:]
 
 
 def _laid_out_like(ir: IR, tensor: str, steps: set) -> bool:

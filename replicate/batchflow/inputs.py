@@ -15,7 +15,7 @@ from replicate.graph.frames import opening
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step",
-           "independent_terms", "set_aside"]
+           "independent_terms", "set_aside", "one_per_column", "columns_advice"]
 
 log = logging.getLogger(__name__)
 
@@ -298,3 +298,18 @@ def set_aside(ir: IR, demoted: Mapping[str, str]) -> str:
     where = ", ".join(f"'{name}' joins {' and '.join(repr(p) for p in fed)}" for name, fed in joins[:3])
     return (f"{text}; they are batches joined along their first axis ({where}): name each with "
             f"batch_inputs={sorted(joined)!r}, and each tower joins its slices of them")
+
+
+def one_per_column(shape) -> bool:
+    """A fixed axis 0 and a dynamic axis 1: examples as columns (``[n_x, None]``, an edge list
+    ``[2, None]``)."""
+    return shape is not None and len(shape) >= 2 and shape[0] is not None and shape[1] is None
+
+
+def columns_advice(tensors: Sequence[str]) -> str:
+    """The end of a refusal naming ``batch_inputs=`` for inputs that may hold their examples
+    along axis 1 (review 37: an edge list was told to give axis 0 a dynamic size)."""
+    if not tensors:
+        return ""
+    return ("; if the examples are along axis 1 (one per column), say so: batch_inputs={"
+            + ", ".join(f"'{t}': 1" for t in tensors) + "}")

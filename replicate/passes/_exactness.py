@@ -177,10 +177,10 @@ def collect(ir: IR, analysis: Analysis) -> None:
     reasons.extend(_unproven_gradients(ir, analysis))
     reasons.extend(_gradients_in_the_forward(ir, analysis))
     reasons.extend(_half_precision_sums(ir, analysis))
-    analysis.warnings.extend(_separate_batches(analysis))
+    analysis.warnings.extend(_shareable_hint(analysis))
 
 
-def _separate_batches(analysis: Analysis) -> list[str]:
+def _shareable_hint(analysis: Analysis) -> list[str]:
     """A hint when the result is not exact and reading one batch input whole in every tower
     would leave nothing unproven (``Flow.shareable``): an input of its own split as examples
     (a few-shot program's support set) or values an op couples across the batch (rewards

@@ -137,6 +137,7 @@ class Analyze:
                                        _inputs.interior(ir, forced or {}))
         phases, phase_reads = _phases.phases(ir, graph, region, barriers, apply_ops)
         candidates, shared_inputs, warnings = _inputs.candidates(ir, region, sources)
+        named: list[str] = []
         if self.shared_inputs:       # never split what the user says every tower reads whole
             named = _inputs.named_shared(ir, self.shared_inputs, forced)
             candidates = [t for t in candidates if t not in named]
@@ -149,7 +150,7 @@ class Analyze:
             shared_inputs = [t for t in candidates + shared_inputs if t not in forced]
             candidates = []
         flow = settle(ir, region, candidates, in_grad, [s.prefix for s in grad_scopes], losses, forced,
-                      sparse=triples, whole=frozenset(self.shared_inputs and named or ()))
+                      sparse=triples, whole=frozenset(named))
         _refusals.refuse_batch_arithmetic_ranges(ir, flow, region)
         if forced:
             _refusals.refuse_inconsistent_override(ir, graph, flow, apply_ops, forced)

@@ -27,13 +27,14 @@ from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.analysis import moved
 from replicate.batchflow.facts import Towers
+from replicate.batchflow.inputs import columns_advice, one_per_column
 from replicate.errors import AnalysisError
 from replicate.graph.ir import IR, parse_tensor, tensor_name
 from replicate.passes import _sparse
 from replicate.passes._meets import check_meetings
 from replicate.passes.pipeline import PassResult
 
-__all__ = ["Split", "tower_prefixes", "tower_offsets", "one_per_column", "SCOPE"]
+__all__ = ["Split", "tower_prefixes", "tower_offsets", "SCOPE"]
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +149,7 @@ class Split:
             # ranking loss) was refused without saying which input, or how to say it is none
             which = (f" ({', '.join(repr(b.tensor) for b in members)}; if they hold no examples, "
                      "name them with shared_inputs=)")
-            columns = [b.tensor for b in members if one_per_column(ir.static_shape(b.tensor))]
-            if columns:
-                # review 37: an edge list [2, None], one edge per column, was told to take a
-                # dynamic batch dimension, which axis 0 cannot have
-                which += ("; if the examples are along axis 1 (one per column), say so: batch_inputs="
-                          + "{" + ", ".join(f"'{t}': 1" for t in columns) + "}")
+            which += columns_advice([b.tensor for b in members if one_per_column(ir.static_shape(b.tensor))])
             if any(b.source_op.startswith("QueueDequeue") for b in members):
                 # review 36: the advice read as if for placeholders only
                 which += ("; a queue's batch (tf.compat.v1.train.batch) gets one with "
@@ -311,7 +307,3 @@ def _ref(tensor: str) -> str:
     name, idx = parse_tensor(tensor)
     return name if idx == 0 else f"{name}:{idx}"
 
-
-def one_per_column(shape) -> bool:
-    """A fixed axis 0 and a dynamic axis 1 (an edge list ``[2, None]``)."""
-    return shape is not None and len(shape) >= 2 and shape[0] is not None and shape[1] is None

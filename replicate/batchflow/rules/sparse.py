@@ -133,10 +133,11 @@ def to_dense(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return sparse_to_dense(ctx, node, ins)
 
 
-def _from_a_width(ir: IR, ref: str, limit: int = 40) -> bool:
-    """Whether tensor ``ref`` is computed from the dense shape of a :data:`WIDTH` op's result."""
+def _from_a_width(ir: IR, ref: str) -> bool:
+    """Whether tensor ``ref`` is computed from the dense shape of a :data:`WIDTH` op's result
+    (the whole ancestry: a search cut short would take a width for none)."""
     work, seen = [ref], set()
-    while work and len(seen) < limit:
+    while work:
         name, index = parse_tensor(work.pop())
         node = ir.nodes.get(name)
         if node is None or (name, index) in seen:
