@@ -63,9 +63,11 @@ def cnn(batch: int) -> tuple[tf.Graph, dict]:
     return graph, {"x:0": rng.rand(batch, 28, 28, 1).astype(np.float32), "y:0": rng.randint(0, 10, batch)}
 
 
-def lstm(batch: int, steps: int = 20, hidden: int = 128, vocab: int = 64, loop: bool = False
-         ) -> tuple[tf.Graph, dict]:
+def lstm(batch: int, steps: int = 20, hidden: int = 128, vocab: int = 64, loop: bool = False,
+         frames: bool = False) -> tuple[tf.Graph, dict]:
     graph = tf.Graph()
+    if frames:          # TF1 while loops (Enter/Exit frames), as legacy programs build them
+        v1.disable_control_flow_v2()
     with graph.as_default():
         v1.set_random_seed(1)
         x = v1.placeholder(tf.int32, [None, steps], name="x")
@@ -83,11 +85,31 @@ def lstm(batch: int, steps: int = 20, hidden: int = 128, vocab: int = 64, loop: 
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
                               name="loss")
         v1.train.AdamOptimizer(1e-3).minimize(loss, name="train")
+    v1.enable_control_flow_v2()
     rng = np.random.RandomState(0)
     return graph, {"x:0": rng.randint(0, vocab, (batch, steps)), "y:0": rng.randint(0, vocab, (batch, steps))}
 
 
-MODELS = {"cnn": (cnn, 64), "lstm": (lstm, 64), "lstm_loop": (lambda b: lstm(b, loop=True), 64)}
+MODELS = {"cnn": (cnn, 64), "lstm": (lstm, 64), "lstm_loop": (lambda b: lstm(b, loop=True), 64),
+          "lstm_loop_v1": (lambda b: lstm(b, loop=True, frames=True), 64)}
+
+
+def _without_streams():
+    """While active, draws in loops are made as the global batch's rows in every tower and
+    iteration (the method before counter-based draws), for a side-by-side measurement."""
+    import contextlib
+
+    from replicate.passes import _body_draws, draw
+
+    @contextlib.contextmanager
+    def scope():
+        keep = draw.plan, _body_draws.plan
+        draw.plan = _body_draws.plan = lambda *args: None
+        try:
+            yield
+        finally:
+            draw.plan, _body_draws.plan = keep
+    return scope()
 
 
 def _step(graph: tf.Graph, feed: dict, cpus: int):
@@ -102,14 +124,22 @@ def _step(graph: tf.Graph, feed: dict, cpus: int):
 def _extra_bytes(graph: tf.Graph, res) -> int | None:
     """Bytes per example of the global batch that the masks add, all towers together (float32):
     a draw made once per step holds every example's row once until the towers' slices are
-    cut; one made in every tower holds it in N - 1 towers more. None for draws in a loop's body
-    (kind ``body``): every tower holds the other towers' rows of a draw for one iteration."""
+    cut; one made in every tower holds it in N - 1 towers more; one a tower makes of its own
+    rows from its stream state (in a loop) adds nothing. None for draws in a loop's body
+    (kind ``body``) made as the global rows: every tower holds the other towers' rows of a
+    draw for one iteration."""
     towers = len(res.towers.devices)
     shared = {n.name for n in res.graph_def.node if n.name.startswith("replicate/draw/")}
+    own = {n.name[:-len("/stream/read")] for n in res.graph_def.node if n.op == "RngReadAndSkip"}
+    in_bodies = any(n.op == "RngReadAndSkip" for f in res.graph_def.library.function for n in f.node_def)
     extra = 0
     for name, kind in res.report.random.get("reproduced", {}).items():
         if kind == "body":
+            if in_bodies:
+                continue
             return None
+        if any(o.endswith(f"/{name}") for o in own):
+            continue
         dims = graph.get_operation_by_name(name).outputs[0].shape.as_list()
         row_bytes = int(np.prod([d for d in dims[1:] if d is not None] or [1])) * 4
         extra += row_bytes * (1 if f"replicate/draw/{name}" in shared else towers - 1)
@@ -129,6 +159,9 @@ def measure(model: str, n: int, rounds: int, per_round: int) -> dict:
         _draws.reproducible = keep
     steps = {"single device": _step(graph, feed, n), "exact draws": _step(exact.graph, feed, n),
              "per-tower streams": _step(streams.graph, feed, n)}
+    if "loop" in model:     # the two ways of exact draws in a loop, side by side
+        with _without_streams():
+            steps["exact, global rows"] = _step(replicate.transform(graph, devices).graph, feed, n)
     timed = common.interleaved(steps, rounds, per_round, warmup=2)
     out = {"model": model, "devices": n, "batch": batch,
            "reproduced": len(exact.report.random.get("reproduced", {})),
@@ -136,14 +169,21 @@ def measure(model: str, n: int, rounds: int, per_round: int) -> dict:
            "exact": exact.report.exact, "extra_bytes_per_example": _extra_bytes(graph, exact),
            "timed": timed,
            "overhead": timed["exact draws"]["median"] / timed["per-tower streams"]["median"]}
+    if "exact, global rows" in timed:
+        out["global_rows_overhead"] = timed["exact, global rows"]["median"] / timed["per-tower streams"]["median"]
     print(f"\n{model}, {n} logical CPU devices, global batch {batch}: {out['reproduced']} of "
           f"{out['random_ops']} random ops reproduced, exact={out['exact']}")
     for label, t in timed.items():
         print(f"  {label:20s} {t['median'] * 1e3:8.1f} ms/step  ({t['min'] * 1e3:.0f}-{t['max'] * 1e3:.0f})")
+    if "global_rows_overhead" in out:
+        print(f"  exact, global rows/streams {out['global_rows_overhead']:.3f}")
     extra = out["extra_bytes_per_example"]
     print(f"  exact/streams {out['overhead']:.3f}; extra mask memory " + (
         f"{extra} B per example of the global batch" if extra is not None else
         "transient, per iteration of the loop (each tower draws the global batch's rows)"))
+    if "global_rows_overhead" in out:
+        print("  (exact draws in a loop: each tower draws its own rows from its stream state; "
+              "global rows: each draws the global batch's rows and keeps its own)")
     return out
 
 

@@ -36,13 +36,16 @@ towers) and :func:`rewire_call`, which points one tower's copy of the cond at th
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.graph.ir import IR, Node, make_attr
+from replicate.passes._streams import Plan, in_function, plan
 
-__all__ = ["rewrite_branches", "rewire_call", "calls_of", "SUFFIX", "FUNCTION_ATTRS"]
+__all__ = ["rewrite_branches", "rewire_call", "calls_of", "streams_of", "SUFFIX", "FUNCTION_ATTRS"]
 
 #: The function attributes of the calls whose bodies the draw pass rewrites, and whether the
 #: body's results are the loop variables (which must then pass the two values on).
@@ -55,6 +58,9 @@ FUNCTION_ATTRS = {"If": (("then_branch", False), ("else_branch", False)),
 
 SUFFIX = "_replicate_rows"
 
+#: Arguments bringing a tower's stream states into the functions (``_0``, ``_1``, ...).
+STREAM_ARG = "replicate_stream"
+
 #: The suffix of a tower's copy of functions whose draws every tower draws whole ("same").
 COPY_SUFFIX = "_replicate_tower"
 
@@ -63,16 +69,34 @@ COPY_SUFFIX = "_replicate_tower"
 OTHERS_ARG, OFFSET_ARG = "replicate_other_rows", "replicate_first_row"
 
 
-def rewrite_branches(ir: IR, call: str, draw, tower: int) -> tuple[str, ...]:
+def streams_of(ir: IR, draw) -> tuple[tuple[str, str, Plan], ...]:
+    """The draws under call ``draw`` that each tower makes of its own rows only
+    (:mod:`replicate.passes._streams`): (inner draw's name, the argument that brings the
+    tower's stream state into every function of the call, the plan)."""
+    out = []
+    for d in draw.inner if draw.kind == "body" else ():
+        if d.kind != "rows":
+            continue
+        node = next(n for n in ir.function(d.path[-1]).node_def
+                    if n.name == d.name[len("/".join(d.path)) + 1:])
+        p = plan(node.op, node.attr, d.axis, d.outer, d.block, d.width)
+        if p is not None:
+            out.append((d.name, f"{STREAM_ARG}_{len(out)}", p))
+    return tuple(out)
+
+
+def rewrite_branches(ir: IR, call: str, draw, tower: int, streams: tuple = ()) -> tuple[str, ...]:
     """The names of tower ``tower``'s rewritten functions of cond, loop or defun call ``call``,
     in the order of :data:`FUNCTION_ATTRS`. Each tower gets its own functions: a stateful
     random kernel belongs to an instantiation of its function, and calls nested in a body
     can share one instantiation between towers (then their draws interleave, in an order
-    that depends on scheduling)."""
+    that depends on scheduling). ``streams`` (:func:`streams_of`) become arguments too."""
     node = ir.nodes[call]
     args = draw.kind == "body"          # a "same" draw's functions are only copied per tower
     suffix = f"{SUFFIX if args else COPY_SUFFIX}_{tower}"
-    return tuple(_rewritten(ir, node.attr(key), draw.inner, passes_on, suffix, args)
+    if streams:     # functions shared with a call of other streams take other arguments
+        suffix += "_" + hashlib.sha1(repr([s[0] for s in streams]).encode()).hexdigest()[:8]
+    return tuple(_rewritten(ir, node.attr(key), draw.inner, passes_on, suffix, args, streams)
                  for key, passes_on in FUNCTION_ATTRS[node.op])
 
 
@@ -83,7 +107,7 @@ def calls_of(fdef, callee: str) -> list:
 
 
 def _rewritten(ir: IR, fname: str, draws: tuple, passes_on: bool, suffix: str,
-               args: bool = True) -> str:
+               args: bool = True, streams: tuple = ()) -> str:
     """The name of function ``fname`` rewritten (once per ``suffix``) for the two arguments
     (``args``; else only copied under the new name): its own ``rows`` draws of ``draws``
     (Draws whose ``path`` ends at ``fname``) take the tower's rows, and its calls on the way
@@ -94,7 +118,7 @@ def _rewritten(ir: IR, fname: str, draws: tuple, passes_on: bool, suffix: str,
     own = [(d.name[len("/".join(d.path)) + 1:], d) for d in draws
            if d.path[-1:] == (fname,) and d.kind == "rows"]
     deeper = [d for d in draws if fname in d.path[:-1]]
-    out = _rewrite(ir.function(fname), new, own, passes_on, args)
+    out = _rewrite(ir.function(fname), new, own, passes_on, args, streams)
     for nd in out.node_def:
         if nd.op not in FUNCTION_ATTRS:
             continue
@@ -103,34 +127,42 @@ def _rewritten(ir: IR, fname: str, draws: tuple, passes_on: bool, suffix: str,
             continue
         for (key, inner_passes_on), callee in zip(FUNCTION_ATTRS[nd.op], called):
             nd.attr[key].func.name = _rewritten(ir, callee, tuple(deeper), inner_passes_on,
-                                                suffix, args)
+                                                suffix, args, streams)
         if args:
-            _pass_arguments(nd)
+            _pass_arguments(nd, streams)
     ir.add_function(out)
     return new
 
 
-def _pass_arguments(nd) -> None:
-    """Call node ``nd`` (inside a rewritten function) passes that function's two arguments on."""
+def _arguments(streams: tuple) -> list[tuple[str, int]]:
+    """The arguments every rewritten function gains: names and types."""
+    return [(OTHERS_ARG, dtypes.int32.as_datatype_enum), (OFFSET_ARG, dtypes.int32.as_datatype_enum)] + [
+        (arg, dtypes.resource.as_datatype_enum) for _, arg, _ in streams]
+
+
+def _pass_arguments(nd, streams: tuple) -> None:
+    """Call node ``nd`` (inside a rewritten function) passes that function's arguments on."""
     loop = nd.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"
-    nd.input.extend([OTHERS_ARG, OFFSET_ARG])
-    nd.attr[types].list.type.extend([dtypes.int32.as_datatype_enum] * 2)
+    extra = _arguments(streams)
+    nd.input.extend(name for name, _ in extra)
+    nd.attr[types].list.type.extend(kind for _, kind in extra)
     if loop and "output_shapes" in nd.attr:
-        nd.attr["output_shapes"].list.shape.add()
-        nd.attr["output_shapes"].list.shape.add()       # two scalars
+        for _ in extra:
+            nd.attr["output_shapes"].list.shape.add()       # scalars
 
 
 def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], others: str | None = None,
-                offset: str | None = None) -> None:
+                offset: str | None = None, states: tuple = (), guards: tuple = ()) -> None:
     """Point tower copy ``copy`` of the cond, loop or defun call at the rewritten functions,
-    passing the other towers' example count and the tower's first row (none for functions
-    only copied)."""
+    passing the other towers' example count, the tower's first row and the tower's stream
+    states ``states`` (none for functions only copied), after the ``guards`` that set them."""
     node = ir.nodes[copy]
     loop = node.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"
-    extra = [others, offset] if others is not None else []
-    tin = list(node.attr(types, [])) + [dtypes.int32.as_datatype_enum] * len(extra)
+    extra = [others, offset] + list(states) if others is not None else []
+    kinds = [kind for _, kind in _arguments(tuple((None, None, None) for _ in states))] if extra else []
+    tin = list(node.attr(types, [])) + kinds
     inputs = list(node.inputs) + extra
     ir.remove_many([copy])
     attrs = dict(node.attrs)
@@ -138,37 +170,38 @@ def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], others: str | None
     if loop and extra and "output_shapes" in attrs:
         shapes = attr_value_pb2.AttrValue()
         shapes.CopyFrom(attrs["output_shapes"])
-        shapes.list.shape.add()
-        shapes.list.shape.add()             # two scalars
+        for _ in extra:
+            shapes.list.shape.add()         # scalars
         attrs["output_shapes"] = shapes
     for (key, _), name in zip(FUNCTION_ATTRS[node.op], branches):
         value = attr_value_pb2.AttrValue()
         value.CopyFrom(node.attrs[key])
         value.func.name = name
         attrs[key] = value
-    ir.add_node(Node(copy, node.op, inputs, list(node.control), node.device, attrs))
+    ir.add_node(Node(copy, node.op, inputs, list(node.control) + list(guards), node.device, attrs))
 
 
-def _rewrite(fdef, name: str, draws: list, passes_on: bool, args: bool = True
+def _rewrite(fdef, name: str, draws: list, passes_on: bool, args: bool = True, streams: tuple = ()
              ) -> function_pb2.FunctionDef:
     out = function_pb2.FunctionDef()
     out.CopyFrom(fdef)
     out.signature.name = name
-    for arg in (OTHERS_ARG, OFFSET_ARG) if args else ():
+    for arg, kind in _arguments(streams) if args else ():
         new = out.signature.input_arg.add()
         new.name = arg
-        new.type = dtypes.int32.as_datatype_enum
+        new.type = kind
         if passes_on:                       # a loop body returns its loop variables
             result = out.signature.output_arg.add()
             result.name = f"{arg}_next"
-            result.type = dtypes.int32.as_datatype_enum
+            result.type = kind
             out.ret[result.name] = arg
+    mine = {name: (arg, p) for name, arg, p in streams}
     for op, d in draws:
-        _rows(out, op, d)
+        _rows(out, op, d, mine.get(d.name))
     return out
 
 
-def _rows(fdef, op: str, d) -> None:
+def _rows(fdef, op: str, d, stream: tuple | None = None) -> None:
     """Replace node ``op`` of ``fdef`` by a global-shape draw and a slice of the tower's rows.
     Inside a loop body every op runs once per iteration, so the draw costs four more: the
     global shape (the tower's, plus the other towers' rows at the axis) and where the rows
@@ -206,7 +239,12 @@ def _rows(fdef, op: str, d) -> None:
     hot = np.zeros(d.rank)
     hot[d.axis] = 1
     hot_ref = const("axis_mask", hot)
-    global_shape = arith("shape", "AddV2", shape_ref, arith("grow", "Mul", hot_ref, as_index(OTHERS_ARG)))
+    grow = arith("grow", "Mul", hot_ref, as_index(OTHERS_ARG))
+    if stream is not None:          # the tower's rows only, from its stream state
+        fdef.node_def.extend(added)
+        in_function(fdef, op, stream[1], stream[0], grow, OFFSET_ARG, index)
+        return
+    global_shape = arith("shape", "AddV2", shape_ref, grow)
     begin = arith("begin", "Mul", hot_ref, as_index(OFFSET_ARG))
     draw = node_def_pb2.NodeDef()
     draw.CopyFrom(node)

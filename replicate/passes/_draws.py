@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from replicate.batchflow.effects import draws
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import PART, RED, SHARED
@@ -67,6 +69,13 @@ class Draw:
     block: int = 1
     outer: int = 1
     path: tuple[str, ...] = ()
+    width: int | None = None
+
+
+def _width(dims, axis) -> int | None:
+    """The static element count of one row of ``axis`` (the dims after it), or None."""
+    rest = dims[axis + 1:] if dims is not None and axis is not None else None
+    return None if rest is None or any(d is None for d in rest) else int(np.prod(rest, dtype=np.int64))
 
 
 def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], list[Reason]]:
@@ -91,9 +100,10 @@ def reproducible(ir: IR, flow, random_ops: list[str]) -> tuple[dict[str, Draw], 
             elif node.op in PARAM_DRAWS:
                 found[name] = Draw(name, "param_rows", 0, flow.classes.find(fact.cls), 2)
             else:
+                dims = ir.static_shape(f"{name}:0")
                 found[name] = Draw(name, "rows", fact.axis, flow.classes.find(fact.cls),
-                                   len(ir.static_shape(f"{name}:0")), block=fact.block,
-                                   outer=fact.outer)
+                                   len(dims), block=fact.block, outer=fact.outer,
+                                   width=_width(dims, fact.axis))
             continue
         reasons.append(Reason(name, why[0], why[1]))
     return found, reasons
@@ -162,9 +172,10 @@ def _in_body(ir: IR, flow, node) -> tuple[Draw | None, tuple[str, str] | None]:
             continue
         if why is not None or fact is None or fact.kind != PART or fact.block != 1 or fact.outer != 1:
             return None, why or not_yet
+        dims = body.ir.static_shape(f"{op}:0")
         inner.append(Draw("/".join(functions + (op,)), "rows", fact.axis,
-                          flow.classes.find(fact.cls), len(body.ir.static_shape(f"{op}:0")),
-                          path=functions))
+                          flow.classes.find(fact.cls), len(dims), path=functions,
+                          width=_width(dims, fact.axis)))
     rows = [d for d in inner if d.kind == "rows"]
     if len({d.cls for d in rows}) > 1:
         return None, not_yet

@@ -46,8 +46,9 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.graph.ir import IR, Node, node_of
-from replicate.passes._body_draws import rewire_call, rewrite_branches
+from replicate.passes._body_draws import rewire_call, rewrite_branches, streams_of
 from replicate.passes._frames import enter, frames
+from replicate.passes._streams import in_frames, plan, state
 from replicate.passes.pipeline import PassResult
 from replicate.passes.split import tower_offsets
 
@@ -99,14 +100,18 @@ class Draw:
                 if copy is None:
                     continue
                 if draw.kind == "body":
-                    branches = rewrite_branches(ir, draw.name, draw, k)   # conds and loops
-                    rewire_call(ir, copy, branches, others[draw.cls][k], offsets[draw.cls][k])
+                    streams = streams_of(ir, draw)
+                    branches = rewrite_branches(ir, draw.name, draw, k, streams)   # conds and loops
+                    states = [state(ir, f"{towers.prefixes[k]}/{name}", p, ir.nodes[copy].device)
+                              for name, _, p in streams]
+                    rewire_call(ir, copy, branches, others[draw.cls][k], offsets[draw.cls][k],
+                                tuple(s for s, _ in states), tuple(g for _, g in states))
                 elif draw.kind == "param_rows":
                     self._param_rows(ir, copy, towers.class_batch[draw.cls],
                                      towers.class_counts[draw.cls][k], offsets[draw.cls][k])
                 else:
                     self._rows(ir, copy, draw, towers.class_batch[draw.cls],
-                               others[draw.cls][k], offsets[draw.cls][k])
+                               others[draw.cls][k], offsets[draw.cls][k], towers.prefixes[k])
                 done.append(copy)
         for key, members in groups.items():
             self._cut(ir, towers, key, members, copies)
@@ -303,7 +308,7 @@ class Draw:
         ir.add(copy, "Slice", [base, begin, shape], device=dev, attrs={"T": out_type, "Index": index})
 
     @staticmethod
-    def _rows(ir: IR, copy: str, draw, batch: str, others: str, offset: str) -> None:
+    def _rows(ir: IR, copy: str, draw, batch: str, others: str, offset: str, tower: str) -> None:
         node = ir.nodes[copy]
         shape = node.inputs[0]
         index = dtypes.as_dtype(ir.output_dtype(shape))
@@ -316,6 +321,10 @@ class Draw:
         # control edge from the shape, the controller's values come in through Enter nodes.
         chain = frames(ir, copy)
         anchor = [node_of(shape)] if chain else []
+        p = plan(node.op, node.attrs, draw.axis, outer, block, draw.width) if chain else None
+        if p is not None:       # in a loop: only the tower's rows, from its stream state
+            in_frames(ir, copy, p, chain, batch, offset, tower)
+            return
 
         def const(name: str, value, dtype=index) -> str:
             if f"{base}/{name}" in ir.nodes:          # the same constant asked for again

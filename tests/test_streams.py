@@ -1,0 +1,200 @@
+"""Draws inside loops: each tower draws only its rows, from its own copy of the stream's state
+(issue 22; replicate/passes/_streams.py).
+
+The table of how TensorFlow's stateful kernels lay a draw out over the Philox counter is
+checked bit for bit against the kernels; the loop draws built on it are checked against one
+device (every op seeded, SGD, uneven batches, an empty tower, micro-batches), and a wrong
+offset is shown to be visible to the same check.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from breadth_models import control_flow_v1
+
+import replicate
+import replicate.passes._body_draws as body_draws
+import replicate.passes.draw as draw_pass
+from replicate.check.equivalence import compare
+from replicate.passes import _streams
+
+v1 = tf.compat.v1
+
+RTOL = 1e-5
+
+CASES = [("RandomUniform", tf.float32), ("RandomUniform", tf.float64), ("RandomUniform", tf.float16),
+         ("RandomUniform", tf.bfloat16), ("RandomStandardNormal", tf.float32),
+         ("RandomStandardNormal", tf.float64), ("TruncatedNormal", tf.float32),
+         ("TruncatedNormal", tf.float64), ("RandomUniformInt", tf.int32), ("RandomUniformInt", tf.int64)]
+
+
+def _draws(op: str, dtype, shape):
+    """The stateful kernel's draw and its stateless twin's, from the twin's counter input."""
+    twin, key, _, _ = _streams.TWINS[op]
+    counter = v1.placeholder(tf.uint64, [2], name="counter")
+    if op == "RandomUniformInt":
+        lo, hi = tf.constant(-5, dtype), tf.constant(100003, dtype)
+        made = tf.raw_ops.RandomUniformInt(shape=shape, minval=lo, maxval=hi, seed=11, seed2=22)
+        twin_draw = tf.raw_ops.StatelessRandomUniformIntV2(
+            shape=[v1.placeholder(tf.int32, [], name="n")], key=tf.constant([11], tf.uint64),
+            counter=counter, alg=_streams.PHILOX, minval=lo, maxval=hi)
+    else:
+        made = getattr(tf.raw_ops, op)(shape=shape, dtype=dtype, seed=11, seed2=22)
+        twin_draw = getattr(tf.raw_ops, twin)(
+            shape=[v1.placeholder(tf.int32, [], name="n")], key=tf.constant([11], tf.uint64),
+            counter=counter, alg=_streams.PHILOX, dtype=dtype)
+    return made, twin_draw, counter
+
+
+@pytest.mark.parametrize("op,dtype", CASES, ids=[f"{o}-{d.name}" for o, d in CASES])
+def test_the_table_lays_draws_out_as_the_kernels_do(op, dtype):
+    """Over three runs of the kernel (its counter advanced by 256 per element in between),
+    the twin started at ``(e // G) * S`` past the run's counter draws elements ``e...`` of
+    the run, for every ``e`` that is a multiple of ``G``; at ``e + 1`` it does not."""
+    shape = [7, 5]
+    graph = tf.Graph()
+    with graph.as_default():
+        made, twin_draw, counter = _draws(op, dtype, shape)
+    group, skip = _streams.TWINS[op][2].get(dtype, _streams.TWINS[op][3])
+    total = int(np.prod(shape))
+    with v1.Session(graph=graph) as sess:
+        for run in range(3):
+            flat = sess.run(made).ravel()
+            start = run * total * 256
+            for first in range(0, total, group):
+                mine = sess.run(twin_draw, {"n:0": total - first,
+                                            counter: [start + first // group * skip, 22]})
+                assert np.array_equal(mine, flat[first:]), (run, first)
+            shifted = sess.run(twin_draw, {"n:0": total - 1, counter: [start + skip, 22]})
+            assert not np.array_equal(shifted, flat[1:])
+
+
+def _rnn(frames: bool, width: int, where: str = "input", layers: int = 2) -> tf.Graph:
+    """dynamic_rnn(parallel_iterations=1) over ``layers`` LSTM cells of ``width`` units, each
+    dropping out its ``where``; a TF1 loop of frames with ``frames``, else a while_v2."""
+    graph = tf.Graph()
+    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
+        v1.set_random_seed(1)
+        x = v1.placeholder(tf.float32, [None, 5, width], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        cells = [v1.nn.rnn_cell.DropoutWrapper(v1.nn.rnn_cell.LSTMCell(
+            width, initializer=v1.glorot_uniform_initializer(seed=2 + i)), seed=3 + i,
+            **{f"{where}_keep_prob": 0.6}) for i in range(layers)]
+        out, _ = v1.nn.dynamic_rnn(v1.nn.rnn_cell.MultiRNNCell(cells), x, dtype=tf.float32,
+                                   parallel_iterations=1)
+        w = v1.get_variable("w", [width, 3], initializer=v1.glorot_uniform_initializer(seed=4),
+                            use_resource=True)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(out[:, -1], w)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def _loop(frames: bool, width: int, noise: str) -> tf.Graph:
+    """A hand-written time loop whose step drops out its input: under ``tf.cond`` on the
+    step's parity (``cond``: the draw runs in every other iteration) or with
+    ``dropout(training=flag)`` (``flag``)."""
+    graph = tf.Graph()
+    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 5, width], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="training")
+        w = v1.get_variable("w", [width, width], initializer=v1.glorot_uniform_initializer(seed=1))
+        out = v1.get_variable("out", [width, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        xs = tf.transpose(x, [1, 0, 2])
+
+        def step(t, h):
+            now = xs[t]
+            if noise == "cond":
+                now = tf.cond(tf.equal(t % 2, 0), lambda: tf.nn.dropout(now, rate=0.3, seed=7),
+                              lambda: now * 0.5)
+            else:
+                now = v1.layers.dropout(now, 0.3, training=flag, seed=7)
+            return t + 1, tf.tanh(tf.matmul(now + h, w))
+
+        _, h = tf.while_loop(lambda t, h: t < 5, step, [tf.constant(0), tf.zeros_like(xs[0])],
+                             parallel_iterations=1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, out)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+def _sequences(batch: int, width: int, steps: int = 3):
+    rng = np.random.RandomState(0)
+    return [{"x:0": rng.randn(batch, 5, width).astype(np.float32), "y:0": rng.randint(0, 3, batch)}
+            for _ in range(steps)]
+
+
+def _stream_reads(graph_def) -> int:
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return sum(n.op == "RngReadAndSkip" for n in nodes)
+
+
+def _exact(graph, towers: int, batch: int, width: int, **options):
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)], **options)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _sequences(batch, width), fetch=("loss:0",))
+    return res, cmp
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["tf1_frames", "while_v2"])
+@pytest.mark.parametrize("towers,batch,accumulate", [(2, 7, 1), (3, 2, 1), (2, 5, 2)])
+def test_dropout_in_dynamic_rnn_draws_only_the_tower_s_rows(frames, towers, batch, accumulate):
+    """Two DropoutWrapper cells of 8 units: every tower (every micro-batch) reads and
+    advances its own state of each stream, and trains as one device."""
+    res, cmp = _exact(_rnn(frames, 8), towers, batch, 8, accumulate=accumulate)
+    assert _stream_reads(res.graph.as_graph_def()) == 2 * towers * accumulate
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["tf1_frames", "while_v2"])
+@pytest.mark.parametrize("noise", ["cond", "flag"])
+def test_draws_in_conds_inside_loops_advance_only_when_drawn(frames, noise):
+    """A draw under a cond in the loop runs in every other iteration: the state is read and
+    advanced only when the draw runs (in a TF1 frame the read waits for the draw's inputs)."""
+    for towers, batch in [(2, 7), (3, 2)]:
+        res, cmp = _exact(_loop(frames, 8, noise), towers, batch, 8)
+        assert _stream_reads(res.graph.as_graph_def()) == towers
+        assert cmp.max_rel <= RTOL, (towers, batch, cmp.worst, cmp.max_rel)
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["tf1_frames", "while_v2"])
+@pytest.mark.parametrize("towers,batch", [(2, 7), (3, 5)])
+def test_rows_that_start_inside_a_group(frames, towers, batch):
+    """6 units: a tower's first element need not start a group of 4 (rows 4, 3 of 7 start at
+    element 24, 18 of 5 at 2 and 4...): the tower draws the group's leading elements too,
+    flat, and drops them."""
+    res, cmp = _exact(_rnn(frames, 6, layers=1), towers, batch, 6)
+    assert _stream_reads(res.graph.as_graph_def()) == towers
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_each_session_starts_the_streams_again():
+    """The state is set to the seeds in a session's first run (no initializer to run), as a
+    new session's kernels start again: two sessions of the rewrite see the same first
+    steps, and the same as one device."""
+    graph = _rnn(False, 8)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"])
+    first = compare(graph, res.graph, "train", _sequences(5, 8), fetch=("loss:0",))
+    again = compare(graph, res.graph, "train", _sequences(5, 8), fetch=("loss:0",))
+    assert first.max_rel <= RTOL and again.max_rel <= RTOL, (first.max_rel, again.max_rel)
+
+
+@pytest.mark.parametrize("frames", [True, False], ids=["tf1_frames", "while_v2"])
+def test_a_wrong_offset_is_visible(frames, monkeypatch):
+    """The check above can see a tower drawing other rows: one counter group too far is far
+    off one device."""
+    real = _streams.plan
+
+    def off_by_one(*args):
+        found = real(*args)
+        return found and found._replace(skip=found.skip + 1)
+
+    monkeypatch.setattr(draw_pass, "plan", off_by_one)
+    monkeypatch.setattr(body_draws, "plan", off_by_one)
+    _, cmp = _exact(_rnn(frames, 8, layers=1), 2, 7, 8)
+    assert cmp.max_rel > 1e-2
