@@ -36,14 +36,12 @@ towers) and :func:`rewire_call`, which points one tower's copy of the cond at th
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, function_pb2, node_def_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.graph.ir import IR, Node, make_attr
-from replicate.passes._streams import Plan, in_function, plan
+from replicate.passes._streams import Plan, in_function, plan, state_name
 
 __all__ = ["rewrite_branches", "rewire_call", "calls_of", "streams_of", "SUFFIX", "FUNCTION_ATTRS"]
 
@@ -58,8 +56,14 @@ FUNCTION_ATTRS = {"If": (("then_branch", False), ("else_branch", False)),
 
 SUFFIX = "_replicate_rows"
 
-#: Arguments bringing a tower's stream states into the functions (``_0``, ``_1``, ...).
-STREAM_ARG = "replicate_stream"
+#: Calls whose functions TensorFlow lowers into the graph that runs them (conds and loops):
+#: their kernels are the session's, one per node, whatever a run fetches, as a state variable
+#: is. A defun's kernels can be one per fetch signature instead (measured: a dropout in a cond
+#: in a tf.function, its loss fetched in a run of its own, then the train op: each run's
+#: kernel starts from the seed), so draws under a defun keep drawing the global rows with a
+#: kernel of their own.
+_LOWERED = frozenset({"If", "StatelessIf", "While", "StatelessWhile"})
+
 
 #: The suffix of a tower's copy of functions whose draws every tower draws whole ("same").
 COPY_SUFFIX = "_replicate_tower"
@@ -69,19 +73,22 @@ COPY_SUFFIX = "_replicate_tower"
 OTHERS_ARG, OFFSET_ARG = "replicate_other_rows", "replicate_first_row"
 
 
-def streams_of(ir: IR, draw) -> tuple[tuple[str, str, Plan], ...]:
-    """The draws under call ``draw`` that each tower makes of its own rows only
-    (:mod:`replicate.passes._streams`): (inner draw's name, the argument that brings the
-    tower's stream state into every function of the call, the plan)."""
+def streams_of(ir: IR, draw, tower: str) -> tuple[tuple[str, str, Plan], ...]:
+    """The draws under call ``draw`` that tower ``tower`` (its name prefix) makes of its own
+    rows only (:mod:`replicate.passes._streams`): (inner draw's name, the name of the
+    tower's state of its stream, the plan). A function reaches the state by that name (a
+    ``VarHandleOp`` of the shared name, on the call's device): no argument, so a loop gains
+    no loop variable per draw."""
     out = []
-    for d in draw.inner if draw.kind == "body" else ():
-        if d.kind != "rows":
+    for d in draw.inner if draw.kind == "body" and ir.nodes[draw.name].op in _LOWERED else ():
+        if d.kind != "rows" or any(c.op not in _LOWERED for outer, inner in zip(d.path, d.path[1:])
+                                   for c in calls_of(ir.function(outer), inner)):
             continue
         node = next(n for n in ir.function(d.path[-1]).node_def
                     if n.name == d.name[len("/".join(d.path)) + 1:])
         p = plan(node.op, node.attr, d.axis, d.outer, d.block, d.width)
         if p is not None:
-            out.append((d.name, f"{STREAM_ARG}_{len(out)}", p))
+            out.append((d.name, state_name(f"{tower}/{d.name}"), p))
     return tuple(out)
 
 
@@ -90,12 +97,10 @@ def rewrite_branches(ir: IR, call: str, draw, tower: int, streams: tuple = ()) -
     in the order of :data:`FUNCTION_ATTRS`. Each tower gets its own functions: a stateful
     random kernel belongs to an instantiation of its function, and calls nested in a body
     can share one instantiation between towers (then their draws interleave, in an order
-    that depends on scheduling). ``streams`` (:func:`streams_of`) become arguments too."""
+    that depends on scheduling. ``streams`` (:func:`streams_of`) draw the tower's rows only."""
     node = ir.nodes[call]
     args = draw.kind == "body"          # a "same" draw's functions are only copied per tower
     suffix = f"{SUFFIX if args else COPY_SUFFIX}_{tower}"
-    if streams:     # functions shared with a call of other streams take other arguments
-        suffix += "_" + hashlib.sha1(repr([s[0] for s in streams]).encode()).hexdigest()[:8]
     return tuple(_rewritten(ir, node.attr(key), draw.inner, passes_on, suffix, args, streams)
                  for key, passes_on in FUNCTION_ATTRS[node.op])
 
@@ -129,40 +134,32 @@ def _rewritten(ir: IR, fname: str, draws: tuple, passes_on: bool, suffix: str,
             nd.attr[key].func.name = _rewritten(ir, callee, tuple(deeper), inner_passes_on,
                                                 suffix, args, streams)
         if args:
-            _pass_arguments(nd, streams)
+            _pass_arguments(nd)
     ir.add_function(out)
     return new
 
 
-def _arguments(streams: tuple) -> list[tuple[str, int]]:
-    """The arguments every rewritten function gains: names and types."""
-    return [(OTHERS_ARG, dtypes.int32.as_datatype_enum), (OFFSET_ARG, dtypes.int32.as_datatype_enum)] + [
-        (arg, dtypes.resource.as_datatype_enum) for _, arg, _ in streams]
-
-
-def _pass_arguments(nd, streams: tuple) -> None:
-    """Call node ``nd`` (inside a rewritten function) passes that function's arguments on."""
+def _pass_arguments(nd) -> None:
+    """Call node ``nd`` (inside a rewritten function) passes that function's two arguments on."""
     loop = nd.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"
-    extra = _arguments(streams)
-    nd.input.extend(name for name, _ in extra)
-    nd.attr[types].list.type.extend(kind for _, kind in extra)
+    nd.input.extend([OTHERS_ARG, OFFSET_ARG])
+    nd.attr[types].list.type.extend([dtypes.int32.as_datatype_enum] * 2)
     if loop and "output_shapes" in nd.attr:
-        for _ in extra:
-            nd.attr["output_shapes"].list.shape.add()       # scalars
+        nd.attr["output_shapes"].list.shape.add()
+        nd.attr["output_shapes"].list.shape.add()       # two scalars
 
 
 def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], others: str | None = None,
-                offset: str | None = None, states: tuple = (), guards: tuple = ()) -> None:
+                offset: str | None = None, guards: tuple = ()) -> None:
     """Point tower copy ``copy`` of the cond, loop or defun call at the rewritten functions,
-    passing the other towers' example count, the tower's first row and the tower's stream
-    states ``states`` (none for functions only copied), after the ``guards`` that set them."""
+    passing the other towers' example count and the tower's first row (none for functions
+    only copied), after the ``guards`` that set the tower's stream states."""
     node = ir.nodes[copy]
     loop = node.op in ("While", "StatelessWhile")
     types = "T" if loop else "Tin"
-    extra = [others, offset] + list(states) if others is not None else []
-    kinds = [kind for _, kind in _arguments(tuple((None, None, None) for _ in states))] if extra else []
-    tin = list(node.attr(types, [])) + kinds
+    extra = [others, offset] if others is not None else []
+    tin = list(node.attr(types, [])) + [dtypes.int32.as_datatype_enum] * len(extra)
     inputs = list(node.inputs) + extra
     ir.remove_many([copy])
     attrs = dict(node.attrs)
@@ -170,8 +167,8 @@ def rewire_call(ir: IR, copy: str, branches: tuple[str, ...], others: str | None
     if loop and extra and "output_shapes" in attrs:
         shapes = attr_value_pb2.AttrValue()
         shapes.CopyFrom(attrs["output_shapes"])
-        for _ in extra:
-            shapes.list.shape.add()         # scalars
+        shapes.list.shape.add()
+        shapes.list.shape.add()             # two scalars
         attrs["output_shapes"] = shapes
     for (key, _), name in zip(FUNCTION_ATTRS[node.op], branches):
         value = attr_value_pb2.AttrValue()
@@ -186,16 +183,16 @@ def _rewrite(fdef, name: str, draws: list, passes_on: bool, args: bool = True, s
     out = function_pb2.FunctionDef()
     out.CopyFrom(fdef)
     out.signature.name = name
-    for arg, kind in _arguments(streams) if args else ():
+    for arg in (OTHERS_ARG, OFFSET_ARG) if args else ():
         new = out.signature.input_arg.add()
         new.name = arg
-        new.type = kind
+        new.type = dtypes.int32.as_datatype_enum
         if passes_on:                       # a loop body returns its loop variables
             result = out.signature.output_arg.add()
             result.name = f"{arg}_next"
-            result.type = kind
+            result.type = dtypes.int32.as_datatype_enum
             out.ret[result.name] = arg
-    mine = {name: (arg, p) for name, arg, p in streams}
+    mine = {name: (shared, p) for name, shared, p in streams}
     for op, d in draws:
         _rows(out, op, d, mine.get(d.name))
     return out

@@ -20,7 +20,11 @@ streams' step time at 4 devices, measured). Counter-based draws avoid that:
   a resource variable of its own (``replicate/draw/stream/<tower>/...``). ``RngReadAndSkip``
   reads it and advances it by the global draw's element count, as the kernel advances; so
   the state follows the one-device kernel run by run, over iterations and steps, exactly as
-  the tower's own kernel of a global-shape draw did. A guard sets it to the op's seeds the
+  the tower's own kernel of a global-shape draw did. That holds where the kernel is the
+  session's, one per node whatever a run fetches: in TF1 loops and in the conds and loops
+  TensorFlow lowers into the graph. Under a defun (a ``PartitionedCall``) the kernel can be
+  one per fetch signature, which no session-wide state follows: those draws keep the global
+  rows (:func:`replicate.passes._body_draws.streams_of`). A guard sets it to the op's seeds the
   first time a session runs it: no initializer that a driver would have to know about, and
   like the kernel it starts again in every new session (on a server's target, whose
   resources outlive sessions, it would not: the draws of a loop continue where the last
@@ -46,7 +50,7 @@ from replicate.graph.ir import IR, node_of
 from replicate.graph.node import make_attr
 from replicate.passes._frames import enter
 
-__all__ = ["TWINS", "Plan", "plan", "state", "in_frames", "in_function", "SCOPE"]
+__all__ = ["TWINS", "Plan", "plan", "state", "state_name", "in_frames", "in_function", "SCOPE"]
 
 SCOPE = "replicate/draw/stream"
 
@@ -105,17 +109,25 @@ def _uint64(value: int) -> np.ndarray:
     return np.array([value], np.int64).view(np.uint64)
 
 
+def state_name(name: str) -> str:
+    """The shared name of a tower's state of one op's stream (``name``: tower and op)."""
+    return f"{SCOPE}/{name}/state"
+
+
+def _handle_attrs(shared: str) -> dict:
+    shape = attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto(
+        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=3)]))
+    return {"dtype": dtypes.int64, "shape": shape, "shared_name": shared, "container": ""}
+
+
 def state(ir: IR, name: str, p: Plan, device: str) -> tuple[str, str]:
     """A tower's stream state for one op (``<SCOPE>/<name>``): the variable's handle and a
     guard to wait for, which sets it to the op's seeds when the session has not yet."""
     base = f"{SCOPE}/{name}"
     if f"{base}/state" in ir.nodes:     # calls of one function share its kernels, and states
         return f"{base}/state", f"{base}/guard"
-    shape = attr_value_pb2.AttrValue(shape=tensor_shape_pb2.TensorShapeProto(
-        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=3)]))
     handle = ir.add(f"{base}/state", "VarHandleOp", device=device,
-                    attrs={"dtype": dtypes.int64, "shape": shape, "shared_name": f"{base}/state",
-                           "container": ""}).name
+                    attrs=_handle_attrs(state_name(name))).name
     seeds = ir.const(f"{base}/seeds", np.array([0, p.seed2, p.seed], np.int64), dtypes.int64, device)
     ready = ir.add(f"{base}/is_set", "VarIsInitializedOp", [handle], device=device).name
     switch = ir.add(f"{base}/switch", "Switch", [ready, ready], device=device,
@@ -211,12 +223,13 @@ def in_frames(ir: IR, copy: str, p: Plan, chain, batch: str, offset: str, tower:
     ir.add(copy, "Reshape", [rows, shape], device=dev, attrs={"T": p.dtype, "Tshape": index})
 
 
-def in_function(fdef, op_name: str, p: Plan, stream_arg: str, grow: str, first_row: str, index) -> None:
-    """Node ``op_name`` of function ``fdef`` draws only the tower's rows: ``stream_arg`` is
-    the tower's state (an argument), ``grow`` the global shape's excess over the tower's (a
-    tensor of the body), ``first_row`` the tower's first row (an int32 argument). In a loop
-    body everything runs once per iteration: 11 small ops and constants around the draw
-    (five more, not aligned)."""
+def in_function(fdef, op_name: str, p: Plan, shared: str, grow: str, first_row: str, index) -> None:
+    """Node ``op_name`` of function ``fdef`` draws only the tower's rows: ``shared`` is the
+    shared name of the tower's state (:func:`state` made it at the top level, on the device
+    the function runs on), ``grow`` the global shape's excess over the tower's (a tensor of
+    the body), ``first_row`` the tower's first row (an int32 argument). In a loop body
+    everything runs once per iteration: 11 small ops and constants around the draw (five
+    more, not aligned)."""
     node = next(n for n in fdef.node_def if n.name == op_name)
     base = f"{op_name}/replicate_stream"
     added = []
@@ -226,7 +239,7 @@ def in_function(fdef, op_name: str, p: Plan, stream_arg: str, grow: str, first_r
         nd = node_def_pb2.NodeDef(name=f"{base}/{name}", op=kind)
         nd.input.extend(inputs)
         for key, value in attrs.items():
-            nd.attr[key].CopyFrom(make_attr(value))
+            nd.attr[key].CopyFrom(value if isinstance(value, attr_value_pb2.AttrValue) else make_attr(value))
         added.append(nd)
         return f"{nd.name}:{out}:0"
 
@@ -246,7 +259,8 @@ def in_function(fdef, op_name: str, p: Plan, stream_arg: str, grow: str, first_r
                                                   all_axes], "output", T=index, Tidx=dtypes.int32, keep_dims=False)
     delta = op("delta", "Cast", [global_count], "y", SrcT=index, DstT=u64, Truncate=False)
     alg = const("alg", PHILOX, dtypes.int32)
-    read = op("read", "RngReadAndSkip", [stream_arg, alg, delta], "value")
+    read = op("read", "RngReadAndSkip", [op("state", "VarHandleOp", [], "resource", **_handle_attrs(shared)),
+                                         alg, delta], "value")
     first = op("first", "Cast", [first_row], "y", SrcT=dtypes.int32, DstT=i64, Truncate=False)
     start, drop = _start(op, const, first, p)
     moved = op("counter", "AddV2", [read, start], "z", T=i64)

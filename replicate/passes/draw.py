@@ -100,12 +100,12 @@ class Draw:
                 if copy is None:
                     continue
                 if draw.kind == "body":
-                    streams = streams_of(ir, draw)
+                    streams = streams_of(ir, draw, towers.prefixes[k])
                     branches = rewrite_branches(ir, draw.name, draw, k, streams)   # conds and loops
-                    states = [state(ir, f"{towers.prefixes[k]}/{name}", p, ir.nodes[copy].device)
+                    guards = [state(ir, f"{towers.prefixes[k]}/{name}", p, ir.nodes[copy].device)[1]
                               for name, _, p in streams]
                     rewire_call(ir, copy, branches, others[draw.cls][k], offsets[draw.cls][k],
-                                tuple(s for s, _ in states), tuple(g for _, g in states))
+                                tuple(guards))
                 elif draw.kind == "param_rows":
                     self._param_rows(ir, copy, towers.class_batch[draw.cls],
                                      towers.class_counts[draw.cls][k], offsets[draw.cls][k])
