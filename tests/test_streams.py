@@ -228,3 +228,52 @@ def test_draws_under_a_defun_keep_a_kernel_of_their_own():
     cmp = compare(graph, res.graph, "train", [{"x:0": rng.randn(7, 8).astype(np.float32)} for _ in range(3)],
                   fetch=("loss:0",))
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def _gated(frames: bool, where: str) -> tf.Graph:
+    """Dropout under a TF1 (or v2) cond on a fed flag, its ``noise_shape`` computed outside the
+    cond: in a loop's step (``where="loop"``: the shape reaches the draw through a ``Switch``)
+    or at the top level (``"top"``)."""
+    graph = tf.Graph()
+    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 4, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="training")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
+        out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+
+        def drop(h):
+            shape = tf.stack([tf.shape(h)[0], 1])
+            return tf.cond(flag, lambda: tf.nn.dropout(h, rate=0.4, noise_shape=shape, seed=8), lambda: h)
+
+        xs = tf.transpose(x, [1, 0, 2])
+        if where == "loop":
+            def step(t, h):
+                return t + 1, tf.tanh(tf.matmul(drop(xs[t]) + h, w))
+            _, h = tf.while_loop(lambda t, h: t < 4, step, [tf.constant(0), tf.zeros_like(xs[0])],
+                                 parallel_iterations=1)
+        else:
+            h = tf.tanh(tf.matmul(drop(tf.reduce_mean(xs, 0)), w))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, out)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("frames,where,towers,batch", [
+    (True, "loop", 3, 7), (True, "loop", 3, 2), (True, "top", 3, 7), (False, "top", 2, 7)])
+def test_a_draw_in_an_untaken_branch_does_not_advance_its_stream(frames, where, towers, batch):
+    """The flag is fed False in some steps (an evaluation run, a schedule): one device's kernel
+    does not run then. In a TF1 loop the tower's read of its state waits for the draw's
+    ``Switch`` output through an Identity (a control edge from the Switch itself fires either
+    way: the state advanced in every iteration, review 38); at the top level a draw in a TF1
+    cond's branch is not moved out of it to be made once per step (it drew in every step)."""
+    graph = _gated(frames, where)
+    res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(batch, 4, 6).astype(np.float32), "y:0": rng.randint(0, 3, batch),
+              "training:0": flag} for flag in (False, True, True, False, True)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)

@@ -17,10 +17,12 @@ import dataclasses
 
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["Frame", "frames", "opening"]
+__all__ = ["Frame", "frames", "opening", "in_branch"]
 
 _ENTER = ("Enter", "RefEnter")
 _EXIT = ("Exit", "RefExit")
+_SWITCH = ("Switch", "RefSwitch")
+_MERGE = ("Merge", "RefMerge")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +67,24 @@ def frames(ir: IR, name: str) -> list[Frame]:
         frame = frame.decode() if isinstance(frame, bytes) else frame
         out.append(Frame(frame, int(node.attr("parallel_iterations", 10)), opener))
         start = node_of(node.inputs[0])
+
+
+def in_branch(ir: IR, name: str) -> bool:
+    """True when node ``name`` may not run in a step: it lies in a branch of a TF1 cond (a
+    ``Switch`` output reaches it, by data or control, without a ``Merge`` that joins the
+    branches again), or in a TF1 loop's body (its ``Switch`` too). Such a node is skipped
+    (its inputs are dead) when its branch is not taken; what replaces it must be skipped too.
+    Conservative: any ``Switch`` reached counts."""
+    seen, stack = {name}, [name]
+    while stack:
+        node = ir.nodes[stack.pop()]
+        if node.op in _SWITCH:
+            return True
+        if node.op in _MERGE and node.name != name:
+            continue
+        for ref in list(node.inputs) + list(node.control):
+            dep = node_of(ref)
+            if dep not in seen and dep in ir.nodes:
+                seen.add(dep)
+                stack.append(dep)
+    return False

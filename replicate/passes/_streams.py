@@ -26,9 +26,9 @@ streams' step time at 4 devices, measured). Counter-based draws avoid that:
   one per fetch signature, which no session-wide state follows: those draws keep the global
   rows (:func:`replicate.passes._body_draws.streams_of`). A guard sets it to the op's seeds the
   first time a session runs it: no initializer that a driver would have to know about, and
-  like the kernel it starts again in every new session (on a server's target, whose
-  resources outlive sessions, it would not: the draws of a loop continue where the last
-  session left them).
+  like the kernel it starts again in every new session (and on a server's target, where a
+  session's successor finds the state where it was left, so did the kernels in review 38's
+  measurement: a second session on an in-process server matched one device exactly).
 
 Requires: a ``rows`` draw with its rows contiguous (axis 0, one copy of the batch), a seeded
 op of :data:`TWINS` and a static element count per row (:func:`plan`); else the draw pass
@@ -201,9 +201,17 @@ def in_frames(ir: IR, copy: str, p: Plan, chain, batch: str, offset: str, tower:
     ir.set_control(f"{base}/handle/enter_0", [guard])
     key = into("key", ir.const(f"{base}/key", _uint64(p.seed), u64, dev), u64)
     alg = into("alg", ir.const(f"{base}/alg", PHILOX, dtypes.int32, dev), dtypes.int32)
-    # in every run: the read runs when the draw would, after the draw's own inputs
-    waits = sorted({node_of(r) for r in node.inputs} | set(node.control))
-    read = op("read", "RngReadAndSkip", [h, alg, delta], control=waits)
+    # in every run: the read runs when the draw would, after the draw's inputs and control
+    # inputs: a dead input (an untaken branch of a cond in the loop) skips the read as it
+    # skips the draw. A control edge from a Switch is not gated by its branch (TF1 conds wait
+    # on a pivot Identity for that): a Switch output the draw reads is waited for through an
+    # Identity of it (without, the state advanced in every iteration, review 38, 0.2-0.77 off).
+    waits = set(node.control)
+    for i, ref in enumerate(node.inputs):
+        if ir.nodes[node_of(ref)].op in ("Switch", "RefSwitch"):
+            ref = op(f"taken_{i}", "Identity", [ref], T=dtypes.as_dtype(ir.output_dtype(ref)))
+        waits.add(node_of(ref))
+    read = op("read", "RngReadAndSkip", [h, alg, delta], control=sorted(waits))
     moved = op("counter", "AddV2", [read, start], T=i64)
     counter = op("counter_bits", "Bitcast", [moved], T=i64, type=u64)
     shape, rest = node.inputs[0], list(node.inputs[1:])

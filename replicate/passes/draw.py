@@ -47,6 +47,7 @@ from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.graph.ir import IR, Node, node_of
 from replicate.passes._body_draws import rewire_call, rewrite_branches, streams_of
+from replicate.graph.frames import in_branch
 from replicate.passes._frames import enter, frames
 from replicate.passes._streams import in_frames, plan, state
 from replicate.passes.pipeline import PassResult
@@ -147,6 +148,9 @@ class Draw:
         mine = [(k, c[draw.name]) for k, c in enumerate(copies) if draw.name in c]
         if not mine or draw.block != 1 or draw.outer != 1 or frames(ir, mine[0][1]):
             return False
+        if in_branch(ir, mine[0][1]):
+            return False    # in a TF1 cond's branch, drawn only when taken (review 38: moved
+                            # out, it drew every step, 0.2-0.55 off once the flag was False)
         first = ir.nodes[mine[0][1]]
         dims = ir.static_shape(f"{draw.name}:0")
         if dims is None or any(d is None for i, d in enumerate(dims) if i != draw.axis):
