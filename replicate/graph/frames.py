@@ -72,15 +72,15 @@ def frames(ir: IR, name: str) -> list[Frame]:
 def in_branch(ir: IR, name: str) -> bool:
     """True when node ``name`` may not run in a step: it lies in a branch of a TF1 cond (a
     ``Switch`` output reaches it, by data or control, without a ``Merge`` that joins the
-    branches again), or in a TF1 loop's body (its ``Switch`` too). Such a node is skipped
-    (its inputs are dead) when its branch is not taken; what replaces it must be skipped too.
-    Conservative: any ``Switch`` reached counts."""
+    branches again or an ``Exit`` that leaves a loop), or in a TF1 loop's body (its
+    ``Switch`` too). Such a node is skipped (its inputs are dead) when its branch is not
+    taken; what replaces it must be skipped too. Conservative: any such ``Switch`` counts."""
     seen, stack = {name}, [name]
     while stack:
         node = ir.nodes[stack.pop()]
         if node.op in _SWITCH:
             return True
-        if node.op in _MERGE and node.name != name:
+        if node.op in _MERGE + _EXIT and node.name != name:
             continue
         for ref in list(node.inputs) + list(node.control):
             dep = node_of(ref)
