@@ -201,35 +201,6 @@ def test_a_wrong_offset_is_visible(frames, monkeypatch):
     assert cmp.max_rel > 1e-2
 
 
-def test_draws_under_a_defun_keep_a_kernel_of_their_own():
-    """A dropout in a cond in a ``tf.function``: TensorFlow may instantiate the function once
-    per fetch signature, each with its own kernel (a run that fetches the loss, then one that
-    trains, both start from the seed), which a session-wide state would not follow; such
-    draws keep drawing the global rows with their own kernel, and stay exact when the loss is
-    fetched in a run of its own (as ``compare`` does)."""
-    graph = tf.Graph()
-    with graph.as_default():
-        v1.set_random_seed(5)
-        x = v1.placeholder(tf.float32, [None, 8], name="x")
-        w = v1.get_variable("w", [8, 8], initializer=v1.glorot_uniform_initializer(seed=2),
-                            use_resource=True)
-
-        @tf.function
-        def noisy(h):
-            return tf.cond(tf.reduce_sum(w) > -1e9, lambda: tf.nn.dropout(tf.matmul(h, w), 0.5, seed=3),
-                           lambda: tf.matmul(h, w))
-
-        loss = tf.reduce_mean(tf.square(noisy(x)), name="loss")
-        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
-    assert res.report.exact, res.report.reasons
-    assert _stream_reads(res.graph.as_graph_def()) == 0
-    rng = np.random.RandomState(0)
-    cmp = compare(graph, res.graph, "train", [{"x:0": rng.randn(7, 8).astype(np.float32)} for _ in range(3)],
-                  fetch=("loss:0",))
-    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
-
-
 def _gated(frames: bool, where: str) -> tf.Graph:
     """Dropout under a TF1 (or v2) cond on a fed flag, its ``noise_shape`` computed outside the
     cond: in a loop's step (``where="loop"``: the shape reaches the draw through a ``Switch``)

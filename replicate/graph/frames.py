@@ -35,21 +35,28 @@ class Frame:
     enter: str
 
 
-def opening(ir: IR, start: str) -> str | None:
-    """An ``Enter`` that opens the frame ``start`` runs in, or None in the root frame."""
+def _back(ir: IR, start: str, found, stop) -> str | None:
+    """The first node ``found`` accepts on a walk back from ``start`` over its inputs and
+    control inputs, not past nodes ``stop`` accepts (``start`` itself is neither)."""
     seen, stack = {start}, [start]
     while stack:
         node = ir.nodes[stack.pop()]
-        if node.op in _ENTER and node.name != start:
-            return node.name
-        if node.op in _EXIT and node.name != start:
-            continue
+        if node.name != start:
+            if found(node):
+                return node.name
+            if stop(node):
+                continue
         for ref in list(node.inputs) + list(node.control):
             dep = node_of(ref)
             if dep not in seen and dep in ir.nodes:
                 seen.add(dep)
                 stack.append(dep)
     return None
+
+
+def opening(ir: IR, start: str) -> str | None:
+    """An ``Enter`` that opens the frame ``start`` runs in, or None in the root frame."""
+    return _back(ir, start, lambda node: node.op in _ENTER, lambda node: node.op in _EXIT)
 
 
 def frames(ir: IR, name: str) -> list[Frame]:
@@ -75,16 +82,5 @@ def in_branch(ir: IR, name: str) -> bool:
     branches again or an ``Exit`` that leaves a loop), or in a TF1 loop's body (its
     ``Switch`` too). Such a node is skipped (its inputs are dead) when its branch is not
     taken; what replaces it must be skipped too. Conservative: any such ``Switch`` counts."""
-    seen, stack = {name}, [name]
-    while stack:
-        node = ir.nodes[stack.pop()]
-        if node.op in _SWITCH:
-            return True
-        if node.op in _MERGE + _EXIT and node.name != name:
-            continue
-        for ref in list(node.inputs) + list(node.control):
-            dep = node_of(ref)
-            if dep not in seen and dep in ir.nodes:
-                seen.add(dep)
-                stack.append(dep)
-    return False
+    return _back(ir, name, lambda node: node.op in _SWITCH,
+                 lambda node: node.op in _MERGE + _EXIT) is not None
