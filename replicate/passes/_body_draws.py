@@ -25,6 +25,9 @@ whose branches are rewritten in turn, down to the functions that draw; every fun
 the way is rewritten once. Each tower's loop runs its own kernel of every random op, with the
 original seeds, so iteration ``t`` of every tower draws what iteration ``t`` draws on one
 device (when iterations run one at a time: the draw pass requires ``parallel_iterations=1``).
+Under conds and loops only (no defun on the way), a draw the counter-based way can take
+(:func:`streams_of`) draws only the tower's rows from the tower's copy of its stream state
+(:mod:`replicate.passes._streams`) instead of the global rows.
 
 Requires: the ``body`` Draw of :mod:`replicate.passes._draws` (which random ops of which
 branch draw rows of which axis).
@@ -97,7 +100,7 @@ def rewrite_branches(ir: IR, call: str, draw, tower: int, streams: tuple = ()) -
     in the order of :data:`FUNCTION_ATTRS`. Each tower gets its own functions: a stateful
     random kernel belongs to an instantiation of its function, and calls nested in a body
     can share one instantiation between towers (then their draws interleave, in an order
-    that depends on scheduling. ``streams`` (:func:`streams_of`) draw the tower's rows only."""
+    that depends on scheduling). ``streams`` (:func:`streams_of`) draw the tower's rows only."""
     node = ir.nodes[call]
     args = draw.kind == "body"          # a "same" draw's functions are only copied per tower
     suffix = f"{SUFFIX if args else COPY_SUFFIX}_{tower}"
@@ -199,7 +202,9 @@ def _rewrite(fdef, name: str, draws: list, passes_on: bool, args: bool = True, s
 
 
 def _rows(fdef, op: str, d, stream: tuple | None = None) -> None:
-    """Replace node ``op`` of ``fdef`` by a global-shape draw and a slice of the tower's rows.
+    """Replace node ``op`` of ``fdef`` by a global-shape draw and a slice of the tower's rows,
+    or, with ``stream`` (the shared name of the tower's state and the plan), by a draw of the
+    tower's rows only (:func:`replicate.passes._streams.in_function`).
     Inside a loop body every op runs once per iteration, so the draw costs four more: the
     global shape (the tower's, plus the other towers' rows at the axis) and where the rows
     begin, then the slice, whose size is the tower's shape tensor (so Grappler knows the rows

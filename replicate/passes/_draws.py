@@ -58,7 +58,8 @@ class Draw:
     a draw from a global-shaped parameter), ``same`` (original seeds) or
     ``body`` (a call whose functions draw rows). For a call, ``inner`` lists a ``rows`` or
     ``same`` Draw per random op of its functions, named ``function/.../op``, with ``path``
-    the functions from the outermost down; each tower calls its own copy of them."""
+    the functions from the outermost down; each tower calls its own copy of them. ``width``:
+    the static element count of one row of ``axis`` (None if unknown)."""
 
     name: str
     kind: str

@@ -22,7 +22,10 @@ pass kept their seeds). Offsets are computed once per batch class on the control
 (``replicate/draw/class_<c>/offset_<k>``). ``ir.facts["draws"]`` lists the ops rewritten.
 
 Cost: every tower draws ``B`` rows instead of ``n_k`` (N times the random numbers of one
-device, spread over N devices) and holds one ``B``-row buffer until the slice.
+device, spread over N devices) and holds one ``B``-row buffer until the slice. Inside TF1
+loops (and in conds and loops that are function bodies, :mod:`replicate.passes._body_draws`),
+where that would repeat in every iteration, a draw the counter-based way can take draws only
+the tower's rows from the tower's copy of its stream state (:mod:`replicate.passes._streams`).
 
 A top-level draw whose shape is known but for the batch is cheaper: it is made once per step
 outside the towers (``replicate/draw/<op>``, the draws taking turns on the towers' devices),
