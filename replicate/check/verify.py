@@ -112,10 +112,16 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     meta = loaded.meta if loaded.meta is not None else _bare_meta(loaded.graph_def)
     hinted = replicate_meta.collection_ops(meta, "saved_model_train_op")
     train_op = train_op or (hinted[0] if len(hinted) == 1 else None)
-    ir = rewrite.analyze_only(meta, train_op=train_op, loss=loss)
+    # A tf.Graph is analysed and rewritten as itself, as transform() does: its static shapes
+    # are the graph's own, which an import of its export can lose (a TF1 loop's body: the
+    # certificate checked another, inexact rewrite and contradicted an exact claim)
+    live = source if loaded.graph is not None else None
+    ir = rewrite.analyze_only(live or meta, train_op=train_op, loss=loss)
     analysis = ir.facts["analysis"]
     trainable = _trainable(meta, ir, analysis)
-    meta = synthetic.with_variables(meta, ir, trainable)
+    listed = synthetic.with_variables(meta, ir, trainable)
+    live = live if listed is meta else None
+    meta = listed
     targets = [analysis.train_op] + synthetic.initializers(meta)
     rows = {tensor: kind for _, tensor, kind in (analysis.flow.ctx.fed_rows if analysis.flow else {}).values()}
     specs = synthetic.input_specs(ir, targets, [b.tensor for b in analysis.batch_inputs],
@@ -124,7 +130,7 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     base = strategy if isinstance(strategy, Options) else Options.build(**(strategy or {}))
     options = dataclasses.replace(base, controller="/cpu:0", train_op=analysis.train_op, loss=loss,
                                   check=False)
-    result = rewrite.rewrite(meta, devices, options)
+    result = rewrite.rewrite(live or meta, devices, options)
     if not allow_unsafe:
         fed = [s.tensor for s in specs]
         bad = synthetic.unsafe_ops(ir, targets, fed) or synthetic.unsafe_ops(
