@@ -107,8 +107,6 @@ def prepare(graph: Any, *, train_op: str | None = None, loss: str | None = None,
         loaded.graph_def, loaded.origin)
     ir = IR.from_graph_def(loaded.graph_def, loaded.meta, hubs=True)
     ir.load_static_shapes(tf_graph)
-    if loaded.graph is None:
-        ir.refine_static_shapes(loaded.graph_def)
     ir.tf_graph = tf_graph          # library functions' bodies are analysed in it
     external = frozenset(meta.referenced_names(loaded.meta))
     analyze = Analyze(train_op=train_op, loss=loss, outputs=tuple(outputs or ()),

@@ -254,24 +254,6 @@ class IR:
                 self.static_shapes[op.name] = [
                     t.shape.as_list() if t.shape.rank is not None else None for t in op.outputs]
 
-    def refine_static_shapes(self, graph_def: graph_pb2.GraphDef) -> None:
-        """Refine the static shapes with the ``_output_shapes`` a saved GraphDef records (what
-        TensorFlow inferred when the graph was built): an import infers less inside TF1 while
-        loops, whose ``Merge`` nodes see their back edge only later."""
-        for nd in graph_def.node:
-            recorded = nd.attr.get("_output_shapes") if "_output_shapes" in nd.attr else None
-            known = self.static_shapes.get(nd.name)
-            if recorded is None or known is None or len(recorded.list.shape) != len(known):
-                continue
-            for i, proto in enumerate(recorded.list.shape):
-                saved = None if proto.unknown_rank else [d.size if d.size >= 0 else None for d in proto.dim]
-                if saved is None:
-                    continue
-                if known[i] is None:
-                    known[i] = saved
-                elif len(known[i]) == len(saved):
-                    known[i] = [k if k is not None else s for k, s in zip(known[i], saved)]
-
     def const_value(self, name: str) -> np.ndarray | None:
         """The value of a Const node, else None."""
         node = self.nodes.get(name)
