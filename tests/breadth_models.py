@@ -118,6 +118,52 @@ def control_flow_v1():
         v1.enable_control_flow_v2()
 
 
+def time_loop(noise: str = "", frames: bool = False, read: str = "index",
+              parallel: int = 1, width: int = 6) -> tf.Graph:
+    """A hand-written RNN over a time-major batch: ``tf.while_loop`` reading ``xs[t]`` (a
+    strided slice whose bounds the loop counter gives at run time; with ``read="slice"``,
+    ``tf.slice`` from ``tf.stack([t, 0, 0])``, ``"concat"``: from ``tf.concat([[t], [0, 0]], 0)``,
+    ``"scaled"``: from ``[1, 0, 0] * t``). ``noise`` drops out each step's input:
+    ``dropout`` (``tf.nn.dropout``), ``flag`` (``dropout(training=flag)``, an ``If`` inside the
+    ``While``), ``flag_loop`` (that ``If`` inside a second loop, of ``parallel`` iterations
+    at once, in the body) or ``parity`` (``tf.nn.dropout`` under a cond on the step's parity:
+    drawn in every other iteration). ``width``: the units."""
+    graph = tf.Graph()
+    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 5, width], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="training")
+        w = v1.get_variable("w", [width, width], initializer=v1.glorot_uniform_initializer(seed=1))
+        out = v1.get_variable("out", [width, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        xs = tf.transpose(x, [1, 0, 2])
+
+        def drop(h):
+            if noise in ("dropout", "parity"):
+                return tf.nn.dropout(h, rate=0.3, seed=7)
+            return v1.layers.dropout(h, 0.3, training=flag, seed=7) if noise else h
+
+        def step(t, h):
+            begin = {"slice": lambda: tf.stack([t, 0, 0]), "concat": lambda: tf.concat([[t], [0, 0]], 0),
+                     "scaled": lambda: tf.constant([1, 0, 0]) * t}.get(read)
+            now = xs[t] if read == "index" else tf.reshape(tf.slice(xs, begin(), [1, -1, -1]), [-1, width])
+            if noise == "parity":
+                now = tf.cond(tf.equal(t % 2, 0), lambda: drop(now), lambda: now * 0.5)
+            elif noise == "flag_loop":
+                _, now = tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, drop(v)),
+                                       [tf.constant(0), now], parallel_iterations=parallel)
+            else:
+                now = drop(now)
+            return t + 1, tf.tanh(tf.matmul(now + h, w))
+
+        _, h = tf.while_loop(lambda t, h: t < 5, step, [tf.constant(0), tf.zeros_like(xs[0])],
+                             parallel_iterations=1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf.matmul(h, out)), name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
 def lstm(version: int = 2, static_batch: int | None = None) -> Model:
     """dynamic_rnn over an LSTM cell; version 1 uses TF1 while-loop frames. With
     ``static_batch`` the input has that static batch and the initial state is the cell's

@@ -9,7 +9,7 @@ import contextlib
 import numpy as np
 import pytest
 import tensorflow as tf
-from breadth_models import control_flow_v1
+from breadth_models import control_flow_v1, time_loop
 
 import replicate
 from replicate.batchflow.effects import draws, writes
@@ -254,49 +254,6 @@ def test_dropout_in_a_loop_body_is_exact(where, towers, batch):
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
-def _time_loop(noise: str = "", frames: bool = False, read: str = "index",
-               parallel: int = 1) -> tf.Graph:
-    """A hand-written RNN over a time-major batch: ``tf.while_loop`` reading ``xs[t]`` (a
-    strided slice whose bounds the loop counter gives at run time; with ``read="slice"``,
-    ``tf.slice`` from ``tf.stack([t, 0, 0])``, ``"concat"``: from ``tf.concat([[t], [0, 0]], 0)``,
-    ``"scaled"``: from ``[1, 0, 0] * t``). ``noise`` drops out each step's input:
-    ``dropout`` (``tf.nn.dropout``), ``flag`` (``dropout(training=flag)``, an ``If`` inside the
-    ``While``) or ``flag_loop`` (that ``If`` inside a second loop, of ``parallel`` iterations
-    at once, in the body)."""
-    graph = tf.Graph()
-    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
-        v1.set_random_seed(3)
-        x = v1.placeholder(tf.float32, [None, 5, 6], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        flag = v1.placeholder_with_default(True, [], name="training")
-        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
-        out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
-        xs = tf.transpose(x, [1, 0, 2])
-
-        def drop(h):
-            if noise == "dropout":
-                return tf.nn.dropout(h, rate=0.3, seed=7)
-            return v1.layers.dropout(h, 0.3, training=flag, seed=7) if noise else h
-
-        def step(t, h):
-            begin = {"slice": lambda: tf.stack([t, 0, 0]), "concat": lambda: tf.concat([[t], [0, 0]], 0),
-                     "scaled": lambda: tf.constant([1, 0, 0]) * t}.get(read)
-            now = xs[t] if read == "index" else tf.reshape(tf.slice(xs, begin(), [1, -1, -1]), [-1, 6])
-            if noise == "flag_loop":
-                _, now = tf.while_loop(lambda i, v: i < 2, lambda i, v: (i + 1, drop(v)),
-                                       [tf.constant(0), now], parallel_iterations=parallel)
-            else:
-                now = drop(now)
-            return t + 1, tf.tanh(tf.matmul(now + h, w))
-
-        _, h = tf.while_loop(lambda t, h: t < 5, step, [tf.constant(0), tf.zeros_like(xs[0])],
-                             parallel_iterations=1)
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=y, logits=tf.matmul(h, out)), name="loss")
-        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-    return graph
-
-
 @pytest.mark.parametrize("noise,frames,read,towers,batch", [
     ("", False, "index", 3, 7), ("dropout", False, "index", 2, 7), ("dropout", False, "index", 3, 2),
     ("", True, "index", 3, 7), ("dropout", True, "index", 2, 5), ("", False, "slice", 3, 7),
@@ -308,7 +265,7 @@ def test_time_loop_reading_xs_t_is_exact(noise, frames, read, towers, batch):
     0 and -1 there (a begin built otherwise than by ``tf.stack`` was "bounds known only at run
     time"; with ``[1, 0, 0] * t``, inference leaves the slice's other dimensions unknown, and
     the reshape after it needs them)."""
-    graph = _time_loop(noise, frames, read)
+    graph = time_loop(noise, frames, read)
     res = replicate.transform(graph, [f"/cpu:{k + 1}" for k in range(towers)])
     assert res.report.exact, res.report.reasons
     cmp = compare(graph, res.graph, "train", _sequences(batch), fetch=("loss:0",))
@@ -501,14 +458,14 @@ def test_weight_noise_in_function_bodies_is_the_same_in_every_tower(nested):
 def test_draws_in_bodies_nested_in_loop_bodies_are_exact(inner_loop, towers, batch, accumulate):
     """The loop body passes the global batch size and the tower's first row on to the cond
     (and the inner loop) it calls, down to the branch that draws."""
-    graph = _time_loop("flag_loop" if inner_loop else "flag")
+    graph = time_loop("flag_loop" if inner_loop else "flag")
     _reproduced(graph, towers, _sequences(batch), "body", accumulate=accumulate)
 
 
 def test_draws_in_a_nested_parallel_loop_are_reasons():
     """An inner loop that runs iterations in parallel draws in an order that depends on
     scheduling, however deep it sits: a reason naming the loop, never "exact"."""
-    res = replicate.transform(_time_loop("flag_loop", parallel=4), ["/cpu:1", "/cpu:2"])
+    res = replicate.transform(time_loop("flag_loop", parallel=4), ["/cpu:1", "/cpu:2"])
     assert not res.report.exact
     assert any("runs up to 4 iterations at once" in r.what for r in res.report.reasons), \
         res.report.reasons

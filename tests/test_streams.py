@@ -12,7 +12,7 @@ import contextlib
 import numpy as np
 import pytest
 import tensorflow as tf
-from breadth_models import control_flow_v1
+from breadth_models import control_flow_v1, time_loop
 
 import replicate
 import replicate.passes._body_draws as body_draws
@@ -92,37 +92,6 @@ def _rnn(frames: bool, width: int, where: str = "input", layers: int = 2) -> tf.
     return graph
 
 
-def _loop(frames: bool, width: int, noise: str) -> tf.Graph:
-    """A hand-written time loop whose step drops out its input: under ``tf.cond`` on the
-    step's parity (``cond``: the draw runs in every other iteration) or with
-    ``dropout(training=flag)`` (``flag``)."""
-    graph = tf.Graph()
-    with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
-        v1.set_random_seed(3)
-        x = v1.placeholder(tf.float32, [None, 5, width], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        flag = v1.placeholder_with_default(True, [], name="training")
-        w = v1.get_variable("w", [width, width], initializer=v1.glorot_uniform_initializer(seed=1))
-        out = v1.get_variable("out", [width, 3], initializer=v1.glorot_uniform_initializer(seed=2))
-        xs = tf.transpose(x, [1, 0, 2])
-
-        def step(t, h):
-            now = xs[t]
-            if noise == "cond":
-                now = tf.cond(tf.equal(t % 2, 0), lambda: tf.nn.dropout(now, rate=0.3, seed=7),
-                              lambda: now * 0.5)
-            else:
-                now = v1.layers.dropout(now, 0.3, training=flag, seed=7)
-            return t + 1, tf.tanh(tf.matmul(now + h, w))
-
-        _, h = tf.while_loop(lambda t, h: t < 5, step, [tf.constant(0), tf.zeros_like(xs[0])],
-                             parallel_iterations=1)
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=y, logits=tf.matmul(h, out)), name="loss")
-        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
-    return graph
-
-
 def _sequences(batch: int, width: int, steps: int = 3):
     rng = np.random.RandomState(0)
     return [{"x:0": rng.randn(batch, 5, width).astype(np.float32), "y:0": rng.randint(0, 3, batch)}
@@ -152,11 +121,11 @@ def test_dropout_in_dynamic_rnn_draws_only_the_tower_s_rows(frames, towers, batc
 
 
 @pytest.mark.parametrize("frames,noise,towers,batch", [
-    (True, "cond", 2, 7), (False, "cond", 3, 2), (True, "flag", 3, 2), (False, "flag", 2, 7)])
+    (True, "parity", 2, 7), (False, "parity", 3, 2), (True, "flag", 3, 2), (False, "flag", 2, 7)])
 def test_draws_in_conds_inside_loops_advance_only_when_drawn(frames, noise, towers, batch):
     """A draw under a cond in the loop runs in every other iteration: the state is read and
     advanced only when the draw runs (in a TF1 frame the read waits for the draw's inputs)."""
-    res, cmp = _exact(_loop(frames, 8, noise), towers, batch, 8)
+    res, cmp = _exact(time_loop(noise, frames, width=8), towers, batch, 8)
     assert _stream_reads(res.graph.as_graph_def()) == towers
     assert cmp.max_rel <= RTOL, (towers, batch, cmp.worst, cmp.max_rel)
 
