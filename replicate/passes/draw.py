@@ -48,9 +48,9 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
+from replicate.graph.frames import in_branch
 from replicate.graph.ir import IR, Node, node_of
 from replicate.passes._body_draws import rewire_call, rewrite_branches, streams_of
-from replicate.graph.frames import in_branch
 from replicate.passes._frames import enter, frames
 from replicate.passes._streams import in_frames, plan, state
 from replicate.passes.pipeline import PassResult
