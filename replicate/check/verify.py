@@ -119,9 +119,7 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     ir = rewrite.analyze_only(live or meta, train_op=train_op, loss=loss)
     analysis = ir.facts["analysis"]
     trainable = _trainable(meta, ir, analysis)
-    listed = synthetic.with_variables(meta, ir, trainable)
-    live = live if listed is meta else None
-    meta = listed
+    meta = synthetic.with_variables(meta, ir, trainable)
     targets = [analysis.train_op] + synthetic.initializers(meta)
     rows = {tensor: kind for _, tensor, kind in (analysis.flow.ctx.fed_rows if analysis.flow else {}).values()}
     specs = synthetic.input_specs(ir, targets, [b.tensor for b in analysis.batch_inputs],
@@ -131,6 +129,10 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     options = dataclasses.replace(base, controller="/cpu:0", train_op=analysis.train_op, loss=loss,
                                   check=False)
     result = rewrite.rewrite(live or meta, devices, options)
+    replicated = result.meta_graph_def
+    if live is not None:    # its variables listed as the original's were, for the sessions
+        replicated = synthetic.with_variables(replicated, IR.from_graph_def(replicated.graph_def),
+                                              trainable)
     if not allow_unsafe:
         fed = [s.tensor for s in specs]
         bad = synthetic.unsafe_ops(ir, targets, fed) or synthetic.unsafe_ops(
@@ -149,7 +151,7 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     def reorder(feed: dict[str, Any]) -> dict[str, Any]:
         return synthetic.permute(specs, feed, rng.permutation(batch))
     try:
-        comparison = compare(meta, result.meta_graph_def, analysis.train_op, steps_feeds,
+        comparison = compare(meta, replicated, analysis.train_op, steps_feeds,
                              cpus=towers, soft_placement=True, reference=reorder if batched else None)
     except (tf.errors.OpError, ValueError, TypeError) as exc:
         first = " ".join(str(exc).split())[:300]

@@ -22,7 +22,6 @@ __all__ = ["Frame", "frames", "opening", "in_branch"]
 _ENTER = ("Enter", "RefEnter")
 _EXIT = ("Exit", "RefExit")
 _SWITCH = ("Switch", "RefSwitch")
-_MERGE = ("Merge", "RefMerge")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,18 +34,22 @@ class Frame:
     enter: str
 
 
-def _back(ir: IR, start: str, found, stop) -> str | None:
+def _back(ir: IR, start: str, found, stop, jump=None) -> str | None:
     """The first node ``found`` accepts on a walk back from ``start`` over its inputs and
-    control inputs, not past nodes ``stop`` accepts (``start`` itself is neither)."""
+    control inputs, not past nodes ``stop`` accepts (``start`` itself is neither); where
+    ``jump(node)`` gives a list, the walk goes on from those tensors instead of the node's
+    inputs."""
     seen, stack = {start}, [start]
     while stack:
         node = ir.nodes[stack.pop()]
+        refs = None
         if node.name != start:
             if found(node):
                 return node.name
             if stop(node):
                 continue
-        for ref in list(node.inputs) + list(node.control):
+            refs = jump(node) if jump is not None else None
+        for ref in refs if refs is not None else list(node.inputs) + list(node.control):
             dep = node_of(ref)
             if dep not in seen and dep in ir.nodes:
                 seen.add(dep)
@@ -77,10 +80,29 @@ def frames(ir: IR, name: str) -> list[Frame]:
 
 
 def in_branch(ir: IR, name: str) -> bool:
-    """True when node ``name`` may not run in a step: it lies in a branch of a TF1 cond (a
-    ``Switch`` output reaches it, by data or control, without a ``Merge`` that joins the
-    branches again or an ``Exit`` that leaves a loop), or in a TF1 loop's body (its
-    ``Switch`` too). Such a node is skipped (its inputs are dead) when its branch is not
-    taken; what replaces it must be skipped too. Conservative: any such ``Switch`` counts."""
-    return _back(ir, name, lambda node: node.op in _SWITCH,
-                 lambda node: node.op in _MERGE + _EXIT) is not None
+    """True when node ``name`` (of the root frame) may not run in a step: a ``Switch`` reaches
+    it, by data or control. Such a node is skipped (its inputs are dead) when a branch it
+    depends on is not taken; what replaces it must be skipped too. A loop's ``Exit`` runs
+    when the loop's inputs are there: the walk goes on from the inputs of the loop's
+    ``Enter`` nodes (past the loop's own ``Switch``). A cond's ``Merge`` is walked through:
+    it is dead when the cond lies in an untaken branch of another (review 39: stopping there
+    moved a draw after an inner cond or loop out of the outer branch, 0.43-0.97 off), and the
+    inner cond's own ``Switch`` then counts too -- conservative: a draw after any TF1 cond
+    keeps its place in each tower."""
+    enters: dict[str, list[str]] = {}
+    for node in ir:
+        if node.op in _ENTER:
+            frame = node.attr("frame_name")
+            frame = frame.decode() if isinstance(frame, bytes) else frame
+            enters.setdefault(frame, []).extend(list(node.inputs) + list(node.control))
+
+    def past_loop(node) -> list[str] | None:
+        if node.op not in _EXIT:
+            return None
+        opener = opening(ir, node.name)
+        if opener is None:
+            return None
+        frame = ir.nodes[opener].attr("frame_name")
+        return enters.get(frame.decode() if isinstance(frame, bytes) else frame, [])
+
+    return _back(ir, name, lambda node: node.op in _SWITCH, lambda node: False, past_loop) is not None
