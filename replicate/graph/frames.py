@@ -57,6 +57,11 @@ def _back(ir: IR, start: str, found, stop, jump=None) -> str | None:
     return None
 
 
+def _frame_name(enter) -> str:
+    frame = enter.attr("frame_name")
+    return frame.decode() if isinstance(frame, bytes) else frame
+
+
 def opening(ir: IR, start: str) -> str | None:
     """An ``Enter`` that opens the frame ``start`` runs in, or None in the root frame."""
     return _back(ir, start, lambda node: node.op in _ENTER, lambda node: node.op in _EXIT)
@@ -73,9 +78,7 @@ def frames(ir: IR, name: str) -> list[Frame]:
         if opener is None:
             return out[::-1]
         node = ir.nodes[opener]
-        frame = node.attr("frame_name")
-        frame = frame.decode() if isinstance(frame, bytes) else frame
-        out.append(Frame(frame, int(node.attr("parallel_iterations", 10)), opener))
+        out.append(Frame(_frame_name(node), int(node.attr("parallel_iterations", 10)), opener))
         start = node_of(node.inputs[0])
 
 
@@ -89,12 +92,7 @@ def in_branch(ir: IR, name: str) -> bool:
     moved a draw after an inner cond or loop out of the outer branch, 0.43-0.97 off), and the
     inner cond's own ``Switch`` then counts too -- conservative: a draw after any TF1 cond
     keeps its place in each tower."""
-    enters: dict[str, list[str]] = {}
-    for node in ir:
-        if node.op in _ENTER:
-            frame = node.attr("frame_name")
-            frame = frame.decode() if isinstance(frame, bytes) else frame
-            enters.setdefault(frame, []).extend(list(node.inputs) + list(node.control))
+    enters: dict[str, list[str]] = {}       # each frame's Enter inputs, once a walk needs them
 
     def past_loop(node) -> list[str] | None:
         if node.op not in _EXIT:
@@ -102,7 +100,10 @@ def in_branch(ir: IR, name: str) -> bool:
         opener = opening(ir, node.name)
         if opener is None:
             return None
-        frame = ir.nodes[opener].attr("frame_name")
-        return enters.get(frame.decode() if isinstance(frame, bytes) else frame, [])
+        if not enters:
+            for enter in ir:
+                if enter.op in _ENTER:
+                    enters.setdefault(_frame_name(enter), []).extend(list(enter.inputs) + list(enter.control))
+        return enters.get(_frame_name(ir.nodes[opener]), [])
 
     return _back(ir, name, lambda node: node.op in _SWITCH, lambda node: False, past_loop) is not None
