@@ -232,6 +232,19 @@ def test_a_draw_in_an_untaken_branch_does_not_advance_its_stream(frames, where, 
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
 
 
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_certificate_feeds_flags_false_in_odd_steps(broken, monkeypatch):
+    """Review 39: the certificate fed every scalar flag True, so a draw moved out of its
+    cond's branch (made in every step) passed it. Flags are now False in odd steps: with the
+    old shortcut put back (``broken``: no draw is in a branch), the certificate contradicts
+    the claim; with the pass as it is, it agrees."""
+    if broken:
+        monkeypatch.setattr(draw_pass, "in_branch", lambda ir, name: False)
+    res = replicate.transform(_gated(True, "top"), ["/cpu:1", "/cpu:2", "/cpu:3"], check=True)
+    assert res.report.check["ok"] is not broken, res.report.check
+    assert res.report.exact is not broken, res.report.reasons
+
+
 def test_the_certificate_checks_the_rewrite_of_the_graph_itself():
     """An import of a TF1 loop without recorded shapes (replicate's own export of a tf.Graph
     leaves out ``_output_shapes``; TensorFlow's saved metagraphs keep them) infers none inside

@@ -250,8 +250,8 @@ def _rounding(source: Any, train_op: str, found, steps: int) -> float:
     b = Trainer(source, train_op, len(found.devices) + 1)
     try:
         b.load(a.values())
-        for _ in range(steps):
-            feed = make_feed(found.inputs, found.batch, rng)
+        for step in range(steps):
+            feed = make_feed(found.inputs, found.batch, rng, step=step)
             a.step(feed)
             b.step(permute(found.inputs, feed, order))
         va, vb = a.values(), b.values()

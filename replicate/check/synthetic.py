@@ -5,7 +5,9 @@ training step needs from outside (placeholders; iterator and queue outputs, fed 
 no input pipeline runs) with their dtypes and static shapes, the batch axis of batch
 inputs and, for integer inputs used as class labels or lookup ids, the range their values
 must stay in (float labels of a softmax cross-entropy are drawn one-hot). :func:`make_feed`
-draws a feed of a given global batch size from them. :func:`unsafe_ops` lists the file,
+draws a feed of a given global batch size from them; scalar flags (bool placeholders, and
+bool ``placeholder_with_default``\ s such as ``is_training``) are True in even steps and False
+in odd ones, so that a check takes both sides of the conds they steer. :func:`unsafe_ops` lists the file,
 network and Python-callback ops that running given targets with given feeds would
 execute, library functions included. :func:`with_variables` and :func:`initializers` let
 a bare GraphDef be trained like a MetaGraphDef with variable collections.
@@ -43,7 +45,7 @@ UNSAFE_OPS = ops.UNSAFE_OPS | frozenset(
      "SummaryWriter", "DebugNumericSummary", "DebugNanCount"})
 
 #: Values given to scalar (non-batch) inputs, by dtype kind: learning rates, keep
-#: probabilities, flags such as ``is_training``.
+#: probabilities, flags such as ``is_training`` (in even steps; odd steps feed flags False).
 SCALAR_VALUES = {"f": 0.1, "i": 1, "u": 1, "b": True, "c": 0.1}
 
 #: Ops that index with an input tensor: op -> (argument holding the ids, how the bound is found).
@@ -166,7 +168,9 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
     specs = []
     for name in ir.nodes:
         node = ir.nodes[name]
-        if name not in needed or (node.op not in FED_OPS and f"{name}:0" not in roles):
+        flag = node.op == "PlaceholderWithDefault" and node.attr("dtype") == dtypes.bool.as_datatype_enum \
+            and ir.static_shape(f"{name}:0") == []
+        if name not in needed or (node.op not in FED_OPS and f"{name}:0" not in roles and not flag):
             continue
         used = sorted({parse_tensor(r)[1] for c in ir.consumers(name) for r in c.inputs
                        if node_of(r) == name})
@@ -242,11 +246,15 @@ def permute(specs: Iterable[InputSpec], feed: Mapping[str, Any], order: np.ndarr
 
 
 def make_feed(specs: Iterable[InputSpec], batch: int, rng: np.random.RandomState,
-              free_dim: int = 3, overrides: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
-    """One feed dict: batch inputs get ``batch`` examples, unknown other dimensions
-    ``free_dim``; floats are standard normal, integers uniform below their bound (2 by
-    default), scalars of shared inputs (and shared inputs of unknown rank, like a
-    ``keep_prob`` placeholder without a shape) take :data:`SCALAR_VALUES`.
+              free_dim: int = 3, overrides: Mapping[str, Any] | None = None, step: int = 0
+              ) -> dict[str, np.ndarray]:
+    """One feed dict for step ``step``: batch inputs get ``batch`` examples, unknown other
+    dimensions ``free_dim``; floats are standard normal, integers uniform below their bound
+    (2 by default), scalars of shared inputs (and shared inputs of unknown rank, like a
+    ``keep_prob`` placeholder without a shape) take :data:`SCALAR_VALUES`, but scalar flags
+    are False in odd steps (a draw or an update under ``training=flag`` must happen only in
+    the steps whose flag is True, as on one device: review 39 found a check that never fed
+    False passing a draw made in every step).
 
     Raises:
         InputError: an input has an unknown rank, a string dtype, or a static batch
@@ -280,7 +288,8 @@ def make_feed(specs: Iterable[InputSpec], batch: int, rng: np.random.RandomState
             raise InputError(f"input '{spec.tensor}' is a {spec.dtype} tensor: give its value "
                              "with --feed")
         if not shape and spec.batch_axis is None:
-            feed[spec.tensor] = np.asarray(SCALAR_VALUES[kind], dtype=spec.dtype)
+            value = SCALAR_VALUES[kind] if kind != "b" else step % 2 == 0
+            feed[spec.tensor] = np.asarray(value, dtype=spec.dtype)
         elif kind == "b":
             feed[spec.tensor] = rng.randint(0, 2, shape).astype(bool)
         elif kind in "iu":

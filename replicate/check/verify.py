@@ -145,7 +145,7 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     micro = options.accumulate
     batch = batch or (static[0] if static else default_batch(towers * micro))
     rng = np.random.RandomState(seed)
-    steps_feeds = [synthetic.make_feed(specs, batch, rng, overrides=feeds) for _ in range(steps)]
+    steps_feeds = [synthetic.make_feed(specs, batch, rng, overrides=feeds, step=i) for i in range(steps)]
     batched = {s.tensor for s in specs if s.batch_axis is not None}
 
     def reorder(feed: dict[str, Any]) -> dict[str, Any]:
