@@ -198,6 +198,11 @@ def _gated(frames: bool, where: str) -> tf.Graph:
                 return tf.nn.dropout(h, rate=0.4, seed=8)
             h = tf.cond(flag, lambda: inner(tf.reduce_mean(xs, 0)), lambda: tf.reduce_mean(xs, 0))
             h = tf.tanh(tf.matmul(h, w))
+        elif where == "after_conds":     # at the top level, after conds (one inside another)
+            m = tf.reduce_mean(xs, 0)
+            m = tf.cond(flag, lambda: tf.cond(tf.reduce_sum(w) > -1e9, lambda: m * 2.0, lambda: m - 1.0),
+                        lambda: m)
+            h = tf.tanh(tf.matmul(tf.nn.dropout(m, rate=0.4, seed=8), w))
         elif where == "loop":
             def step(t, h):
                 return t + 1, tf.tanh(tf.matmul(drop(xs[t]) + h, w))
@@ -227,6 +232,23 @@ def test_a_draw_in_an_untaken_branch_does_not_advance_its_stream(frames, where, 
     assert res.report.exact, res.report.reasons
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(batch, 4, 6).astype(np.float32), "y:0": rng.randint(0, 3, batch),
+              "training:0": flag} for flag in (False, True, True, False, True)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)
+
+
+def test_a_draw_after_a_cond_is_made_once_per_step():
+    """A draw after a TF1 cond (not in its branch) runs in every step: it is drawn once per
+    step outside the towers, each tower reading its rows (``in_branch`` walks past a cond's
+    ``Merge`` to the inputs of its own ``Switch`` nodes; it used to count the cond's own
+    ``Switch`` and each tower drew the whole batch's mask)."""
+    graph = _gated(True, "after_conds")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    drawn = [n.name for n in res.graph_def.node if n.op == "RandomUniform" and "Initializer" not in n.name]
+    assert len(drawn) == 1 and drawn[0].startswith("replicate/draw/"), drawn
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(7, 4, 6).astype(np.float32), "y:0": rng.randint(0, 3, 7),
               "training:0": flag} for flag in (False, True, True, False, True)]
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel <= RTOL, (cmp.worst, cmp.max_rel)

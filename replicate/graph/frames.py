@@ -22,6 +22,7 @@ __all__ = ["Frame", "frames", "opening", "in_branch"]
 _ENTER = ("Enter", "RefEnter")
 _EXIT = ("Exit", "RefExit")
 _SWITCH = ("Switch", "RefSwitch")
+_MERGE = ("Merge", "RefMerge")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,16 +83,24 @@ def frames(ir: IR, name: str) -> list[Frame]:
         start = node_of(node.inputs[0])
 
 
+def _source(ir: IR, ref: str) -> str:
+    """Tensor ``ref`` with the ``Identity`` ops before it skipped (a TF1 cond switches its
+    predicate on itself, and its tensors on an Identity of it)."""
+    while ir.nodes[node_of(ref)].op == "Identity" and not ir.nodes[node_of(ref)].control:
+        ref = ir.nodes[node_of(ref)].inputs[0]
+    return ref if ":" in ref else f"{ref}:0"
+
+
 def in_branch(ir: IR, name: str) -> bool:
     """True when node ``name`` (of the root frame) may not run in a step: a ``Switch`` reaches
     it, by data or control. Such a node is skipped (its inputs are dead) when a branch it
     depends on is not taken; what replaces it must be skipped too. A loop's ``Exit`` runs
     when the loop's inputs are there: the walk goes on from the inputs of the loop's
-    ``Enter`` nodes (past the loop's own ``Switch``). A cond's ``Merge`` is walked through:
-    it is dead when the cond lies in an untaken branch of another (review 39: stopping there
-    moved a draw after an inner cond or loop out of the outer branch, 0.43-0.97 off), and the
-    inner cond's own ``Switch`` then counts too -- conservative: a draw after any TF1 cond
-    keeps its place in each tower."""
+    ``Enter`` nodes (past the loop's own ``Switch``). A cond's ``Merge`` runs when the
+    cond's inputs are there: the walk goes on from the inputs of the cond's own ``Switch``
+    nodes (its predicate and the tensors its branches read), so a draw after a cond runs in
+    every step unless the cond itself lies in a branch (review 39: stopping at the ``Merge``
+    moved a draw after an inner cond or loop out of the outer branch, 0.43-0.97 off)."""
     enters: dict[str, list[str]] = {}       # each frame's Enter inputs, once a walk needs them
 
     def past_loop(node) -> list[str] | None:
@@ -106,4 +115,28 @@ def in_branch(ir: IR, name: str) -> bool:
                     enters.setdefault(_frame_name(enter), []).extend(list(enter.inputs) + list(enter.control))
         return enters.get(_frame_name(ir.nodes[opener]), [])
 
-    return _back(ir, name, lambda node: node.op in _SWITCH, lambda node: False, past_loop) is not None
+    def past(node) -> list[str] | None:
+        return past_cond(node) if node.op in _MERGE else past_loop(node)
+
+
+    def past_cond(merge) -> list[str] | None:
+        """The inputs of the ``Switch`` nodes of the cond ``merge`` closes, or None (walk
+        through it, conservatively) unless they all take one predicate. TensorFlow's TF1 cond
+        passes everything a branch reads from outside through a ``Switch`` of its own
+        predicate, and a branch's nodes without inputs wait for its pivot (an Identity of
+        one): so the first ``Switch`` on every way back from the ``Merge`` is the cond's, and
+        with its predicate alive one branch runs and the ``Merge`` does too."""
+        switches: set[str] = set()
+
+        def own(node) -> bool:
+            if node.op in _SWITCH:
+                switches.add(node.name)
+            return False
+
+        _back(ir, merge.name, own, lambda node: node.op in _SWITCH, past)
+        predicates = {_source(ir, ir.nodes[s].inputs[1]) for s in switches}
+        if len(predicates) != 1:
+            return None
+        return sorted({ref for s in switches for ref in list(ir.nodes[s].inputs) + list(ir.nodes[s].control)})
+
+    return _back(ir, name, lambda node: node.op in _SWITCH, lambda node: False, past) is not None
