@@ -16,14 +16,14 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import Analysis, Reason
-from replicate.batchflow.lattice import RED, batch_size
+from replicate.batchflow.lattice import PART, RED, batch_size
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
 from replicate.batchflow.table import value_only
 from replicate.graph.ir import IR, node_of
 from replicate.graph.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
 
-__all__ = ["collect", "unmergeable", "size_like", "size_coupling"]
+__all__ = ["collect", "unmergeable", "size_like", "size_coupling", "two_routes"]
 
 #: A batch size a batch statistic is combined with into per-example values: what, then the fix.
 SIZE_COUPLING = ("the batch size (tf.shape / tf.size) is combined with a batch statistic into "
@@ -49,6 +49,63 @@ def size_like(ir: IR, name: str, flow) -> bool:
     fact = flow.fact(f"{name}:0")
     return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS \
         or fact is not None and batch_size(fact) and value_only(ir, name)
+
+
+#: Ops through which no gradient flows back to their inputs.
+_NO_GRADIENT = frozenset({"StopGradient", "PreventGradient", "Shape", "ShapeN", "Size", "Rank",
+                          "ZerosLike", "OnesLike"})
+_PASS = frozenset({"Identity", "Snapshot", "Squeeze", "Reshape", "ExpandDims", "Cast", "Neg"})
+
+
+def two_routes(ir: IR, flow, synced) -> list[Reason]:
+    """Reasons for synchronized batch reductions that a loss reads on two routes: as (part of)
+    a term of its own and through per-example values that take its gradient, or as the very
+    reduction a term sums. A synchronized reduction's gradient code receives the towers'
+    upstream gradients added, which is right for what the per-example values send it (each
+    tower's part of the global sum) and for a term made once from it (each tower's share of
+    it), but not for both at once, nor for a mean the towers' own weights already scale
+    (review 40: ``m, v = tf.nn.moments(ce, [0]); loss = m + v`` under sync, its mean's
+    gradient counted once per tower, 0.57-0.72 off; ``nrm + mean(ce / (nrm + 1))`` with
+    ``nrm = tf.norm(ce)``, 0.03-0.12 off)."""
+    reasons = []
+    for loss, (terms, _) in flow.losses.items():
+        for name in sorted(synced):
+            rooted = [t for t in terms if t.kind != "shared" and _behind(ir, t.root) == name]
+            inside = [t for t in terms if name in t.sync]
+            if rooted and name in flow.couplings() or inside and _per_example_gradient(ir, flow, name):
+                reasons.append(Reason(node_of(loss), f"the batch reduction '{name}' "
+                                      f"({ir.nodes[name].op}) reaches this loss both directly and "
+                                      "through per-example values; synchronized across towers, its "
+                                      "gradient from the two routes would be weighted alike, and "
+                                      "one of them is counted once per tower",
+                                      "compute the value twice (one reduction for each route), "
+                                      "stop its gradient on one route (tf.stop_gradient), or "
+                                      "train this graph on one device"))
+    return reasons
+
+
+def _behind(ir: IR, ref: str) -> str:
+    """The node ``ref`` is computed by, past ops that only reshape, cast or negate it."""
+    name = node_of(ref)
+    while ir.nodes[name].op in _PASS and ir.nodes[name].inputs:
+        name = node_of(ir.nodes[name].inputs[0])
+    return name
+
+
+def _per_example_gradient(ir: IR, flow, name: str) -> bool:
+    """True when forward values per example are computed from node ``name`` with a gradient
+    back to it (no ``tf.stop_gradient`` on the way)."""
+    work, seen = [name], {name}
+    while work:
+        for consumer in ir.consumers(work.pop()):
+            if consumer.name in seen or consumer.op in _NO_GRADIENT or flow.ctx.in_gradient(consumer):
+                continue
+            seen.add(consumer.name)
+            fact = flow.fact(f"{consumer.name}:0")
+            if fact is not None and fact.kind == PART:
+                return True
+            work.append(consumer.name)
+    return False
 
 
 def data_statistic(ir: IR, graph: nx.DiGraph, name: str, flow) -> bool:

@@ -199,6 +199,7 @@ class Analyze:
         auto = [c for c in couplings if _exactness.size_like(ir, c, flow) or c in loss_syncs
                 or _exactness.data_statistic(ir, graph, c, flow)]
         synced = frozenset(couplings if self.sync else auto)
+        reasons += _exactness.two_routes(ir, flow, synced | loss_syncs)
         if synced:
             for scope in grad_scopes:       # a zero share must not drop a coupled tower's gradient
                 if scope.weights and scope.weights[0] in _weights.DATA_SHARES \
