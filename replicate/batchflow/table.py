@@ -188,6 +188,22 @@ SHAPE_SOURCES = {"Fill": 0, "RandomUniform": 0, "RandomStandardNormal": 0, "Trun
                  "StatelessRandomGammaV3": 0, "StatelessRandomBinomial": 0,
                  "StatelessParameterizedTruncatedNormal": 0}
 
+#: Operands that size an op's output, other than a shape op's shape (those rules check
+#: theirs): op -> (positions, whether the operand is the output's whole shape, where the
+#: batch size belongs at the output's batch axis). The batch size elsewhere in them makes
+#: the result mixed (``rules._sized_once``).
+SIZE_OPERANDS = {
+    "Pad": ((1,), False), "PadV2": ((1,), False), "MirrorPad": ((1,), False),
+    "ScatterNd": ((2,), True), "SparseToDense": ((1,), True), "OneHot": ((1,), False),
+    **{op: ((1,), False) for op in ("ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic",
+                                    "ResizeArea", "ScaleAndTranslate")},
+    "CropAndResize": ((3,), False), "MatrixDiagV2": ((1, 2, 3), False),
+    "MatrixDiagV3": ((1, 2, 3), False), "MatrixDiagPartV2": ((1,), False),
+    "MatrixDiagPartV3": ((1,), False), "MatrixSetDiagV2": ((2,), False),
+    "MatrixSetDiagV3": ((2,), False), "SpaceToBatchND": ((1, 2), False),
+    "BatchToSpaceND": ((1, 2), False),
+}
+
 #: Random ops that draw one row per row of a parameter (``tf.random.categorical``'s logits):
 #: op -> position of that parameter. TensorFlow's kernels give row ``r`` the stream position
 #: ``r`` alone decides, so a row's draw is the same in any batch holding it at ``r``.

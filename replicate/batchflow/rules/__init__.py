@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from replicate.batchflow import table
 from replicate.batchflow.context import Context
-from replicate.batchflow.lattice import PART, RED, Fact, shared
+from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym, mixed, shared
 from replicate.batchflow.rules import (
     control,
     elementwise,
@@ -171,7 +171,30 @@ def apply(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]
     out = list(rule(ctx, node, ins))
     if len(out) < n:
         out += [out[-1] if out else shared()] * (n - len(out))
-    return _row_numbers_kept(ctx, node, ins, _coupled(ctx, node, ins, out[:n]))
+    return _sized_once(ctx, node, ins, _row_numbers_kept(ctx, node, ins, _coupled(ctx, node, ins, out[:n])))
+
+
+def _sized_once(ctx: Context, node: Node, ins: list[Fact | None], out: list[Fact | None]) -> list[Fact | None]:
+    """Forward results sized by an operand of :data:`table.SIZE_OPERANDS` that holds the
+    batch size (``tf.shape(x)[0]``) anywhere but at the output's batch axis are mixed: each
+    tower would use its own example count there, where one device uses the batch's (review
+    41: ``tf.pad(h, [[0, 0], [0, B]])``, ``tf.scatter_nd(..., [B, B])``, a resize to ``B``
+    were claimed exact, 0.5-1.2 off; the shape ops' own rules check theirs)."""
+    spec = table.SIZE_OPERANDS.get(node.op)
+    if spec is None or ctx.in_gradient(node) or any(f is not None and f.kind == MIXED for f in out):
+        return out
+    positions, whole = spec
+    axis = next((f.axis for f in out if f is not None and f.kind == PART), None)
+    for pos in (p for p in positions if p < len(ins)):
+        value = ctx.int_value(node.inputs[pos])
+        sized = ins[pos] is not None and ins[pos].kind == RED and ins[pos].merge == "size"
+        if value is None and not sized:
+            continue
+        where = [j for j, v in enumerate(value or ()) if isinstance(v, Sym) and not (whole and j == axis)]
+        if value is None or where:
+            return [mixed(node.name, f"{node.op} is sized by the batch size (operand {pos}): each "
+                          "tower would use its own example count there", taint_of(ins))] * len(out)
+    return out
 
 
 def _coupled(ctx: Context, node: Node, ins: list[Fact | None], out: list[Fact | None]) -> list[Fact | None]:
