@@ -132,9 +132,10 @@ class Report:
         if self.random.get("ops"):
             done = self.random.get("reproduced", {})
             rows = sum(1 for k in done.values() if k in ("rows", "body"))
-            lines.append(f"  random ops    {len(done)} of {len(self.random['ops'])} reproduced exactly"
-                         + (f" ({rows} per-example: each tower draws its rows of the single-device "
-                            "draw)" if rows else ""))
+            lines.append(f"  random ops    {len(done)} of {len(self.random['ops'])} in the towers "
+                         "reproduced exactly" + (f" ({rows} per-example: each tower draws its rows "
+                                                 "of the single-device draw)" if rows else "")
+                         + "; those outside the towers run once per step, as on one device")
         if self.rebatched:
             lines.append(f"  static batch  {count(len(self.rebatched), 'constant')} rewritten per tower")
         if self.exact:

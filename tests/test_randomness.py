@@ -578,15 +578,19 @@ def test_certificate_weighs_a_difference_against_the_graphs_own_rounding():
 
 
 def test_inspect_lists_the_random_ops(tmp_path):
-    """``inspect --json`` lists every random op and how each is reproduced."""
-    from replicate.cli.commands.inspect import collect
+    """``inspect --json`` lists every random op and how each is reproduced; so does its text
+    (review 41: only the JSON did)."""
+    from replicate.cli.commands.inspect import DRAWN, collect, render
 
     path = tmp_path / "dropout.meta"
     v1.train.export_meta_graph(str(path), graph=_mlp("dropout"))
     info = collect(str(path), ["/cpu:1", "/cpu:2"], "/cpu:0")
     assert info["random"]["ops"], info["random"]
     assert set(info["random"]["reproduced"]) == set(info["random"]["ops"])
-    assert set(info["random"]["reproduced"].values()) <= {"rows", "same", "body"}
+    assert set(info["random"]["reproduced"].values()) <= set(DRAWN)
+    text = render(info)
+    assert f"Random ops: {len(info['random']['ops'])} of {len(info['random']['ops'])}" in text
+    assert all(op in text for op in info["random"]["ops"]), text
 
 
 def _sampled(kind: str) -> tf.Graph:

@@ -146,6 +146,27 @@ def collect(path: str, devices: list[str], controller: str, strategy: dict | Non
     }
 
 
+#: How the towers draw a random op, by its ``reproduced`` kind.
+DRAWN = {"rows": "each tower its rows of the single-device draw",
+         "param_rows": "each tower its examples' rows (one per row of the op's parameter)",
+         "body": "in a cond, loop or function body: each tower its rows of the single-device draw",
+         "same": "no batch shape: every tower draws what one device draws"}
+
+
+def _random(random: dict) -> list[str]:
+    """The random ops of the replicated region and how the towers draw each."""
+    ops, done = random.get("ops", []), random.get("reproduced", {})
+    if not ops:
+        return []
+    rows = [[op, DRAWN.get(done[op], done[op]) if op in done else "not reproduced (see the reasons)"]
+            for op in ops[:MAX_ROWS]]
+    out = ["", f"Random ops: {len(done)} of {len(ops)} in the towers reproduced exactly",
+           table(["op", "drawn"], rows)]
+    if len(ops) > MAX_ROWS:
+        out.append(f"  ... {len(ops) - MAX_ROWS} more (--json lists all)")
+    return out
+
+
 def _named(ir, tensor: str) -> bool:
     """True when a tensor's node was named by the model's author, not after its op type."""
     name = tensor.split(":")[0]
@@ -261,6 +282,7 @@ def render(info: dict[str, Any]) -> str:
                      "each device, optimizer once; " + ("run one after the other" if acc["chained"]
                                                          else f"run side by side: {acc['why']}"))
     lines += _memory(info["memory"], info["controller"])
+    lines += _random(info["random"])
     lines.append("")
     if info["exact"]:
         lines.append("Exact: yes (N towers train as one device on the same global batch)")
