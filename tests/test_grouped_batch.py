@@ -115,3 +115,43 @@ def test_in_graph_negatives_concatenated_after_the_positives_are_found_and_exact
         feeds = [{"user:0": rng.randint(0, 10, batch), "item:0": rng.randint(0, 20, batch)} for _ in range(2)]
         result = compare(_negatives(), res.graph, "train", feeds, fetch=("loss:0",))
         assert result.max_rel <= 1e-5, (batch, result.worst, result.max_rel)
+
+
+def _halves(how: str) -> tf.Graph:
+    """A batch concatenated with a second view of itself and taken apart again by slices at the
+    batch size (a siamese difference), or by a slice that does not fall between the copies."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = tf.tanh(_dense(x, H, "embed"))
+        b = tf.shape(x)[0]
+        both = tf.nn.dropout(tf.concat([h, h * 0.5 + 0.1], 0), rate=0.4, seed=5)
+        h = both[:b] - both[b:] if how == "copies" else both[1:b + 1] - both[:b]
+        logits = _dense(h, C, "out")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("how", ["copies", "shifted"])
+def test_slices_at_the_batch_size_take_whole_copies(how):
+    """Review 41: ``both[:B]`` of ``concat([a, b])`` was taken for both copies (a batch-sized
+    bound counted as the whole axis): reported inexact, its fetched merge read two copies where
+    there was one and ``sess.run([train, loss])`` failed at step 1. A bound at a multiple of
+    the batch size keeps those copies: exact, the loss fetched. A bound between copies stays a
+    reason."""
+    res = replicate.transform(_halves(how), ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact is (how == "copies"), res.report.reasons
+    if how == "shifted":
+        return
+    for batch in (7, 2):
+        rng = np.random.RandomState(batch)
+        feeds = [{"x:0": rng.randn(batch, D).astype(np.float32), "y:0": rng.randint(0, C, batch)}
+                 for _ in range(3)]
+        result = compare(_halves(how), res.graph, "train", feeds, fetch=("loss:0",))
+        assert result.max_rel <= 1e-5, (batch, result.worst, result.max_rel)
+        for single, multi in result.fetched:
+            np.testing.assert_allclose(single[0], multi[0], rtol=1e-5)

@@ -151,8 +151,11 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
     def reorder(feed: dict[str, Any]) -> dict[str, Any]:
         return synthetic.permute(specs, feed, rng.permutation(batch))
     try:
+        # the loss fetched beside the train op, as drivers do: its merge across the towers
+        # must run too (review 41: a loss whose merge failed passed a check of the train op)
         comparison = compare(meta, replicated, analysis.train_op, steps_feeds,
-                             cpus=towers, soft_placement=True, reference=reorder if batched else None)
+                             cpus=towers, soft_placement=True, reference=reorder if batched else None,
+                             fetch=(analysis.loss,) if analysis.loss else ())
     except (tf.errors.OpError, ValueError, TypeError) as exc:
         first = " ".join(str(exc).split())[:300]
         raise InputError(f"{origin}: the graph fails on synthetic inputs: {first}") from None

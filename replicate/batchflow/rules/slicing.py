@@ -134,14 +134,35 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [f.with_(axis=dout, value=None, index=None)]
         if dout is None:
             return [mixed(node.name, "StridedSlice picks one example", f.taint)]
-        full_begin = (bm >> i) & 1 or begin[i] == 0
-        full = ctx.batch_dim(f)
-        full_end = (em >> i) & 1 or (isinstance(end[i], Sym)) or (
-            full is not None and isinstance(end[i], int) and end[i] >= full)
-        if full_begin and full_end and strides[i] == 1:
+        lo = 0 if (bm >> i) & 1 else _copies(ctx, f, begin[i])
+        hi = f.outer if (em >> i) & 1 else _copies(ctx, f, end[i])
+        if lo == 0 and hi == f.outer and strides[i] == 1:
             return [f.with_(axis=dout, value=None, index=_column(f, rank, begin, ell, new, shrink))]
+        if isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= f.outer and strides[i] == 1:
+            # whole copies of the batch (``both[:B]`` of ``concat([a, b])``): each tower's
+            # slice holds its rows of the same copies
+            return [f.with_(axis=dout, outer=hi - lo, value=None, index=None)]
         return [mixed(node.name, "StridedSlice keeps only some of the examples", f.taint)]
     return [mixed(node.name, "StridedSlice with an unexpected layout", f.taint)]
+
+
+def _copies(ctx: Context, f: Fact, bound) -> int | None:
+    """How many of ``f``'s copies of the batch along its axis lie before slice bound ``bound``
+    (``f.outer`` for all of them), or None when the bound does not fall between two copies. A
+    bound of the batch size counts its multiple of the examples: ``x[:B]`` of a ``[2 * B]``
+    axis keeps one copy, not all (review 41: any batch-sized bound was taken for the whole
+    axis, and a fetched merge of ``both[:B]`` read two copies where there was one)."""
+    if bound == 0:
+        return 0
+    if isinstance(bound, Sym):
+        if bound.coef is None:
+            return f.outer                  # a multiple the same in every tower: the axis' own
+        if not isinstance(f.block, int) or not isinstance(f.outer, int) \
+                or not ctx.classes.same(bound.cls, f.cls) or bound.coef % f.block:
+            return None
+        return bound.coef // f.block if bound.coef <= f.block * f.outer else None
+    full = ctx.batch_dim(f)
+    return f.outer if full is not None and isinstance(bound, int) and bound >= full else None
 
 
 def _spec_length(ctx: Context, node: Node) -> int | None:
