@@ -737,3 +737,29 @@ def test_a_random_generator_draws_the_batch_s_numbers_once(kind):
         assert res.report.exact, res.report.reasons
         cmp = compare(_generated(kind), res.graph, "train", _feeds(batch), fetch=("loss:0",))
         assert cmp.max_rel <= RTOL and "random_generator/StateVar" in cmp.per_variable, cmp
+
+
+@pytest.mark.parametrize("seed_shape", [[2], [None]])
+def test_a_fed_seed_of_a_stateless_draw_is_shared(seed_shape):
+    """Review 41: a stateless draw's seed fed as a placeholder of rank 1 was kept as a batch
+    input where the loss was inexact anyway (per-example gamma parameters): refused as "a
+    static batch of 2" or split, and the step failed ("seed must have shape [2]"). A tensor read
+    only as ops' ``seed`` argument holds no examples: it is shared, and the rewrite runs."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        seed = v1.placeholder(tf.int32, seed_shape, name="seed")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        noise = tf.random.stateless_gamma([tf.shape(x)[0]], seed, alpha=tf.abs(x[:, 0]) + 1.0)
+        logits = tf.matmul(x * noise[:, None], w)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert "seed:0" in res.report.shared_inputs
+    assert "seed:0" not in [i["tensor"] for i in res.report.inputs]
+    rng = np.random.RandomState(0)
+    feeds = [{"x:0": rng.randn(b, 6).astype(np.float32), "y:0": rng.randint(0, 3, b),
+              "seed:0": np.array([i, 5], np.int32)} for i, b in enumerate((7, 2))]
+    compare(graph, res.graph, "train", feeds, fetch=("loss:0",))      # runs, fetch included

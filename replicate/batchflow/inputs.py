@@ -46,11 +46,27 @@ def candidates(ir: IR, region: list[str], sources: set[str]) -> tuple[list[str],
         if shape is None:
             warnings.append(f"input '{ref}' has unknown rank; it is shared, not split")
             shared.append(ref)
-        elif not shape:
+        elif not shape or _seed_only(ir, ref):
             shared.append(ref)
         else:
             found.append(ref)
     return found, shared, warnings
+
+
+def _seed_only(ir: IR, ref: str) -> bool:
+    """True when tensor ``ref`` is read only as the ``seed`` argument of ops (a stateless random
+    op's seed, fed as a placeholder): a seed holds no examples (review 41: with the loss
+    inexact anyway such an input was kept as a batch input, split, and the step failed with
+    "seed must have shape [2]")."""
+    readers = [(c, i) for c in ir.consumers(node_of(ref)) for i, r in enumerate(c.inputs)
+               if tensor_name(*parse_tensor(r)) == ref]
+    for consumer, position in readers:
+        if consumer.op in ("Identity", "Cast"):
+            if not _seed_only(ir, f"{consumer.name}:0"):
+                return False
+        elif ir.arg_index(consumer, "seed") != position:
+            return False
+    return bool(readers)
 
 
 def _computed_rows(ir: IR, source) -> bool:
