@@ -14,7 +14,7 @@ from replicate.graph import ops
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
-__all__ = ["candidates", "sparse_triples", "forced", "variables", "global_step",
+__all__ = ["candidates", "seed_only", "sparse_triples", "forced", "variables", "global_step",
            "independent_terms", "set_aside", "one_per_column", "columns_advice"]
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,14 @@ def candidates(ir: IR, region: list[str], sources: set[str]) -> tuple[list[str],
         if shape is None:
             warnings.append(f"input '{ref}' has unknown rank; it is shared, not split")
             shared.append(ref)
-        elif not shape or _seed_only(ir, ref):
+        elif not shape or seed_only(ir, ref):
             shared.append(ref)
         else:
             found.append(ref)
     return found, shared, warnings
 
 
-def _seed_only(ir: IR, ref: str) -> bool:
+def seed_only(ir: IR, ref: str) -> bool:
     """True when tensor ``ref`` is read only as the ``seed`` argument of ops (a stateless random
     op's seed, fed as a placeholder): a seed holds no examples (review 41: with the loss
     inexact anyway such an input was kept as a batch input, split, and the step failed with
@@ -62,7 +62,7 @@ def _seed_only(ir: IR, ref: str) -> bool:
                if tensor_name(*parse_tensor(r)) == ref]
     for consumer, position in readers:
         if consumer.op in ("Identity", "Cast"):
-            if not _seed_only(ir, f"{consumer.name}:0"):
+            if not seed_only(ir, f"{consumer.name}:0"):
                 return False
         elif ir.arg_index(consumer, "seed") != position:
             return False

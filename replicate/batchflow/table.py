@@ -201,7 +201,12 @@ SIZE_OPERANDS = {
     "MatrixDiagV3": ((1, 2, 3), False), "MatrixDiagPartV2": ((1,), False),
     "MatrixDiagPartV3": ((1,), False), "MatrixSetDiagV2": ((2,), False),
     "MatrixSetDiagV3": ((2,), False), "SpaceToBatchND": ((1, 2), False),
-    "BatchToSpaceND": ((1, 2), False),
+    "BatchToSpaceND": ((1, 2), False), "TopKV2": ((1,), False), "InTopKV2": ((2,), False),
+    "Multinomial": ((1,), False), "StatelessMultinomial": ((1,), False),
+    "MatrixBandPart": ((1, 2), False), "Roll": ((1,), False),
+    # indices holding the batch size, along an axis other than the examples' (a pick of
+    # example B - 1 along the batch axis is a positional pick, :mod:`replicate.passes._picks`)
+    "GatherV2": ((1,), "off_axis"), "Gather": ((1,), "off_axis"), "ResourceGather": ((1,), "off_axis"),
 }
 
 #: Random ops that draw one row per row of a parameter (``tf.random.categorical``'s logits):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from tensorflow.python.framework import dtypes
 
+from replicate.batchflow.inputs import seed_only as _seed_only
 from replicate.errors import InputError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
@@ -170,6 +171,7 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
         node = ir.nodes[name]
         flag = node.op == "PlaceholderWithDefault" and node.attr("dtype") == dtypes.bool.as_datatype_enum \
             and ir.static_shape(f"{name}:0") == []
+        seed = node.op in FED_OPS and ir.static_shape(f"{name}:0") == [None] and _seed_only(ir, f"{name}:0")
         if name not in needed or (node.op not in FED_OPS and f"{name}:0" not in roles and not flag):
             continue
         used = sorted({parse_tensor(r)[1] for c in ir.consumers(name) for r in c.inputs
@@ -179,7 +181,7 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
             dtype = dtypes.as_dtype(ir.output_dtype(ref)).base_dtype
             high = _bound(ir, ref) if dtype.is_integer else None
             onehot = dtype.is_floating and _is_distribution(ir, ref)
-            specs.append(InputSpec(ref, dtype.name, ir.static_shape(ref),
+            specs.append(InputSpec(ref, dtype.name, [2] if seed else ir.static_shape(ref),
                                    0 if ref in batch else None, high, onehot, roles.get(ref),
                                    (rows or {}).get(ref)))
     return specs

@@ -179,12 +179,18 @@ def _sized_once(ctx: Context, node: Node, ins: list[Fact | None], out: list[Fact
     batch size (``tf.shape(x)[0]``) anywhere but at the output's batch axis are mixed: each
     tower would use its own example count there, where one device uses the batch's (review
     41: ``tf.pad(h, [[0, 0], [0, B]])``, ``tf.scatter_nd(..., [B, B])``, a resize to ``B``
-    were claimed exact, 0.5-1.2 off; the shape ops' own rules check theirs)."""
+    were claimed exact, 0.5-1.2 off; review 42: ``top_k(h, B)``, ``tf.gather(h, [B], axis=1)``;
+    the shape and slice ops' own rules check theirs)."""
     spec = table.SIZE_OPERANDS.get(node.op)
     if spec is None or ctx.in_gradient(node) or any(f is not None and f.kind == MIXED for f in out):
         return out
     positions, whole = spec
     axis = next((f.axis for f in out if f is not None and f.kind == PART), None)
+    if whole == "off_axis":         # a gather: along the examples' axis it picks rows
+        along = ctx.int_value(node.inputs[2]) if node.op == "GatherV2" and len(node.inputs) > 2 else (0,)
+        if ins[0] is not None and ins[0].kind == PART and along is not None and along[:1] == (ins[0].axis,):
+            return out
+        whole = False
     for pos in (p for p in positions if p < len(ins)):
         value = ctx.int_value(node.inputs[pos])
         sized = ins[pos] is not None and ins[pos].kind == RED and ins[pos].merge == "size"

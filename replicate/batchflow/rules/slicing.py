@@ -66,11 +66,15 @@ def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             end = None if size[0] == -1 else begin[0] + size[0]
             return [size_fact(_value_slice(f.value, begin[0], end), taint_of(ins))]
         return unless_partitioned(ctx, node, ins)
+    off = _off_axis_size(node, (begin, size), lambda j: j != f.axis, f)
+    if off is not None:
+        return [off]
     b, s = element(ctx, node.inputs[1], begin, f.axis), element(ctx, node.inputs[2], size, f.axis)
     if b is None or s is None:
         return [mixed(node.name, "Slice by bounds known only at run time", f.taint)]
     full = ctx.batch_dim(f)
-    if b == 0 and (s == -1 or isinstance(s, Sym) or (full is not None and s == full)):
+    if b == 0 and (s == -1 or isinstance(s, Sym) and _copies(ctx, f, s) == f.outer
+                   or (full is not None and s == full)):
         if isinstance(s, int) and s != -1:
             ctx.position(node.inputs[2], f.axis, f.cls, rows(f), node)
         _refine_slice(ctx, node, begin, size)
@@ -127,7 +131,12 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, "StridedSlice of unknown rank", f.taint)]
     if begin is None or end is None or strides is None:
         return [_runtime_bounds(ctx, node, f, rank, strides)]
-    for din, dout, i in strided_entries(rank, len(begin), ell, new, shrink):
+    entries = strided_entries(rank, len(begin), ell, new, shrink)
+    others = {i for din, _, i in entries if i is not None and din is not None and din != f.axis}
+    off = _off_axis_size(node, (begin, end), lambda i: i in others, f)
+    if off is not None:
+        return [off]
+    for din, dout, i in entries:
         if din != f.axis:
             continue
         if i is None:
@@ -144,6 +153,16 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [f.with_(axis=dout, outer=hi - lo, value=None, index=None)]
         return [mixed(node.name, "StridedSlice keeps only some of the examples", f.taint)]
     return [mixed(node.name, "StridedSlice with an unexpected layout", f.taint)]
+
+
+def _off_axis_size(node: Node, bounds: tuple, other, f: Fact) -> Fact | None:
+    """Mixed when a slice's bound on an axis other than the examples' (spec entries ``other``
+    accepts) holds the batch size: each tower would cut at its own count (review 42:
+    ``h[:, :B]``, ``tf.slice(h, [0, B], ...)`` were claimed exact, 0.5-1.3 off)."""
+    if any(isinstance(v, Sym) for values in bounds for j, v in enumerate(values or ()) if other(j)):
+        return mixed(node.name, f"{node.op} cuts an axis other than the examples' at the batch "
+                     "size: each tower would cut at its own example count", f.taint)
+    return None
 
 
 def _copies(ctx: Context, f: Fact, bound) -> int | None:
