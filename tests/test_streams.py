@@ -281,3 +281,27 @@ def test_the_certificate_checks_the_rewrite_of_the_graph_itself():
         certified = replicate.transform(graph, ["/cpu:1", "/cpu:2"], check=True)
         assert certified.report.exact, (listed, certified.report.reasons)
         assert certified.report.check["ok"] and not certified.report.check.get("contradicted")
+
+
+def test_the_certificate_runs_a_graph_that_asserts_its_flag():
+    """Review 42: a graph asserting ``training`` True failed the certificate's odd steps (fed
+    False) and the check was skipped; it retries with the flag True in every step. A seed fed
+    as a ``[None]`` placeholder gets the two numbers a seed holds (three failed the run)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(3)
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="training")
+        seed = v1.placeholder(tf.int32, [None], name="seed")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        noise = tf.random.stateless_uniform([3], seed)
+        with tf.control_dependencies([tf.debugging.assert_equal(flag, True)]):
+            h = tf.nn.dropout(x, rate=0.3, seed=2)
+        logits = tf.matmul(h, w) + noise
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], check=True)
+    assert res.report.exact, res.report.reasons
+    assert res.report.check["ran"] and res.report.check["ok"], res.report.check
