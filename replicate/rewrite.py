@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -200,6 +201,7 @@ def _rewrite(graph: Any, devices: Sequence[str], options: Options) -> Result:
             warnings.append(f"the rewrite needs at least {need['batch']} examples per step: "
                             f"'{need['ops'][0]}' reads examples of each tower's batch by position; "
                             "a smaller step stops with an assertion that says so")
+        warnings.extend(_empty_convolutions(ir, devices, options.accumulate))
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)
         meta_out.collection_def[COLLECTION].bytes_list.value[:] = [options.to_json().encode()]
@@ -282,6 +284,29 @@ def _import_result(graph_def, meta_out) -> None:
     problems = meta.dangling(meta_out)
     if problems:
         raise InternalError(f"the rewritten metagraph is inconsistent: {problems[0]}; {REPORT}")
+
+
+#: Convolutions whose oneDNN CPU kernels give an empty batch the wrong depth.
+_CONVOLUTIONS = frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+                           "_FusedConv2D"})
+
+
+def _empty_convolutions(ir: IR, devices: list[str], micro: int) -> list[str]:
+    """A warning where a tower without examples would stop in a convolution: TensorFlow's oneDNN
+    kernels (CPU builds, on unless TF_ENABLE_ONEDNN_OPTS=0) give a convolution of an empty batch
+    its input's depth, and the next op fails. The numeric check saw it; the report did not say
+    so (review 40)."""
+    need = len(devices) * max(1, micro)        # examples for every tower and micro-batch
+    if need < 2 or os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0" \
+            or not any("CPU" in d.upper() for d in devices):
+        return []
+    conv = next((n.name for n in ir if n.op in _CONVOLUTIONS), None)      # the towers' copies
+    if conv is None:
+        return []
+    return [f"a step with fewer than {need} examples leaves a tower without one, and on CPU "
+            f"TensorFlow's oneDNN convolutions ('{conv}') fail on an empty batch: feed at least "
+            "that many, or set TF_ENABLE_ONEDNN_OPTS=0 before importing TensorFlow (GPUs are "
+            "not affected)"]
 
 
 def _maker(node: str) -> str:

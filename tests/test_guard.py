@@ -644,3 +644,24 @@ def test_an_empty_tower_writes_a_copy_of_the_batch_with_a_tensor_scatter():
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(b, 3).astype(np.float32), "y:0": rng.randn(b).astype(np.float32)} for b in (2, 7)]
     assert compare(build(), res.graph, "train", feeds).max_rel <= 1e-5
+
+
+def test_a_conv_net_on_cpus_warns_about_empty_towers(monkeypatch):
+    """Review 40: an empty tower stops in TensorFlow's oneDNN convolution on CPU (the README
+    said so, the report did not): the report now says how many examples a step needs."""
+    import tensorflow as tf
+
+    import replicate
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 6, 6, 1], name="x")
+        h = v1.layers.conv2d(x, 2, 3, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        loss = tf.reduce_mean(tf.square(h), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], accumulate=2)
+    assert any("fewer than 6 examples" in w and "oneDNN" in w for w in res.report.warnings), res.report.warnings
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not any("oneDNN" in w for w in res.report.warnings)
