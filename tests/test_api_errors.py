@@ -264,3 +264,22 @@ def test_a_loss_not_recognized_is_named_in_the_no_batch_refusal(monkeypatch):
         replicate.transform(_difference_loss(), CPUS)
     res = replicate.transform(_difference_loss(), CPUS, loss="sub_1:0")
     assert res.report.exact, res.report.reasons
+
+
+def test_batches_joined_after_their_own_layers_are_named_in_the_refusal():
+    """Review 40: the per-example losses of two batches (of different sizes) joined and
+    averaged: the refusal named the inputs set aside but not the join, nor the fix."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        x2 = v1.placeholder(tf.float32, [None, 4], name="x2")
+        w = v1.get_variable("w", [4, 3], initializer=v1.random_normal_initializer(seed=1))
+        ea = tf.reduce_sum(tf.square(tf.matmul(x, w)), 1)
+        eb = tf.reduce_sum(tf.square(tf.matmul(x2, w) - 1.0), 1)
+        loss = tf.reduce_mean(tf.concat([ea, eb], 0), name="loss")
+        v1.train.GradientDescentOptimizer(0.05).minimize(loss, name="train")
+    with pytest.raises(AnalysisError) as err:
+        replicate.transform(graph, CPUS + ["/cpu:2"])
+    assert "('concat' joins 'x:0' and 'x2:0')" in str(err.value), str(err.value)
+    assert "batch_inputs=['x2:0', 'x:0']" in str(err.value)
+    assert replicate.transform(graph, CPUS + ["/cpu:2"], batch_inputs=["x2:0", "x:0"]).report.exact

@@ -305,7 +305,10 @@ def set_aside(ir: IR, demoted: Mapping[str, str]) -> str:
             continue
         axis = ir.const_value(node_of(node.inputs[-1]))
         parts = [tensor_name(*parse_tensor(r)) for r in node.inputs[:-1]]
-        fed = [p for p in parts if p in demoted]
+        # each part fed, or computed from one input set aside (review 40: embeddings of two
+        # batches of different sizes joined; the advice was missing)
+        fed = [p if p in demoted else next(iter(_from_set_aside(ir, p, demoted)), None) for p in parts]
+        fed = [p for p in dict.fromkeys(fed) if p is not None]
         if axis is not None and int(np.asarray(axis)) == 0 and len(fed) >= 2:
             joins.append((node.name, fed))
             joined += [p for p in fed if p not in joined]
@@ -314,6 +317,13 @@ def set_aside(ir: IR, demoted: Mapping[str, str]) -> str:
     where = ", ".join(f"'{name}' joins {' and '.join(repr(p) for p in fed)}" for name, fed in joins[:3])
     return (f"{text}; they are batches joined along their first axis ({where}): name each with "
             f"batch_inputs={sorted(joined)!r}, and each tower joins its slices of them")
+
+
+def _from_set_aside(ir: IR, part: str, demoted: Mapping[str, str]) -> list[str]:
+    """The one input set aside that tensor ``part`` is computed from, if only one."""
+    above = ir.ancestors([node_of(part)])
+    found = [t for t in demoted if node_of(t) in above]
+    return found if len(found) == 1 else []
 
 
 def one_per_column(shape) -> bool:
