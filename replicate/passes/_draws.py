@@ -278,7 +278,14 @@ def _obstacle(ir: IR, flow, node, effect) -> tuple[str, str] | None:
         return (f"random op ({node.op}) draws per example from per-example values or permutes "
                 "examples; each tower draws its own stream",
                 "results match single-device training in distribution only")
-    if not isinstance(fact.block, int) or not isinstance(fact.outer, int) or fact.filtered \
+    if fact.filtered or fact.block is None:     # review 41: said "folded" of a boolean_mask's rows
+        return (f"random op ({node.op}) draws a number of rows per example known only at run "
+                "time (the rows a filter such as tf.boolean_mask keeps, or a dimension folded in): "
+                "where a tower's rows begin in the batch's draw depends on the other towers' "
+                "examples; each tower draws its own stream",
+                "draw the noise on the whole batch before the filter, with the batch as its own "
+                "dimension")
+    if not isinstance(fact.block, int) or not isinstance(fact.outer, int) \
             or fact.tail or not fact.ordered:
         return (f"random op ({node.op}) draws a shape whose batch dimension is folded with "
                 "another one in an unknown way; each tower draws its own stream",
