@@ -37,7 +37,7 @@ from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
 __all__ = ["Term", "decompose", "Weighting", "weigh", "ONES", "UNIFORM", "sync_sources", "with_statistics_synced",
-           "vanishes_with_count", "positive_shift", "shares_suffice", "behind"]
+           "vanishes_with_count", "positive_shift", "shares_suffice", "behind", "NO_GRADIENT"]
 
 ONES = ("ones",)
 #: Each tower weighs 1/N: a batch-independent term added to a sum-reduced loss.
@@ -77,8 +77,8 @@ class Term:
 
 #: Ops through which no gradient flows back: a coefficient computed through them is a constant
 #: to the optimizer.
-_NO_GRADIENT = frozenset({"StopGradient", "PreventGradient", "Shape", "ShapeN", "Size", "Rank",
-                          "ZerosLike", "OnesLike"})
+NO_GRADIENT = frozenset({"StopGradient", "PreventGradient", "Shape", "ShapeN", "Size", "Rank",
+                         "ZerosLike", "OnesLike"})
 
 
 def _trainable_cone(ir: IR, ref: str, limit: int = 2000) -> str | None:
@@ -96,7 +96,7 @@ def _trainable_cone(ir: IR, ref: str, limit: int = 2000) -> str | None:
         node = ir.nodes[name]
         if node.op in ops.VARIABLE_OPS:
             return name
-        if node.op in _NO_GRADIENT or ir.output_dtype(cur) not in FLOAT_TYPES \
+        if node.op in NO_GRADIENT or ir.output_dtype(cur) not in FLOAT_TYPES \
                 and node.op not in ("ReadVariableOp", "Identity"):
             continue
         work.extend(node.inputs)

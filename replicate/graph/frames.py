@@ -118,7 +118,6 @@ def in_branch(ir: IR, name: str) -> bool:
     def past(node) -> list[str] | None:
         return past_cond(node) if node.op in _MERGE else past_loop(node)
 
-
     def past_cond(merge) -> list[str] | None:
         """The inputs of the ``Switch`` nodes of the cond ``merge`` closes, or None (walk
         through it, conservatively) unless they all take one predicate. TensorFlow's TF1 cond

@@ -17,6 +17,7 @@ from tensorflow.core.framework import types_pb2
 from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import Analysis, Reason
 from replicate.batchflow.lattice import PART, RED, batch_size
+from replicate.batchflow.loss import NO_GRADIENT
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
 from replicate.batchflow.table import value_only
@@ -51,9 +52,6 @@ def size_like(ir: IR, name: str, flow) -> bool:
         or fact is not None and batch_size(fact) and value_only(ir, name)
 
 
-#: Ops through which no gradient flows back to their inputs.
-_NO_GRADIENT = frozenset({"StopGradient", "PreventGradient", "Shape", "ShapeN", "Size", "Rank",
-                          "ZerosLike", "OnesLike"})
 _PASS = frozenset({"Identity", "Snapshot", "Squeeze", "Reshape", "ExpandDims", "Cast", "Neg"})
 
 
@@ -104,7 +102,7 @@ def _other_terms(ir: IR, flow, name: str, roots: set[str]) -> bool:
     while work:
         ref, through = work.pop()
         for consumer in ir.consumers(ref):
-            if consumer.name in seen or consumer.op in _NO_GRADIENT or flow.ctx.in_gradient(consumer):
+            if consumer.name in seen or consumer.op in NO_GRADIENT or flow.ctx.in_gradient(consumer):
                 continue
             seen.add(consumer.name)
             fact = flow.fact(f"{consumer.name}:0")
