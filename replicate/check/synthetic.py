@@ -171,9 +171,9 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
         node = ir.nodes[name]
         flag = node.op == "PlaceholderWithDefault" and node.attr("dtype") == dtypes.bool.as_datatype_enum \
             and ir.static_shape(f"{name}:0") == []
-        seed = node.op in FED_OPS and ir.static_shape(f"{name}:0") == [None] and _seed_only(ir, f"{name}:0")
         if name not in needed or (node.op not in FED_OPS and f"{name}:0" not in roles and not flag):
             continue
+        seed = node.op in FED_OPS and ir.static_shape(f"{name}:0") == [None] and _seed_only(ir, f"{name}:0")
         used = sorted({parse_tensor(r)[1] for c in ir.consumers(name) for r in c.inputs
                        if node_of(r) == name})
         for index in used:

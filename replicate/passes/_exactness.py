@@ -20,7 +20,7 @@ from replicate.batchflow.lattice import PART, RED, batch_size
 from replicate.batchflow.loss import NO_GRADIENT
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
-from replicate.batchflow.table import value_only
+from replicate.batchflow.table import behind, value_only
 from replicate.graph.ir import IR, node_of
 from replicate.graph.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
 
@@ -52,6 +52,7 @@ def size_like(ir: IR, name: str, flow) -> bool:
         or fact is not None and batch_size(fact) and value_only(ir, name)
 
 
+#: Ops a loss term's root is looked up behind: they only reshape, cast or negate it.
 _PASS = frozenset({"Identity", "Snapshot", "Squeeze", "Reshape", "ExpandDims", "Cast", "Neg"})
 
 
@@ -66,12 +67,13 @@ def two_routes(ir: IR, flow, synced) -> list[Reason]:
     gradient counted once per tower, 0.57-0.72 off; ``nrm + mean(ce / (nrm + 1))`` with
     ``nrm = tf.norm(ce)``, 0.03-0.12 off)."""
     reasons = []
+    couplings = set(flow.couplings()) if synced else set()
     for loss, (terms, _) in flow.losses.items():
-        roots = {_behind(ir, t.root) for t in terms if t.kind != "shared"}
+        roots = {node_of(behind(ir, t.root, _PASS)) for t in terms if t.kind != "shared"}
         for name in sorted(synced):
             rooted = name in roots
             inside = any(name in t.sync for t in terms)
-            if rooted and name in flow.couplings() or inside and _other_terms(ir, flow, name, roots):
+            if rooted and name in couplings or inside and _other_terms(ir, flow, name, roots):
                 reasons.append(Reason(node_of(loss), f"the batch reduction '{name}' "
                                       f"({ir.nodes[name].op}) reaches this loss both directly and "
                                       "through per-example values; synchronized across towers, its "
@@ -83,14 +85,6 @@ def two_routes(ir: IR, flow, synced) -> list[Reason]:
                                       "stop its gradient on one route (tf.stop_gradient), or "
                                       "train this graph on one device"))
     return reasons
-
-
-def _behind(ir: IR, ref: str) -> str:
-    """The node ``ref`` is computed by, past ops that only reshape, cast or negate it."""
-    name = node_of(ref)
-    while ir.nodes[name].op in _PASS and ir.nodes[name].inputs:
-        name = node_of(ir.nodes[name].inputs[0])
-    return name
 
 
 def _other_terms(ir: IR, flow, name: str, roots: set[str]) -> bool:

@@ -98,8 +98,9 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [f.with_(value=None, index=index, taint=couple(ctx, node, ins))]
     in_dims = ctx.named_shape(node.inputs[0], skip=f.axis)
     syms = [j for j, v in enumerate(target) if isinstance(v, Sym) and ctx.classes.same(v.cls, f.cls)]
-    if syms and _sized_twice(node, target, syms[0], f.taint):
-        return [_sized_twice(node, target, syms[0], f.taint)]
+    twice = _sized_twice(node, target, syms[0], f.taint) if syms else None
+    if twice is not None:
+        return [twice]
     if syms and sized_rows(f, in_dims, target, syms[0], out_dims):
         j = syms[0]
         return [part(j, f.cls, target[j].coef, taint=couple(ctx, node, ins), ordered=f.ordered,
