@@ -169,6 +169,9 @@ class Analysis:
     #: State writes run once outside the towers -> the region's reads of their variables that
     #: run before them on one device; the write waits for every tower's copy of those reads.
     evicted_reads: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    #: assertions whose condition reads a value of the whole batch -> the merged condition
+    #: every tower's copy checks (None: not checked; a reason says why)
+    checks: dict[str, str | None] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def region_set(self) -> frozenset[str]:

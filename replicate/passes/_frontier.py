@@ -28,11 +28,12 @@ _MERGEABLE = frozenset({"concat", "mean", "sum", "ratio", "max", "min"})
 def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
              scopes: list[GradScope], apply_ops: list[ApplyOp], flow,
              losses: list[str], outputs: tuple[str, ...], merge_forward: bool,
-             dead: set[str] = frozenset()) -> tuple[list[Frontier], list[Frontier], list[str], list[str]]:
+             dead: set[str] = frozenset(), checks: tuple[str, ...] = ()) -> tuple[list[Frontier], list[Frontier], list[str], list[str]]:
     """Return (gradient frontier, forward outputs to merge, tensors read by shared ops that
     cannot be merged: tower 0's value stands in for them, gradient rows whose sharing between
     the towers the analysis could not establish: concatenated, which only linear updates
-    add up right)."""
+    add up right). ``checks``: conditions of assertions, merged or recomputed where they
+    can be."""
     inside = set(region)
     crossing: dict[str, None] = {}
     for name in region:
@@ -89,13 +90,13 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     recomputed: set[str] = set()        # nodes recomputed once from merged values, by name
     merged: dict[str, Frontier] = {}
 
-    def add(t: str, required: bool) -> None:
+    def add(t: str, required: bool, recompute: bool = False) -> None:
         if t in merged or node_of(t) not in dependent:
             return
         red = merge_kind(ir, flow, t)
         if red.kind not in _MERGEABLE:
             fact = flow.fact(t)
-            if red.kind != "none" and (required or (fact is not None and fact.kind == "red")):
+            if red.kind != "none" and (required or recompute or (fact is not None and fact.kind == "red")):
                 plan = recompute_plan(ir, flow, t, inside, in_grad, dependent,
                                       lambda r: merge_kind(ir, flow, r).kind in _MERGEABLE)
                 if plan is not None:
@@ -138,6 +139,8 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 frontier.append(Frontier(t, "dense", True, None, _scope_weights(t, scopes)))
             else:
                 add(t, True)
+    for t in checks:
+        add(t, False, recompute=True)
     if merge_forward:
         updates = {n for n in region if writes(ir, ir.nodes[n])}
         for name in region:

@@ -17,7 +17,6 @@ through checked vector views where that proves more (:mod:`replicate.passes._sha
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 
@@ -28,13 +27,13 @@ from replicate.batchflow.analysis import analyze as settle, moved
 from replicate.batchflow.context import Demand
 from replicate.batchflow.effects import draws, writes
 from replicate.batchflow.facts import Analysis, BatchInput, Reason
-from replicate.batchflow.loss import sync_sources, with_statistics_synced
+from replicate.batchflow.loss import with_statistics_synced
 from replicate.batchflow.roles import gradient_scopes
 from replicate.batchflow.lattice import INSIDE
 from replicate.errors import AnalysisError
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
-from replicate.passes import _custom, _draws, _evict, _exactness, _phases, _races, _refusals, _rows, _shapeless, _strided, _weights
+from replicate.passes import _asserts, _custom, _draws, _evict, _exactness, _phases, _races, _refusals, _rows, _shapeless, _strided, _synced, _weights
 from replicate.passes._frontier import classify, fetch_cone
 from replicate.passes._updates import find_train_ops
 from replicate.passes.pipeline import PassResult
@@ -234,25 +233,28 @@ class Analyze:
         keep_targets |= {node_of(t) for t in flow.plan.splits}
         keep = ir.ancestors(keep_targets, graph) & inside
         dead = _dead_gradient_code(ir, in_grad - inside)
+        checks = _asserts.whole_batch(ir, flow, region, dependent)
         frontier, outputs, unmergeable, doubtful, forward_only = classify(
             ir, region, dependent, in_grad, grad_scopes, apply_ops, flow, losses, self.outputs,
-            self.merge_forward, dead)
+            self.merge_forward, dead, tuple(t for refs in checks.values() for t in refs.values()))
         reasons += _refusals.unaggregated_updates(ir, apply_ops, inside, frontier, dependent)
         syncs = loss_syncs | synced
         if syncs:
-            outputs = [_global_after_sync(flow, f, syncs) for f in outputs]
-            frontier = [_global_after_sync(flow, f, syncs) for f in frontier]
-            unmergeable = [t for t in unmergeable if not _global_value(flow, t, syncs)]
+            outputs = [_synced.global_after_sync(flow, f, syncs) for f in outputs]
+            frontier = [_synced.global_after_sync(flow, f, syncs) for f in frontier]
+            unmergeable = [t for t in unmergeable if not _synced.global_value(flow, t, syncs)]
         if self.sync:
-            outputs = _synchronized_statistics(ir, outputs, couplings)
+            outputs = _synced.synchronized_statistics(ir, outputs, couplings)
         tower0_values: list[str] = []
         reasons += _exactness.unmergeable(ir, graph, train_ops, unmergeable, inside, warnings,
                                           tower0_values)
         # a node the shared graph keeps (it computes on the whole batch) keeps its own value
         kept = {t for t in forward_only if node_of(t) in keep}
         outputs = [f for f in outputs if f.tensor not in kept]
+        checks, unchecked = _asserts.unchecked(ir, checks, outputs)
+        reasons += unchecked + _asserts.in_bodies(ir, flow, checks)
         forward_only = [t for t in forward_only if t not in kept
-                        and not (syncs and _global_value(flow, t, syncs))]
+                        and not (syncs and _synced.global_value(flow, t, syncs))]
         if forward_only:        # intermediates: a warning, not the report's NOT MERGED line
             # every name: a driver fetching one sees tower 0's value (the list was cut at 4,
             # and the fetched logits a review looked for were past the cut)
@@ -330,6 +332,7 @@ class Analyze:
             phases=phases,
             phase_reads=phase_reads,
             evicted_reads=evicted_reads,
+            checks=checks,
         )
         _exactness.collect(ir, analysis)
         ir.facts["analysis"] = analysis
@@ -483,38 +486,3 @@ def _large_const(ir: IR, node) -> bool:
         return False
     value = node.attrs.get("value")
     return value is not None and value.ByteSize() > LARGE_CONST_BYTES
-
-
-def _global_after_sync(flow, f, syncs: set[str]):
-    """A forward value computed only from synchronized reductions is the single-device value
-    in every tower: read tower 0's copy (role ``global``; a merge by example shares would
-    count it N times)."""
-    if f.gradient or f.role in ("concat", "first", "global", "sparse_values", "sparse_indices"):
-        return f
-    if not _global_value(flow, f.tensor, syncs):
-        return f
-    return dataclasses.replace(f, role="global", recompute=())
-
-
-def _global_value(flow, tensor: str, syncs: set[str]) -> bool:
-    """Whether every tower's copy of ``tensor`` holds the batch's value: it is computed only
-    from synchronized reductions and shared values (a cond's merge of batch norm's
-    synchronized variance and the moving variance, a loss term over synchronized means)."""
-    if node_of(tensor) in syncs:
-        return False        # the reduction itself: its copies hold the towers' own parts
-    found = sync_sources(flow.ctx, tensor, synced=frozenset(syncs))
-    return found is not None and set(found[0]) <= syncs
-
-
-def _synchronized_statistics(ir: IR, outputs: list, couplings: list[str]) -> list:
-    """A synchronized fused batch norm's statistics under its original name are the sync
-    pass's (the global mean and variance the towers normalized with), not a batch norm
-    recomputed over the merged activations on the controller: its outputs other than ``y``
-    are left to the rewire pass, which reads them from the sync pass. Only where ``y`` is
-    merged, so that the original-named node is rebuilt."""
-    fused = {c for c in couplings if ir.nodes[c].op == "FusedBatchNormV3"}
-    merged = {node_of(f.tensor) for f in outputs if f.role != "recompute"
-              and node_of(f.tensor) in fused and parse_tensor(f.tensor)[1] == 0}
-    return [f for f in outputs if not (node_of(f.tensor) in merged and parse_tensor(f.tensor)[1] > 0)]
-
-

@@ -24,6 +24,7 @@ from collections import defaultdict
 from tensorflow.python.framework import dtypes
 
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
+from replicate.passes import _asserts
 from replicate.passes._combine import combine
 from replicate.passes.pipeline import PassResult
 
@@ -61,6 +62,7 @@ class Rewire:
         ir.remove_many(doomed + sorted(analysis.dead))
         merged = self._merge_outputs(ir, analysis, towers, copies, arity, out_types)
         merged += self._recompute(ir, analysis, copies, recomputed)
+        checked = _asserts.rewire(ir, copies, analysis.checks)
         for name, draw in ir.facts.get("global_draws", {}).items():
             if name not in ir.nodes:        # a once-per-step draw is the batch's: fetched as is
                 ir.add(name, "Identity", [draw], device=ir.nodes[node_of(draw)].device,
@@ -77,7 +79,8 @@ class Rewire:
         stale = self._colocation(ir, towers.prefixes)
         ir.facts["renamed"] = {n: copies[0][n] for n in doomed if n not in ir.nodes and n in copies[0]}
         log.info("rewire: %d region originals removed, %d outputs merged, %d gradient aliases, "
-                 "%d stale colocations dropped", len(doomed), merged, aliases, stale)
+                 "%d stale colocations dropped, %d assertions' copies check the batch's value",
+                 len(doomed), merged, aliases, stale, checked)
         return PassResult(ir, True)
 
     @staticmethod

@@ -1,0 +1,255 @@
+"""Helper of the analyze and rewire passes: assertions that check a value of the whole batch.
+
+An ``Assert`` in the towers checks its condition on the tower's own examples. That is the
+single-device check only when the condition is the same in every tower (built from shared
+values) or is an ``All`` over per-example values (the batch passes exactly when every tower
+does; an empty tower passes). Any other condition reads a value of the whole batch -- the
+batch size (``assert_equal(tf.shape(x)[0], 64)``, ``assert_positive(batch_size)``), a sum, a
+maximum -- and each tower's copy would check its own value: a tower with fewer examples, or
+none, fails where one device runs. TensorFlow 2 builds ``tf.debugging.assert_*`` on a
+value known only at run time as an ``If`` whose branch holds the ``Assert`` (an *assert
+guard*); its predicate and arguments are checked the same way. A ``tf.cond`` branch or defun
+that asserts on a value it is passed (``assert_positive(batch_size)`` in a branch) reads
+the batch's value when only assertions read that argument in its body.
+
+Requires: the analysis's facts (``flow``), the tower region and the forward outputs the
+frontier merges (or recomputes once on the controller) under their original names.
+
+Produces: :func:`whole_batch` (such assertions of the calling graph, with the condition each
+must check), :func:`in_bodies` (reasons for such assertions inside function bodies, whose
+copies cannot read a merged value), and :func:`rewire` (run after the merge: each tower's
+copy checks the merged condition, or, when the analysis could not merge it, does not check:
+a reason says so).
+"""
+
+from __future__ import annotations
+
+from tensorflow.core.framework import types_pb2
+
+from replicate.batchflow.effects import ASSERT, ASSERT_OPS, asserts, called_functions, effects
+from replicate.batchflow.facts import Reason
+from replicate.batchflow.lattice import PART, RED, SHARED
+from replicate.graph import ops
+from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
+
+__all__ = ["whole_batch", "unchecked", "in_bodies", "rewire"]
+
+#: Roles of a merged forward output whose original name holds the whole batch's value.
+_GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute"})
+
+
+def _per_tower(fact, dtype) -> bool:
+    """A condition whose tower copies together check what the batch's does."""
+    if fact is None:
+        return False
+    if fact.kind == SHARED:
+        return True
+    # All over per-example values: the batch passes exactly when every tower does
+    return fact.kind == RED and fact.merge == "min" and dtype == types_pb2.DT_BOOL
+
+
+def guard(ir: IR, node: Node) -> bool:
+    """``node`` is an assert guard: an ``If`` whose branches only assert, whose results only
+    ``Identity`` ops read that only control edges leave (``tf.debugging.assert_*`` waits for
+    one)."""
+    if node.op not in ("If", "StatelessIf"):
+        return False
+    for reader in ir.consumers(node.name):
+        if node.name in map(node_of, reader.inputs) and (reader.op != "Identity" or any(
+                reader.name in map(node_of, c.inputs) for c in ir.consumers(reader.name))):
+            return False
+    found = effects(ir, node)
+    return bool(found) and all(e.kind == ASSERT for e in found)
+
+
+def whole_batch(ir: IR, flow, region: list[str], dependent: set[str]) -> dict[str, dict[int, str]]:
+    """Assertions and assert guards of the towers whose condition reads a value of the whole
+    batch -> the inputs (by position, the condition at 0) that must hold the batch's value."""
+    found: dict[str, dict[int, str]] = {}
+    for name in region:
+        node = ir.nodes[name]
+        if not node.inputs or (node.op not in ASSERT_OPS and node.op not in ops.CALL_OPS):
+            continue
+        if _is_call(ir, node):
+            passed = _passed(ir, flow, node, dependent) if asserts(ir, node) else {}
+            if passed:
+                found[name] = passed
+            continue
+        cond = _before_switch(ir, node.inputs[0])
+        if node_of(cond) not in dependent or _per_tower(flow.fact(cond), ir.output_dtype(cond)):
+            continue
+        found[name] = {0: cond}
+        for i, ref in enumerate(node.inputs[1:], start=1):
+            t = _before_switch(ir, ref)
+            fact = flow.fact(t)
+            if node_of(t) in dependent and not (fact is not None and fact.kind == PART) \
+                    and not _per_tower(fact, ir.output_dtype(t)):
+                found[name][i] = t      # a count or sum in the message: the batch's
+    return found
+
+
+def _varying(ir: IR, fact, ref: str, dependent=None) -> bool:
+    """``ref`` holds a value of the whole batch that a tower's copy would compute for itself."""
+    if dependent is not None and node_of(ref) not in dependent:
+        return False
+    return fact is not None and fact.dependent and fact.kind != PART and \
+        not _per_tower(fact, ir.output_dtype(ref))
+
+
+def _passed(ir: IR, flow, node: Node, dependent: set[str]) -> dict[int, str]:
+    """Inputs of call ``node`` (a ``tf.cond``, a defun) that hold a value of the whole batch
+    and that, in every body it calls, only assertions read (by position); empty unless these
+    are all that make the bodies' assertions check a value of the whole batch."""
+    from replicate.batchflow.rules.functional import body_of
+
+    lead = ops.LEADING_NON_ARGUMENTS.get(node.op, 0)
+    refs = node.inputs[lead:]
+    wanted = {lead + i: tensor_name(*parse_tensor(r)) for i, r in enumerate(refs)
+              if _varying(ir, flow.fact(tensor_name(*parse_tensor(r))), r, dependent)}
+    if not wanted:
+        return {}
+    for function in called_functions(node):
+        found = body_of(flow.ctx, function, refs)
+        if found is None:
+            return {}
+        body, args, outs = found
+        for position in list(wanted):
+            if not _asserted_only(body, node_of(args[position - lead]), set(outs)):
+                del wanted[position]
+        inner = flow.ctx.functions.get(("inner", function))
+        if inner is None:
+            return {}
+        fixed = {node_of(args[p - lead]) for p in wanted}
+        other = {node_of(a) for i, a in enumerate(args)
+                 if lead + i not in wanted and flow.fact(tensor_name(*parse_tensor(refs[i]))) is not None
+                 and flow.fact(tensor_name(*parse_tensor(refs[i]))).dependent}
+        for check in body.nodes.values():
+            if (check.op in ASSERT_OPS or guard(body, check)) and check.inputs and \
+                    _varying(body, inner.fact(tensor_name(*parse_tensor(check.inputs[0]))), check.inputs[0]):
+                behind = body.ancestors([node_of(check.inputs[0])])
+                if not behind & fixed or behind & other:
+                    return {}       # not (only) from the batch values passed in
+    return wanted
+
+
+def _asserted_only(body: IR, arg: str, outs: set[str]) -> bool:
+    """Only assertions (and what computes their conditions) read argument ``arg`` of ``body``."""
+    seen, work = {arg}, [arg]
+    while work:
+        name = work.pop()
+        if any(o.startswith(f"{name}:") or o == name for o in outs):
+            return False
+        for consumer in body.consumers(name):
+            if consumer.name in seen or name not in map(node_of, consumer.inputs):
+                continue        # a control edge: waits, reads nothing
+            if consumer.op in ASSERT_OPS or guard(body, consumer):
+                continue
+            op_def = body.op_def(consumer.op)
+            if op_def is None or op_def.is_stateful or consumer.op in ops.CONTROL_FLOW_OPS \
+                    or consumer.op in ops.CALL_OPS:
+                return False
+            seen.add(consumer.name)
+            work.append(consumer.name)
+    return True
+
+
+def _before_switch(ir: IR, ref: str) -> str:
+    """Tensor ``ref`` seen from outside the TF1 conds it is in: past ``Identity`` ops and the
+    data input of ``Switch`` ops (a TF1 ``tf.Assert`` guard switches its condition into the
+    branch that asserts)."""
+    while True:
+        node = ir.nodes[node_of(ref)]
+        if node.op not in ("Identity", "Switch", "RefSwitch") or node.control:
+            return tensor_name(*parse_tensor(ref))
+        ref = node.inputs[0]
+
+
+def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs) -> tuple[dict[str, dict[int, str] | None], list[Reason]]:
+    """``checks`` with the merged inputs each tower's copy will read (None: not checked, the
+    analysis could not merge its condition), and a reason for each assertion not checked, and
+    each call whose bodies then check the towers' own values."""
+    merged = {f.tensor for f in outputs if f.role in _GLOBAL_ROLES}
+    settled: dict[str, dict[int, str] | None] = {}
+    reasons: list[Reason] = []
+    for name, refs in checks.items():
+        if not _is_call(ir, ir.nodes[name]):
+            settled[name] = {i: t for i, t in refs.items() if t in merged} if refs[0] in merged else None
+            if settled[name] is None:
+                reasons.append(Reason(name, f"the assertion checks '{refs[0]}', a value of the whole "
+                                      "batch that replicate cannot compute once from the towers' "
+                                      "values; each tower would check its own examples' value and "
+                                      "fail where one device passes, so the towers do not check "
+                                      "it", "assert on the inputs as fed, outside the model, or "
+                                      "remove the assertion"))
+        elif all(t in merged for t in refs.values()):
+            settled[name] = refs
+        else:
+            reasons.append(_in_body(name, next(t for t in refs.values() if t not in merged)))
+    return settled, reasons
+
+
+def _is_call(ir: IR, node: Node) -> bool:
+    return node.op in ops.CALL_OPS and not guard(ir, node)
+
+
+def _in_body(where: str, what: str) -> Reason:
+    return Reason(where, f"an assertion inside function '{where.split('/')[0]}' checks '{what}', "
+                  "a value of the whole batch; each tower's copy of the function checks its own "
+                  "examples' value (a tower with fewer examples, or none, fails where one device "
+                  "passes)", "move the assertion out of the tf.cond or function, or remove it")
+
+
+def in_bodies(ir: IR, flow, checks: dict) -> list[Reason]:
+    """Reasons for assertions inside function bodies (a ``tf.cond`` branch, a defun, a loop)
+    whose condition reads a value of the whole batch: every tower's copy of the body checks
+    its own. Not the branches of the assert guards in ``checks``, which read merged values."""
+    functions = getattr(flow.ctx, "functions", {}) or {}
+    guarded = {f for name, refs in checks.items() if refs for f in called_functions(ir.nodes[name])}
+    reasons: list[Reason] = []
+    for key, inner in list(functions.items()):
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "inner") or key[1] in guarded:
+            continue
+        for node in inner.ir.nodes.values():
+            if node.op not in ASSERT_OPS or not node.inputs:
+                continue
+            cond = tensor_name(*parse_tensor(node.inputs[0]))
+            fact = inner.fact(cond)
+            if fact is not None and fact.dependent and not _per_tower(fact, inner.ir.output_dtype(cond)):
+                reasons.append(_in_body(f"{key[1]}/{node.name}", cond))
+    return reasons
+
+
+def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str] | None]) -> int:
+    """Each tower's copy of an assertion in ``checks`` reads the merged condition (and counts)
+    under their original names; with no merged condition, a constant True. Returns the number
+    of copies changed."""
+    changed = 0
+    for name, refs in checks.items():
+        for tower in copies:
+            copy = tower.get(name)
+            if copy is None or copy not in ir.nodes:
+                continue
+            node = ir.nodes[copy]
+            if _is_call(ir, node):
+                for i, t in (refs or {}).items():
+                    ir.set_input(copy, i, _ref(t))
+                changed += bool(refs)
+                continue
+            # what gated the copy (its branch of a TF1 cond) still does: an op with a dead
+            # control input is skipped
+            ir.set_control(copy, list(dict.fromkeys(node.control + [node_of(node.inputs[0])])))
+            if refs is None or node_of(refs[0]) not in ir.nodes:
+                true = ir.const(f"{copy}/replicate_unchecked", True, device=node.device)
+                ir.set_control(true, [node_of(node.inputs[0])])    # in the condition's frame
+                ir.set_input(copy, 0, true)
+            else:
+                for i, t in refs.items():
+                    if node_of(t) in ir.nodes:
+                        ir.set_input(copy, i, _ref(t))
+            changed += 1
+    return changed
+
+
+def _ref(tensor: str) -> str:
+    node, idx = parse_tensor(tensor)
+    return node if idx == 0 else f"{node}:{idx}"

@@ -1,0 +1,146 @@
+"""Assertions on a value of the whole batch: ``assert_positive(tf.shape(x)[0])``,
+``tf.Assert(B > 1, ...)``, ``assert_positive(reduce_sum(...))``, ``tf.Assert(reduce_any(...))``.
+
+Each tower's copy checked its own value, so a tower with fewer examples, or none, failed where
+one device passes: reported exact, the rewrite failed at step 1. Now each copy checks the
+batch's value (merged, or computed once on the controller), in TF1 conds and in TensorFlow
+2's assert guards (an ``If`` whose branch asserts) alike; an assertion on per-example values
+(``All``) stays in its tower. One that fails on one device fails in the rewrite too."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import replicate
+from replicate.check.equivalence import compare, session_config
+
+v1 = tf.compat.v1
+DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
+
+
+def _graph(kind: str, v1_control_flow: bool) -> tf.Graph:
+    g = tf.Graph()
+    if v1_control_flow:
+        v1.disable_control_flow_v2()
+    try:
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 6], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
+            out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+            h = tf.tanh(tf.matmul(x, w))
+            size = tf.shape(x)[0]
+            check = {
+                "positive_size": lambda: v1.assert_positive(size),
+                "size_above_one": lambda: tf.Assert(size > 1, [size]),
+                "size_at_most_5": lambda: v1.assert_less_equal(size, 5),
+                "positive_sum": lambda: v1.assert_positive(tf.reduce_sum(tf.exp(h))),
+                "some_small": lambda: tf.Assert(tf.reduce_any(h < 0.5), [h]),
+                "labels": lambda: v1.assert_less(y, tf.constant(3, tf.int64)),
+            }[kind]
+            with tf.control_dependencies([check()]):
+                h = tf.identity(h)
+            logits = tf.matmul(h, out)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                                  name="loss")
+            v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    finally:
+        if v1_control_flow:
+            v1.enable_control_flow_v2()
+    return g
+
+
+def _feeds(batches):
+    rng = np.random.default_rng(0)
+    return [{"x:0": rng.normal(size=(b, 6)).astype(np.float32), "y:0": rng.integers(0, 3, b)}
+            for b in batches]
+
+
+WHOLE_BATCH = ["positive_size", "size_above_one", "positive_sum", "some_small"]
+
+
+@pytest.mark.parametrize("kind", WHOLE_BATCH + ["labels"])
+@pytest.mark.parametrize("v1_control_flow", [False, True])
+def test_an_assertion_checks_the_batch_s_value_in_every_tower(kind, v1_control_flow):
+    graph = _graph(kind, v1_control_flow)
+    res = replicate.transform(graph, DEVICES)
+    assert res.report.exact, res.report.reasons
+    # 2 examples on 3 towers: the last tower has none (its size is 0, its sum 0, its Any False)
+    cmp = compare(graph, res.graph, "train", _feeds([2, 7, 2]), fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp
+
+
+@pytest.mark.parametrize("kind", WHOLE_BATCH)
+def test_the_towers_copies_read_the_merged_condition(kind):
+    res = replicate.transform(_graph(kind, False), DEVICES)
+    gd = res.graph.as_graph_def()
+    nodes = {n.name: n for n in gd.node}
+    checks = [n for n in gd.node if n.name.startswith("tower_") and n.op in ("Assert", "If")
+              and "Assert" in n.name]
+    assert len(checks) == 3
+    for node in checks:
+        source = nodes[node.input[0].split(":")[0]]
+        assert not source.name.startswith("tower_"), (node.name, source.name)
+
+
+def test_an_assertion_on_per_example_values_stays_in_its_tower():
+    gd = replicate.transform(_graph("labels", False), DEVICES).graph.as_graph_def()
+    guards = [n for n in gd.node if n.name.startswith("tower_") and n.op == "If"]
+    assert len(guards) == 3
+    assert all(n.input[0].startswith(n.name.split("/")[0] + "/") for n in guards)
+
+
+@pytest.mark.parametrize("v1_control_flow", [False, True])
+def test_an_assertion_one_device_fails_fails_in_the_rewrite(v1_control_flow):
+    graph = _graph("size_at_most_5", v1_control_flow)
+    res = replicate.transform(graph, DEVICES)
+    assert res.report.exact, res.report.reasons
+    with res.graph.as_default():
+        init = v1.global_variables_initializer()
+    with v1.Session(graph=res.graph, config=session_config()) as sess:
+        sess.run(init)
+        sess.run("train", feed_dict=_feeds([5])[0])          # 5 <= 5 on one device: 2 + 2 + 1 here
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            sess.run("train", feed_dict=_feeds([7])[0])      # 7 > 5: each tower holds <= 3
+
+
+def _branch_graph(kind: str) -> tf.Graph:
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        h = tf.matmul(x, w)
+        size = tf.shape(x)[0]
+
+        def checked():
+            if kind == "size":      # a value passed into the branch, read only by the assertion
+                check = v1.assert_positive(size)
+            elif kind == "inner_size":      # the size of the rows passed in, taken in the branch
+                check = v1.assert_positive(tf.shape(h)[0])
+            else:                   # computed in the branch from the tower's rows
+                check = tf.Assert(tf.reduce_any(h < 0.5), [h])
+            with tf.control_dependencies([check]):
+                return tf.identity(h)
+
+        logits = tf.cond(flag, checked, lambda: h * 1.0)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    return g
+
+
+def test_a_cond_branch_asserting_on_a_value_passed_in_reads_the_batch_s():
+    graph = _branch_graph("size")
+    res = replicate.transform(graph, DEVICES)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds([2, 7]), fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp
+
+
+@pytest.mark.parametrize("kind", ["rows", "inner_size"])
+def test_a_cond_branch_asserting_on_its_own_batch_value_is_a_reason(kind):
+    res = replicate.transform(_branch_graph(kind), DEVICES)
+    assert not res.report.exact
+    assert any("assertion inside function" in r.what for r in res.report.reasons)
