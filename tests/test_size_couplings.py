@@ -247,3 +247,37 @@ def test_the_batch_size_sizing_another_axis_is_a_reason(kind):
     rng = np.random.RandomState(0)
     feeds = [{"x:0": rng.randn(7, D).astype(np.float32), "y:0": rng.randint(0, C, 7)} for _ in range(3)]
     assert compare(g, res.graph, "train", feeds).max_rel > 1e-3
+
+
+#: A value computed from the batch size (``tf.minimum(B, 4)``) sizing another axis (review 42
+#: B1): each tower's width differed, so joining the towers' values (a fetched merge, an op
+#: computed once on the whole batch) failed at step 1, and an empty tower's crop asserted.
+SIZED_BY_A_VALUE = {
+    "tile": lambda h, m: tf.tile(h, tf.stack([1, m])),
+    "column_slice": lambda h, m: h[:, :m],
+    "slice": lambda h, m: tf.slice(h, [0, 0], tf.stack([-1, m])),
+    "pad": lambda h, m: tf.pad(h, tf.stack([[0, 0], [0, m]])),
+    "crop": lambda h, m: tf.reshape(tf.image.crop_to_bounding_box(tf.reshape(h, [-1, 1, 5, 1]), 0, 0, 1, m),
+                                    tf.stack([-1, m])),
+    "crop_or_pad": lambda h, m: tf.reshape(tf.image.resize_with_crop_or_pad(tf.reshape(h, [-1, 1, 5, 1]), 1, m),
+                                           tf.stack([-1, m])),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SIZED_BY_A_VALUE))
+def test_an_axis_sized_by_a_value_of_the_batch_size_is_a_reason_and_runs(kind):
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        h = tf.tanh(v1.layers.dense(x, 5, kernel_initializer=v1.glorot_uniform_initializer(seed=1), name="l1"))
+        sized = tf.identity(SIZED_BY_A_VALUE[kind](h, tf.minimum(tf.shape(x)[0], 4)), name="sized")
+        logits = v1.layers.dense(h, C, kernel_initializer=v1.glorot_uniform_initializer(seed=2), name="l2")
+        loss = tf.add(tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)),
+                      0.1 * tf.reduce_mean(tf.reduce_sum(sized * sized, 1)), name="loss")
+        v1.train.GradientDescentOptimizer(0.3).minimize(loss, name="train")
+    res = replicate.transform(g, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    # 7 examples (3, 2, 2: widths 3 and 2) and 2 (a tower with none): every step runs and fetches
+    cmp = compare(g, res.graph, "train", _feeds((7, 2)), fetch=("loss:0", "sized:0"))
+    assert np.isfinite(cmp.max_rel)

@@ -26,6 +26,7 @@ from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.lattice import MIXED, PART
 from replicate.batchflow.rules.layout import strided_entries
+from replicate.batchflow.rules.slicing import keeps_axis
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
@@ -106,7 +107,8 @@ def assert_examples(ir: IR) -> int:
                 continue
             mixed = original if flow.fact(original).kind == MIXED else None
             rank = flow.ctx.rank(original)
-            if not _along(ir, copy, axis) or not _restricts(ir, copy, axis, rank):
+            if not _along(ir, copy, axis) or not _restricts(ir, copy, axis, rank) or \
+                    copy.op == "Slice" and name in flow.ctx.ir.nodes and keeps_axis(flow.ctx, flow.ctx.ir.nodes[name]):
                 continue    # a gather along another axis, or per example (batch_dims), or a
                             # slice that keeps every example (``sel[:, None]``): its positions
                             # are no examples' (an assertion on them misfired, review 31)

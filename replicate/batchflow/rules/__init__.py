@@ -30,7 +30,7 @@ from replicate.batchflow.rules import (
     strided,
     tail,
 )
-from replicate.batchflow.rules.common import couple, numbered, passthrough, row_numbers, taint_of
+from replicate.batchflow.rules.common import couple, numbered, passthrough, row_numbers, runtime_sized, taint_of
 from replicate.graph.ir import Node
 
 __all__ = ["RULES", "apply", "WAITS_FOR_ALL"]
@@ -194,10 +194,12 @@ def _sized_once(ctx: Context, node: Node, ins: list[Fact | None], out: list[Fact
     for pos in (p for p in positions if p < len(ins)):
         value = ctx.int_value(node.inputs[pos])
         sized = ins[pos] is not None and ins[pos].kind == RED and ins[pos].merge == "size"
-        if value is None and not sized:
+        # an operand computed from the batch (``tf.minimum(B, 5)``): the towers' own values
+        computed = runtime_sized(ctx, node.inputs[pos], value, lambda j: not (whole and j == axis))
+        if value is None and not sized and not computed:
             continue
         where = [j for j, v in enumerate(value or ()) if isinstance(v, Sym) and not (whole and j == axis)]
-        if value is None or where:
+        if value is None or where or computed:
             return [mixed(node.name, f"{node.op} is sized by the batch size (operand {pos}): each "
                           "tower would use its own example count there", taint_of(ins))] * len(out)
     return out

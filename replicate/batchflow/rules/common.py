@@ -204,6 +204,25 @@ def value_or_none(values: list) -> tuple | None:
     return tuple(values) if values else None
 
 
+def runtime_sized(ctx: Context, ref: str, value: tuple | None, other) -> bool:
+    """Integer operand ``ref`` (a shape, a slice bound, paddings; its static entries ``value``)
+    has an entry ``j`` that ``other(j)`` accepts, known only at run time and computed from the
+    batch size (``tf.minimum(B, 5)``): each tower would compute its own there. The entries of
+    a ``Pack`` are told apart; of another op, any one counts. Not a batch reduction of the
+    data (``tf.reduce_max(lengths)``): a coupling, which the sync pass may make the batch's."""
+    pack = ctx.ir.nodes.get(ref.split(":")[0])
+    pack = pack if pack is not None and pack.op == "Pack" else None
+    if value is None:
+        value = (None,) * (len(pack.inputs) if pack is not None else 1)
+    for j, v in enumerate(value):
+        if v is not None or not (other(j) or pack is None):
+            continue
+        found = ctx.fact(pack.inputs[j] if pack is not None and j < len(pack.inputs) else ref)
+        if found is not None and (found.kind == MIXED or found.kind == RED and found.src is None):
+            return True
+    return False
+
+
 def is_sym(v) -> bool:
     return isinstance(v, Sym)
 
@@ -261,7 +280,7 @@ def numbered(node: Node, taint: frozenset) -> Fact:
                  "at 0 in every tower)", taint)
 
 
-__all__ += ["unless_partitioned", "prologue", "is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
+__all__ += ["runtime_sized", "unless_partitioned", "prologue", "is_sym", "size_fact", "reduced", "rows", "mixed", "shared", "part", "red", "forward_of",
             "row_numbers", "numbered", "unite", "ROWS_CONFLICT"]
 
 

@@ -16,6 +16,7 @@ from replicate.batchflow.lattice import MIXED, PART, RED, SHARED, Fact, Sym
 from replicate.batchflow.rules import tail
 from replicate.batchflow.rules.common import (
     couple,
+    runtime_sized,
     forward_of,
     mixed,
     part,
@@ -37,12 +38,18 @@ __all__ = ["reshape", "expand_dims", "squeeze", "transpose",
            "pad", "reverse", "one_hot"]
 
 
-def _sized_twice(node: Node, value, axis: int, taint) -> Fact | None:
+def _sized_twice(node: Node, value, axis: int, taint, ctx: Context | None = None,
+                 ref: str | None = None) -> Fact | None:
     """Mixed when the shape ``value`` (a shape operand's entries) holds the tower's example
     count at an axis other than the batch's ``axis``: there each tower would use its own
     count, where one device uses the batch's (review 41: a ``[B, B]`` draw, ``tf.fill([B, B])``
-    or ``tf.tile(h, [1, B])`` was claimed exact, 0.04-0.97 off)."""
+    or ``tf.tile(h, [1, B])`` was claimed exact, 0.04-0.97 off). So does an entry computed
+    from the batch (``tf.minimum(B, 5)``) of operand ``ref``, when ``ctx`` is given: the
+    towers' sizes differed there, and joining their values failed at step 1."""
     other = next((j for j, v in enumerate(value or ()) if isinstance(v, Sym) and j != axis), None)
+    if other is None and ctx is not None and runtime_sized(ctx, ref, value, lambda j: j != axis):
+        return mixed(node.name, f"{node.op} sizes an axis other than the examples' by a value "
+                     "computed from the batch: each tower would compute its own", taint)
     if other is None:
         return None
     return mixed(node.name, f"{node.op} sizes axis {other} by the batch size as well as axis "
@@ -98,7 +105,7 @@ def reshape(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [f.with_(value=None, index=index, taint=couple(ctx, node, ins))]
     in_dims = ctx.named_shape(node.inputs[0], skip=f.axis)
     syms = [j for j, v in enumerate(target) if isinstance(v, Sym) and ctx.classes.same(v.cls, f.cls)]
-    twice = _sized_twice(node, target, syms[0], f.taint) if syms else None
+    twice = _sized_twice(node, target, syms[0], f.taint, ctx, node.inputs[1]) if syms else None
     if twice is not None:
         return [twice]
     if syms and sized_rows(f, in_dims, target, syms[0], out_dims):
@@ -267,15 +274,15 @@ def tile(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             return [sized.with_(block=sized.block * rows_in)]
         return [unless_partitioned(ctx, node, ins)[0]]
     multiples = ctx.int_value(node.inputs[1])
+    twice = _sized_twice(node, multiples, f.axis, f.taint, ctx, node.inputs[1])
+    if twice is not None:
+        return [twice]
     if multiples is None and element(ctx, node.inputs[1], None, f.axis) == 1:
         # once along the batch, other axes a number known at run time (labels tiled to the
         # batch's longest sequence, ``tf.tile(y[:, None], [1, tf.reduce_max(lengths)])``)
         return [f.with_(value=None, index=None, taint=couple(ctx, node, ins))]
     if multiples is None or f.axis >= len(multiples) or not isinstance(multiples[f.axis], int):
         return [mixed(node.name, "Tile repeats the examples of the batch", f.taint)]
-    twice = _sized_twice(node, multiples, f.axis, f.taint)
-    if twice is not None:
-        return [twice]
     times = multiples[f.axis]
     if times == 1:
         return [f.with_(value=None, index=None)]
@@ -294,7 +301,7 @@ def broadcast_to(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     if out_rank is None or rank is None:
         return [mixed(node.name, "BroadcastTo of unknown rank", f.taint)]
     axis = f.axis + out_rank - rank
-    twice = _sized_twice(node, ctx.int_value(node.inputs[1]), axis, f.taint)
+    twice = _sized_twice(node, ctx.int_value(node.inputs[1]), axis, f.taint, ctx, node.inputs[1])
     if twice is not None:
         return [twice]
     ctx.position(node.inputs[1], axis, f.cls, rows(f), node)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, Fact, Sym
-from replicate.batchflow.rules.common import (couple, mixed, rows, size_fact, taint_of,
-                                              unless_partitioned)
+from replicate.batchflow.rules.common import (couple, mixed, rows, runtime_sized, size_fact,
+                                              taint_of, unless_partitioned)
 from replicate.batchflow.rules.layout import strided_entries
 from replicate.graph.ir import Node, node_of
 
@@ -66,7 +66,7 @@ def slice_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             end = None if size[0] == -1 else begin[0] + size[0]
             return [size_fact(_value_slice(f.value, begin[0], end), taint_of(ins))]
         return unless_partitioned(ctx, node, ins)
-    off = _off_axis_size(node, (begin, size), lambda j: j != f.axis, f)
+    off = _off_axis_size(ctx, node, node.inputs[1:3], (begin, size), lambda j: j != f.axis, f)
     if off is not None:
         return [off]
     b, s = element(ctx, node.inputs[1], begin, f.axis), element(ctx, node.inputs[2], size, f.axis)
@@ -133,7 +133,7 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [_runtime_bounds(ctx, node, f, rank, strides)]
     entries = strided_entries(rank, len(begin), ell, new, shrink)
     others = {i for din, _, i in entries if i is not None and din is not None and din != f.axis}
-    off = _off_axis_size(node, (begin, end), lambda i: i in others, f)
+    off = _off_axis_size(ctx, node, node.inputs[1:3], (begin, end), lambda i: i in others, f)
     if off is not None:
         return [off]
     for din, dout, i in entries:
@@ -155,13 +155,30 @@ def strided_slice(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
     return [mixed(node.name, "StridedSlice with an unexpected layout", f.taint)]
 
 
-def _off_axis_size(node: Node, bounds: tuple, other, f: Fact) -> Fact | None:
+def keeps_axis(ctx: Context, node: Node) -> bool:
+    """``Slice`` ``node`` keeps all of its input's examples: it begins at 0 on their axis and
+    takes -1 or the batch's size there (``crop_to_bounding_box`` takes ``tf.shape(image)[0]``)."""
+    f = ctx.fact(node.inputs[0])
+    if f is None or f.kind != PART:
+        return False
+    b = element(ctx, node.inputs[1], ctx.int_value(node.inputs[1]), f.axis)
+    s = element(ctx, node.inputs[2], ctx.int_value(node.inputs[2]), f.axis)
+    return b == 0 and (s == -1 or isinstance(s, Sym) and _copies(ctx, f, s) == f.outer)
+
+
+def _off_axis_size(ctx: Context, node: Node, refs: list[str], bounds: tuple, other,
+                   f: Fact) -> Fact | None:
     """Mixed when a slice's bound on an axis other than the examples' (spec entries ``other``
     accepts) holds the batch size: each tower would cut at its own count (review 42:
-    ``h[:, :B]``, ``tf.slice(h, [0, B], ...)`` were claimed exact, 0.5-1.3 off)."""
+    ``h[:, :B]``, ``tf.slice(h, [0, B], ...)`` were claimed exact, 0.5-1.3 off), or a value
+    computed from it (``crop_to_bounding_box(img, 0, 0, 2, tf.minimum(B, 3))``: the towers'
+    widths differed, and joining them failed at step 1)."""
     if any(isinstance(v, Sym) for values in bounds for j, v in enumerate(values or ()) if other(j)):
         return mixed(node.name, f"{node.op} cuts an axis other than the examples' at the batch "
                      "size: each tower would cut at its own example count", f.taint)
+    if any(runtime_sized(ctx, ref, values, other) for ref, values in zip(refs, bounds)):
+        return mixed(node.name, f"{node.op} cuts an axis other than the examples' at a value "
+                     "computed from the batch: each tower would cut at its own", f.taint)
     return None
 
 
@@ -198,7 +215,12 @@ def _runtime_bounds(ctx: Context, node: Node, f: Fact, rank: int, strides) -> Fa
     n = _spec_length(ctx, node)
     bm, em, ell, new, shrink = _masks(node)
     if n is not None:
-        for din, dout, i in strided_entries(rank, n, ell, new, shrink):
+        entries = strided_entries(rank, n, ell, new, shrink)
+        others = {i for din, _, i in entries if i is not None and din is not None and din != f.axis}
+        off = _off_axis_size(ctx, node, node.inputs[1:3], (None, None), lambda i: i in others, f)
+        if off is not None:
+            return off
+        for din, dout, i in entries:
             if din != f.axis:
                 continue
             whole = i is None or ((bm >> i) & 1 and (em >> i) & 1 and strides is not None
