@@ -170,16 +170,18 @@ def test_a_wrong_offset_is_visible(frames, monkeypatch):
     assert cmp.max_rel > 1e-2
 
 
-def _gated(frames: bool, where: str) -> tf.Graph:
+def _gated(frames: bool, where: str, mode: bool = False) -> tf.Graph:
     """Dropout under a TF1 (or v2) cond on a fed flag, its ``noise_shape`` computed outside the
     cond: in a loop's step (``where="loop"``: the shape reaches the draw through a ``Switch``)
-    or at the top level (``"top"``)."""
+    or at the top level (``"top"``). ``mode``: the flag is an integer mode equal to 1."""
     graph = tf.Graph()
     with graph.as_default(), (control_flow_v1() if frames else contextlib.nullcontext()):
         v1.set_random_seed(3)
         x = v1.placeholder(tf.float32, [None, 4, 6], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         flag = v1.placeholder_with_default(True, [], name="training")
+        if mode:
+            flag = tf.equal(v1.placeholder_with_default(1, [], name="mode"), 1)
         w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
         out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
 
@@ -255,14 +257,16 @@ def test_a_draw_after_a_cond_is_made_once_per_step():
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_the_certificate_feeds_flags_false_in_odd_steps(broken, monkeypatch):
+@pytest.mark.parametrize("mode", [False, True])
+def test_the_certificate_feeds_flags_false_in_odd_steps(broken, mode, monkeypatch):
     """Review 39: the certificate fed every scalar flag True, so a draw moved out of its
     cond's branch (made in every step) passed it. Flags are now False in odd steps: with the
     old shortcut put back (``broken``: no draw is in a branch), the certificate contradicts
-    the claim; with the pass as it is, it agrees."""
+    the claim; with the pass as it is, it agrees. Review 42: an integer mode compared with a
+    value (``tf.equal(mode, 1)``) was always fed 1; it takes another value in odd steps."""
     if broken:
         monkeypatch.setattr(draw_pass, "in_branch", lambda ir, name: False)
-    res = replicate.transform(_gated(True, "top"), ["/cpu:1", "/cpu:2", "/cpu:3"], check=True)
+    res = replicate.transform(_gated(True, "top", mode), ["/cpu:1", "/cpu:2", "/cpu:3"], check=True)
     assert res.report.check["ok"] is not broken, res.report.check
     assert res.report.exact is not broken, res.report.reasons
 

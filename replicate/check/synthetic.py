@@ -92,6 +92,9 @@ class InputSpec:
     #: "column" (the first of a ``GatherNd``'s index tuples) or "whole"; each example names
     #: its own row.
     rows: str | None = None
+    #: For an integer scalar that selects a mode (compared with a constant, or a ``tf.case``
+    #: index: ``mode = placeholder_with_default(1, [])``): its value in even and odd steps.
+    mode: tuple | None = None
 
     def describe(self) -> str:
         """``x:0 float32 [?, 784] (batch)`` for reports."""
@@ -171,7 +174,9 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
         node = ir.nodes[name]
         flag = node.op == "PlaceholderWithDefault" and node.attr("dtype") == dtypes.bool.as_datatype_enum \
             and ir.static_shape(f"{name}:0") == []
-        if name not in needed or (node.op not in FED_OPS and f"{name}:0" not in roles and not flag):
+        mode = _mode(ir, node) if name in needed else None
+        if name not in needed or (node.op not in FED_OPS and f"{name}:0" not in roles and not flag
+                                  and mode is None):
             continue
         seed = node.op in FED_OPS and ir.static_shape(f"{name}:0") == [None] and _seed_only(ir, f"{name}:0")
         used = sorted({parse_tensor(r)[1] for c in ir.consumers(name) for r in c.inputs
@@ -183,8 +188,27 @@ def input_specs(ir: IR, targets: Iterable[str], batch_tensors: Iterable[str] = (
             onehot = dtype.is_floating and _is_distribution(ir, ref)
             specs.append(InputSpec(ref, dtype.name, [2] if seed else ir.static_shape(ref),
                                    0 if ref in batch else None, high, onehot, roles.get(ref),
-                                   (rows or {}).get(ref)))
+                                   (rows or {}).get(ref), mode if index == 0 else None))
     return specs
+
+
+#: Ops through which an integer scalar selects what a step computes.
+_SELECTING = frozenset({"Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "Case",
+                        "StatelessCase"})
+
+
+def _mode(ir: IR, node) -> tuple | None:
+    """(even, odd) step values of an integer scalar placeholder that selects a mode: compared
+    with a value or a ``tf.case`` index. Even steps take its default (else 1), odd ones another
+    value (review 42: a branch taken only when the mode was 0 was never run by the check)."""
+    if node.op not in ("Placeholder", "PlaceholderWithDefault") or ir.static_shape(f"{node.name}:0") != []:
+        return None
+    dtype = dtypes.as_dtype(node.attr("dtype", dtypes.float32.as_datatype_enum))
+    if not dtype.is_integer or not any(c.op in _SELECTING for c in ir.consumers(node.name)):
+        return None
+    default = ir.const_value(node_of(node.inputs[0])) if node.op == "PlaceholderWithDefault" else None
+    even = int(default) if default is not None and np.ndim(default) == 0 else 1
+    return (even, 0 if even != 0 else 1)
 
 
 def _dense_dims(ir: IR, shape: str | None) -> list[int | None]:
@@ -291,6 +315,8 @@ def make_feed(specs: Iterable[InputSpec], batch: int, rng: np.random.RandomState
                              "with --feed")
         if not shape and spec.batch_axis is None:
             value = SCALAR_VALUES[kind] if kind != "b" else step % 2 == 0
+            if spec.mode is not None:
+                value = spec.mode[step % 2]
             feed[spec.tensor] = np.asarray(value, dtype=spec.dtype)
         elif kind == "b":
             feed[spec.tensor] = rng.randint(0, 2, shape).astype(bool)

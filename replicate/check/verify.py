@@ -161,8 +161,8 @@ def verify(source: Any, towers: int, *, steps: int = 3, batch: int | None = None
             break
         except (tf.errors.OpError, ValueError, TypeError) as exc:
             # a graph that asserts its flag (review 42) runs with it True in every step
-            if flags and steps > 1 and any(s.dtype == "bool" and not s.shape and s.batch_axis is None
-                                           for s in specs):
+            if flags and steps > 1 and any(s.mode is not None or s.dtype == "bool" and not s.shape
+                                           and s.batch_axis is None for s in specs):
                 continue
             first = " ".join(str(exc).split())[:300]
             raise InputError(f"{origin}: the graph fails on synthetic inputs: {first}") from None
