@@ -171,7 +171,10 @@ class Analysis:
     evicted_reads: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     #: assertions whose condition reads a value of the whole batch -> the merged condition
     #: every tower's copy checks (None: not checked; a reason says why)
-    checks: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    checks: dict[str, dict[int, str] | None] = dataclasses.field(default_factory=dict)
+    #: assertions inside function bodies that check the towers' own values: not checked
+    #: (function -> node names; a reason says so)
+    unchecked: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def region_set(self) -> frozenset[str]:

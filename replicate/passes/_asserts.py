@@ -32,7 +32,7 @@ from replicate.batchflow.lattice import PART, RED, SHARED
 from replicate.graph import ops
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
-__all__ = ["whole_batch", "unchecked", "in_bodies", "rewire"]
+__all__ = ["whole_batch", "unchecked", "in_bodies", "rewire", "uncheck", "guard"]
 
 #: Roles of a merged forward output whose original name holds the whole batch's value.
 _GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute"})
@@ -194,18 +194,21 @@ def _is_call(ir: IR, node: Node) -> bool:
 
 def _in_body(where: str, what: str) -> Reason:
     return Reason(where, f"an assertion inside function '{where.split('/')[0]}' checks '{what}', "
-                  "a value of the whole batch; each tower's copy of the function checks its own "
-                  "examples' value (a tower with fewer examples, or none, fails where one device "
-                  "passes)", "move the assertion out of the tf.cond or function, or remove it")
+                  "a value of the whole batch; each tower's copy of the function would check its own "
+                  "examples' value (a tower with fewer examples, or none, failing where one device "
+                  "passes), so the towers do not check it", "move the assertion out of the "
+                  "tf.cond or function, or remove it")
 
 
-def in_bodies(ir: IR, flow, checks: dict) -> list[Reason]:
+def in_bodies(ir: IR, flow, checks: dict) -> tuple[list[Reason], dict[str, list[str]]]:
     """Reasons for assertions inside function bodies (a ``tf.cond`` branch, a defun, a loop)
     whose condition reads a value of the whole batch: every tower's copy of the body checks
-    its own. Not the branches of the assert guards in ``checks``, which read merged values."""
+    its own; and those assertions (function -> nodes), which :func:`uncheck` turns off. Not the
+    branches of the assert guards in ``checks``, which read merged values."""
     functions = getattr(flow.ctx, "functions", {}) or {}
     guarded = {f for name, refs in checks.items() if refs for f in called_functions(ir.nodes[name])}
     reasons: list[Reason] = []
+    found: dict[str, list[str]] = {}
     for key, inner in list(functions.items()):
         if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "inner") or key[1] in guarded:
             continue
@@ -216,7 +219,34 @@ def in_bodies(ir: IR, flow, checks: dict) -> list[Reason]:
             fact = inner.fact(cond)
             if fact is not None and fact.dependent and not _per_tower(fact, inner.ir.output_dtype(cond)):
                 reasons.append(_in_body(f"{key[1]}/{node.name}", cond))
-    return reasons
+                found.setdefault(key[1], []).append(node.name)
+    return reasons, found
+
+
+def uncheck(ir: IR, bodies: dict[str, list[str]]) -> int:
+    """The assertions ``bodies`` names (function -> nodes) check a constant True: each tower's
+    copy of the function would check its own examples' value, and a tower with fewer examples
+    (or none) failed where one device passes. The report's reason says they are not checked.
+    Returns how many."""
+    from tensorflow.python.framework import tensor_util
+
+    done = 0
+    for function, names in bodies.items():
+        fdef = ir.function(function)
+        if fdef is None:
+            continue
+        true = None
+        for node in fdef.node_def:
+            if node.name not in names or not node.input:
+                continue
+            if true is None:
+                const = fdef.node_def.add(name="replicate_unchecked", op="Const")
+                const.attr["dtype"].type = types_pb2.DT_BOOL
+                const.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(True))
+                true = "replicate_unchecked:output:0"
+            node.input[0] = true
+            done += 1
+    return done
 
 
 def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str] | None]) -> int:

@@ -252,7 +252,8 @@ class Analyze:
         kept = {t for t in forward_only if node_of(t) in keep}
         outputs = [f for f in outputs if f.tensor not in kept]
         checks, unchecked = _asserts.unchecked(ir, checks, outputs)
-        reasons += unchecked + _asserts.in_bodies(ir, flow, checks)
+        inner, bodies = _asserts.in_bodies(ir, flow, checks)
+        reasons += unchecked + inner
         forward_only = [t for t in forward_only if t not in kept
                         and not (syncs and _synced.global_value(flow, t, syncs))]
         if forward_only:        # intermediates: a warning, not the report's NOT MERGED line
@@ -333,6 +334,7 @@ class Analyze:
             phase_reads=phase_reads,
             evicted_reads=evicted_reads,
             checks=checks,
+            unchecked=bodies,
         )
         _exactness.collect(ir, analysis)
         ir.facts["analysis"] = analysis
