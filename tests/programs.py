@@ -33,7 +33,8 @@ BLOCKS = ("dense", "cond", "while", "defun", "map_fn", "map_fn_weight", "scan_ov
           "dropout_in_map_fn", "dropout", "dropout_in_cond",
           "noise_in_while", "layers_bn", "layers_dropout", "keras_dropout", "clip_grad",
           "clip_grad_by_norm", "shape_arith", "drop_last_row", "reshape_fold",
-          "segment_mean_by_label", "partition_by_label", "class_frequency")
+          "segment_mean_by_label", "partition_by_label", "class_frequency", "assert_batch",
+          "assert_in_cond")
 HEADS = ("mean_ce", "sum_ce", "masked_mean", "masked_mean_plus_l2", "shifted_masked_mean",
          "vector_denominator",
          "rmse", "losses_none", "losses_sum", "losses_mean", "losses_sum_over_batch_size",
@@ -55,6 +56,7 @@ CATEGORIES = {
     "masked means with empty towers": ("masked_mean", "masked_mean_plus_l2", "shifted_masked_mean"),
     "tf.compat.v1.losses reductions": tuple(h for h in HEADS if h.startswith("losses_")),
     "regularization": ("masked_mean_plus_l2", "l2"),
+    "assertions on whole-batch values": ("assert_batch", "assert_in_cond"),
 }
 
 
@@ -92,7 +94,7 @@ class Program:
 
 def draw(seed: int) -> Program:
     """Program ``seed``. The first block and the head go round the vocabulary with the seed,
-    so any 22 consecutive seeds use every block and any 13 every head."""
+    so any 24 consecutive seeds use every block and any 13 every head."""
     rng = random.Random(seed)
     towers = rng.choice([2, 3])
     blocks = (BLOCKS[seed % len(BLOCKS)],) + tuple(rng.choice(BLOCKS) for _ in range(rng.choice([1, 2])))
@@ -186,6 +188,18 @@ def _block(kind: str, h, i: int, ctx: dict):
         uniq, pos = tf.unique(y)
         counts = tf.math.unsorted_segment_sum(tf.ones_like(y, tf.float32), pos, tf.size(uniq))
         return h / tf.expand_dims(tf.gather(counts, pos), 1)
+    if kind == "assert_batch":      # checks of the batch's size and sum, as control inputs
+        checks = [v1.assert_positive(tf.shape(h)[0]),
+                  tf.Assert(tf.reduce_sum(tf.exp(h)) > 0.0, [tf.shape(h)[0]])]
+        with tf.control_dependencies(checks):
+            return tf.identity(h)
+    if kind == "assert_in_cond":    # a branch checking the batch size it is passed
+        size = tf.shape(h)[0]
+
+        def checked():
+            with tf.control_dependencies([v1.assert_positive(size)]):
+                return tf.nn.tanh(h)
+        return tf.cond(training, checked, lambda: h)
     raise ValueError(kind)
 
 
