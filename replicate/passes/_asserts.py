@@ -35,7 +35,7 @@ from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 __all__ = ["whole_batch", "unchecked", "in_bodies", "rewire", "uncheck", "guard"]
 
 #: Roles of a merged forward output whose original name holds the whole batch's value.
-_GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute"})
+_GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute", "global"})
 
 
 def _per_tower(fact, dtype) -> bool:
