@@ -218,7 +218,10 @@ def runtime_sized(ctx: Context, ref: str, value: tuple | None, other) -> bool:
         if v is not None or not (other(j) or pack is None):
             continue
         found = ctx.fact(pack.inputs[j] if pack is not None and j < len(pack.inputs) else ref)
-        if found is not None and (found.kind == MIXED or found.kind == RED and found.src is None):
+        # (a shape's other entries, merge "size", are the same in every tower: a sparse
+        # input's fed dense width)
+        if found is not None and (found.kind == MIXED or found.kind == RED and found.src is None
+                                  and found.merge != "size"):
             return True
     return False
 
