@@ -34,8 +34,12 @@ class Merge:
     outer: int | str = 1
 
 
-def merge_kind(ir: IR, flow, ref: str) -> Merge:
-    """How tower copies of forward tensor ``ref`` merge under its original name."""
+def merge_kind(ir: IR, flow, ref: str, synced: frozenset | None = None) -> Merge:
+    """How tower copies of forward tensor ``ref`` merge under its original name. With
+    ``synced`` (the reductions every tower reads synchronized), a batch reduction of values
+    that another, unsynchronized batch reduction reaches (a variance: the mean of squares
+    around the batch mean) does not merge: each tower's value is around its own mean, and
+    their mean is not the batch's (review 43: 0.43 fetched for 4.0)."""
     if ir.is_handle(ref):
         return Merge("none")
     if ir.output_dtype(ref) == types_pb2.DT_VARIANT:
@@ -56,6 +60,9 @@ def merge_kind(ir: IR, flow, ref: str) -> Merge:
                 (isinstance(fact.outer, int) and fact.outer > 1) or _named(fact.outer)):
             return Merge("concat", axis=fact.axis, outer=fact.outer)   # each copy's rows joined
         return Merge("other", note="the towers hold its rows in another order")
+    if fact.kind == RED and synced is not None and fact.taint - synced:
+        return Merge("other", note="a batch reduction of values another batch reduction reaches "
+                     f"('{sorted(fact.taint - synced)[0]}'; recomputed from the batch's values)")
     if fact.kind == RED:
         spec = fact.spec
         if spec and spec[0] == "count":

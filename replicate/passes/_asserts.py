@@ -44,8 +44,9 @@ def _per_tower(fact, dtype) -> bool:
         return False
     if fact.kind == SHARED:
         return True
-    # All over per-example values: the batch passes exactly when every tower does
-    return fact.kind == RED and fact.merge == "min" and dtype == types_pb2.DT_BOOL
+    # All over per-example values: the batch passes exactly when every tower does; not when
+    # they are compared with a batch statistic (``c >= mean(c) - 2``: each tower's own mean)
+    return fact.kind == RED and fact.merge == "min" and dtype == types_pb2.DT_BOOL and not fact.taint
 
 
 def guard(ir: IR, node: Node) -> bool:
@@ -276,8 +277,31 @@ def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str
                 for i, t in refs.items():
                     if node_of(t) in ir.nodes:
                         ir.set_input(copy, i, _ref(t))
+                _switch_on(ir, tower, refs[0])
             changed += 1
     return changed
+
+
+def _switch_on(ir: IR, tower: dict[str, str], cond: str) -> None:
+    """A TF1 assert guard (``cond(condition, no_op, assert)``) in the tower decides by the
+    merged condition too: its ``Switch`` ops (and their predicate's ``Identity``) read it in
+    place of the tower's own, so the assertion runs when the batch fails, not only when the
+    tower does (review 43: a sum below its bound in every tower but not in the batch passed)."""
+    name, idx = parse_tensor(cond)
+    own = tower.get(name)
+    if own is None or own not in ir.nodes:
+        return
+    mine = (own, idx)
+    for reader in list(ir.consumers(own)):
+        switches = reader.op in ("Switch", "RefSwitch")
+        predicate = reader.op == "Identity" and any(
+            c.op in ("Switch", "RefSwitch") and len(c.inputs) > 1 and node_of(c.inputs[1]) == reader.name
+            for c in ir.consumers(reader.name))
+        if not (switches or predicate):
+            continue
+        for i, ref in enumerate(reader.inputs):
+            if parse_tensor(ref) == mine:
+                ir.set_input(reader.name, i, _ref(cond))
 
 
 def _ref(tensor: str) -> str:

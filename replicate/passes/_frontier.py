@@ -28,12 +28,12 @@ _MERGEABLE = frozenset({"concat", "mean", "sum", "ratio", "max", "min"})
 def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
              scopes: list[GradScope], apply_ops: list[ApplyOp], flow,
              losses: list[str], outputs: tuple[str, ...], merge_forward: bool,
-             dead: set[str] = frozenset(), checks: tuple[str, ...] = ()) -> tuple[list[Frontier], list[Frontier], list[str], list[str]]:
+             dead: set[str] = frozenset(), checks: tuple[str, ...] = (), syncs: frozenset = frozenset()) -> tuple[list[Frontier], list[Frontier], list[str], list[str]]:
     """Return (gradient frontier, forward outputs to merge, tensors read by shared ops that
     cannot be merged: tower 0's value stands in for them, gradient rows whose sharing between
     the towers the analysis could not establish: concatenated, which only linear updates
     add up right). ``checks``: conditions of assertions, merged or recomputed where they
-    can be."""
+    can be; ``syncs``: the reductions every tower reads synchronized."""
     inside = set(region)
     crossing: dict[str, None] = {}
     for name in region:
@@ -93,12 +93,13 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     def add(t: str, required: bool, recompute: bool = False) -> None:
         if t in merged or node_of(t) not in dependent:
             return
-        red = merge_kind(ir, flow, t)
+        red = merge_kind(ir, flow, t, syncs)
         if red.kind not in _MERGEABLE:
             fact = flow.fact(t)
             if red.kind != "none" and (required or recompute or (fact is not None and fact.kind == "red")):
                 plan = recompute_plan(ir, flow, t, inside, in_grad, dependent,
-                                      lambda r: merge_kind(ir, flow, r).kind in _MERGEABLE)
+                                      lambda r: _untainted(flow, r, syncs)
+                                      and merge_kind(ir, flow, r, syncs).kind in _MERGEABLE)
                 if plan is not None:
                     nodes, needs = plan
                     recomputed.update(nodes)
@@ -164,6 +165,14 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     merged = {t: f for t, f in merged.items() if f.role == "recompute" or node_of(t) not in recomputed}
     return (frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable,
             [t for t, _ in doubtful], forward_only)
+
+
+def _untainted(flow, ref: str, syncs: frozenset) -> bool:
+    """No unsynchronized batch reduction reaches ``ref``: the towers' copies joined are the
+    batch's values (a variance recomputed once must start from the rows, not from each tower's
+    squares around its own mean)."""
+    fact = flow.fact(ref)
+    return fact is None or not (fact.taint - syncs)
 
 
 def fetch_cone(ir: IR, stand_ins: list[str], inside: set[str], dependent: set[str],

@@ -236,7 +236,8 @@ class Analyze:
         checks = _asserts.whole_batch(ir, flow, region, dependent)
         frontier, outputs, unmergeable, doubtful, forward_only = classify(
             ir, region, dependent, in_grad, grad_scopes, apply_ops, flow, losses, self.outputs,
-            self.merge_forward, dead, tuple(t for refs in checks.values() for t in refs.values()))
+            self.merge_forward, dead, tuple(t for refs in checks.values() for t in refs.values()),
+            frozenset(loss_syncs | synced))
         reasons += _refusals.unaggregated_updates(ir, apply_ops, inside, frontier, dependent)
         syncs = loss_syncs | synced
         if syncs:
