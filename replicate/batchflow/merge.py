@@ -103,6 +103,10 @@ def batch_multiple(fact) -> bool:
         and len(fact.value) == 1 and isinstance(fact.value[0], Sym) and isinstance(fact.value[0].coef, int)
 
 
+#: Ops TensorFlow marks stateful that only check their input and pass it on: recomputed once,
+#: they check the batch's value (``check_numerics(loss)``: the fetched loss was tower 0's).
+_PURE_CHECKS = frozenset({"CheckNumerics", "CheckNumericsV2"})
+
 #: The most ops a recomputed output may need (it runs once, on the controller).
 MAX_RECOMPUTE = 64
 
@@ -125,7 +129,8 @@ def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str],
         state[name] = False
         node = ir.nodes[name]
         op_def = ir.op_def(node.op)
-        if name in gradient or node.op in ops.CONTROL_FLOW_OPS or op_def is None or op_def.is_stateful:
+        if name in gradient or node.op in ops.CONTROL_FLOW_OPS or op_def is None or \
+                op_def.is_stateful and node.op not in _PURE_CHECKS:
             return False
         for inp in node.inputs:
             producer = node_of(inp)

@@ -30,9 +30,13 @@ from replicate.batchflow.effects import ASSERT, ASSERT_OPS, asserts, called_func
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.lattice import PART, RED, SHARED
 from replicate.graph import ops
+from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["whole_batch", "unchecked", "in_bodies", "rewire", "uncheck", "guard"]
+
+#: Ops that check their input's values (for NaN and Inf) and pass it on.
+NUMERIC_CHECKS = frozenset({"CheckNumerics", "CheckNumericsV2"})
 
 #: Roles of a merged forward output whose original name holds the whole batch's value.
 _GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute", "global"})
@@ -69,7 +73,13 @@ def whole_batch(ir: IR, flow, region: list[str], dependent: set[str]) -> dict[st
     found: dict[str, dict[int, str]] = {}
     for name in region:
         node = ir.nodes[name]
-        if not node.inputs or (node.op not in ASSERT_OPS and node.op not in ops.CALL_OPS):
+        if not node.inputs or (node.op not in ASSERT_OPS and node.op not in ops.CALL_OPS
+                               and node.op not in NUMERIC_CHECKS):
+            continue
+        if node.op in NUMERIC_CHECKS:       # a NaN check of a value of the whole batch
+            value = tensor_name(*parse_tensor(node.inputs[0]))
+            if name not in flow.ctx.gradient and _varying(ir, flow.fact(value), value, dependent):
+                found[name] = {0: value}
             continue
         if _is_call(ir, node):
             passed = _passed(ir, flow, node, dependent) if asserts(ir, node) else {}
@@ -174,7 +184,10 @@ def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs) -> tuple[dict[
     reasons: list[Reason] = []
     for name, refs in checks.items():
         if not _is_call(ir, ir.nodes[name]):
-            settled[name] = {i: t for i, t in refs.items() if t in merged} if refs[0] in merged else None
+            # in a TF1 while loop the condition is the iteration's: no merged value outside
+            # the loop's frame can stand in (review 43: "inputs from different frames")
+            settled[name] = {i: t for i, t in refs.items() if t in merged} \
+                if refs[0] in merged and opening(ir, name) is None else None
             if settled[name] is None:
                 reasons.append(Reason(name, f"the assertion checks '{refs[0]}', a value of the whole "
                                       "batch that replicate cannot compute once from the towers' "
@@ -250,12 +263,18 @@ def uncheck(ir: IR, bodies: dict[str, list[str]]) -> int:
     return done
 
 
-def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str] | None]) -> int:
+def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str] | None],
+           applies: list[str] = ()) -> int:
     """Each tower's copy of an assertion in ``checks`` reads the merged condition (and counts)
-    under their original names; with no merged condition, a constant True. Returns the number
-    of copies changed."""
+    under their original names; with no merged condition, a constant True. A NaN check of a
+    value of the whole batch checks the merged value once, before the optimizer's ``applies``
+    (an empty tower's mean is 0/0: its own check failed where one device passes); the towers'
+    copies pass their value on unchecked. Returns the number of copies changed."""
     changed = 0
     for name, refs in checks.items():
+        if ir.nodes.get(copies[0].get(name, "")) is not None and ir.nodes[copies[0][name]].op in NUMERIC_CHECKS:
+            changed += _check_once(ir, copies, name, refs, applies)
+            continue
         for tower in copies:
             copy = tower.get(name)
             if copy is None or copy not in ir.nodes:
@@ -278,6 +297,24 @@ def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str
                     if node_of(t) in ir.nodes:
                         ir.set_input(copy, i, _ref(t))
                 _switch_on(ir, tower, refs[0])
+            changed += 1
+    return changed
+
+
+def _check_once(ir: IR, copies: list[dict[str, str]], name: str, refs: dict[int, str] | None,
+                applies: list[str]) -> int:
+    first = ir.nodes[copies[0][name]]
+    if refs and node_of(refs[0]) in ir.nodes:
+        check = ir.add(f"{name}/replicate_batch", first.op, [_ref(refs[0])], device=ir.nodes[node_of(refs[0])].device,
+                       attrs=dict(first.attrs)).name
+        for apply in applies:
+            if apply in ir.nodes:
+                ir.set_control(apply, list(dict.fromkeys(ir.nodes[apply].control + [check])))
+    changed = 0
+    for tower in copies:
+        node = ir.nodes.get(tower.get(name, ""))
+        if node is not None:
+            node.op, node.attrs = "Identity", {"T": node.attrs["T"]}
             changed += 1
     return changed
 

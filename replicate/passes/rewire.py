@@ -62,7 +62,8 @@ class Rewire:
         ir.remove_many(doomed + sorted(analysis.dead))
         merged = self._merge_outputs(ir, analysis, towers, copies, arity, out_types)
         merged += self._recompute(ir, analysis, copies, recomputed)
-        checked = _asserts.rewire(ir, copies, analysis.checks) + _asserts.uncheck(ir, analysis.unchecked)
+        checked = _asserts.rewire(ir, copies, analysis.checks, [a.name for a in analysis.apply_ops]) \
+            + _asserts.uncheck(ir, analysis.unchecked)
         for name, draw in ir.facts.get("global_draws", {}).items():
             if name not in ir.nodes:        # a once-per-step draw is the batch's: fetched as is
                 ir.add(name, "Identity", [draw], device=ir.nodes[node_of(draw)].device,
