@@ -149,3 +149,107 @@ def test_a_cond_branch_asserting_on_its_own_batch_value_is_a_reason_and_runs(kin
     assert any("assertion inside function" in r.what and "do not check" in r.what
                for r in res.report.reasons), res.report.reasons
     compare(graph, res.graph, "train", _feeds([7, 2]), fetch=("loss:0",))     # runs
+
+
+def _stat_graph(kind: str, v1_control_flow: bool = False) -> tf.Graph:
+    """Review 43's cases: checks of a whole-batch value placed in the towers."""
+    g = tf.Graph()
+    if v1_control_flow:
+        v1.disable_control_flow_v2()
+    try:
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 6], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+            logits = tf.matmul(x, w)
+            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            c = x[:, 0]
+            deps, updates = [], []
+            stat = tf.identity(tf.math.reduce_variance(c), name="stat")
+            if kind == "logged_variance":        # printed in the towers, averaged beside the step
+                deps = [tf.print("variance", stat, output_stream="file:///dev/null")]
+                running = v1.get_variable("running", [], initializer=tf.zeros_initializer(), trainable=False)
+                updates = [running.assign(0.9 * running + 0.1 * stat)]
+            elif kind == "versus_mean":          # each example against the batch's mean
+                deps = [v1.assert_greater_equal(c, tf.reduce_mean(c) - 2.0)]
+            elif kind == "sum_bound":            # a TF1 guard: every tower under it, the batch not
+                deps = [v1.assert_less(tf.reduce_sum(c), 3.0)]
+            with tf.control_dependencies(deps):
+                ce = tf.identity(ce)
+            loss = tf.reduce_mean(ce)
+            if kind == "check_numerics":
+                loss = tf.debugging.check_numerics(loss, "loss is NaN")
+            loss = tf.identity(loss, name="loss")
+            train = v1.train.GradientDescentOptimizer(0.4).minimize(loss)
+            tf.group(train, *updates, name="train")
+    finally:
+        if v1_control_flow:
+            v1.enable_control_flow_v2()
+    return g
+
+
+@pytest.mark.parametrize("kind", ["logged_variance", "check_numerics"])
+def test_a_whole_batch_statistic_checked_in_the_towers_is_the_batch_s(kind):
+    """A variance printed in the towers was merged by its last mean (each tower's squares
+    around its own mean: 0.43 for 4.0) and its running average trained 0.2-0.95 off; a
+    ``check_numerics`` of the mean loss failed in an empty tower (0/0)."""
+    graph = _stat_graph(kind)
+    for options in ({}, {"accumulate": 2}):
+        res = replicate.transform(graph, DEVICES, **options)
+        assert res.report.exact, res.report.reasons
+        cmp = compare(graph, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0", "stat:0"))
+        assert cmp.max_rel < 1e-5, (options, cmp)
+        for one, rewrite in cmp.fetched:
+            np.testing.assert_allclose(rewrite[1], one[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,v1_control_flow", [("versus_mean", False), ("versus_mean", True),
+                                                  ("sum_bound", True)])
+def test_an_assertion_fails_in_the_rewrite_exactly_where_one_device_fails(kind, v1_control_flow):
+    """Column 0 of the first feed passes on one device but not in the tower holding 6 (mean
+    3 there); the second passes in every tower but not in the batch (sum 4)."""
+    graph = _stat_graph(kind, v1_control_flow)
+    res = replicate.transform(graph, DEVICES)
+    feeds = _feeds([7, 7])
+    feeds[0]["x:0"][:, 0] = [0, 0, 0, 0, 6, 0, 0]
+    feeds[1]["x:0"][:, 0] = [1, 0.5, 0.5, 1, 0.5, 0.25, 0.25]
+    outcomes = []
+    for g in (graph, res.graph):
+        with g.as_default():
+            init = v1.global_variables_initializer()
+        ran = []
+        with v1.Session(graph=g, config=session_config()) as sess:
+            sess.run(init)
+            for feed in feeds:
+                try:
+                    sess.run("train", feed_dict=feed)
+                    ran.append(True)
+                except tf.errors.InvalidArgumentError:
+                    ran.append(False)
+        outcomes.append(ran)
+    expected = [True, True] if kind == "versus_mean" else [False, False]
+    assert outcomes == [expected, expected], outcomes
+
+
+def test_an_assertion_in_a_tf1_loop_on_a_whole_batch_value_is_a_reason_and_runs():
+    g = tf.Graph()
+    v1.disable_control_flow_v2()
+    try:
+        with g.as_default():
+            x = v1.placeholder(tf.float32, [None, 6], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+            size = tf.shape(x)[0]
+
+            def body(i, h):
+                with tf.control_dependencies([v1.assert_less(i, size + 1)]):
+                    return i + 1, h * 0.9
+            _, h = tf.while_loop(lambda i, h: i < 2, body, [tf.constant(0), x])
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(h, w)),
+                                  name="loss")
+            v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    finally:
+        v1.enable_control_flow_v2()
+    res = replicate.transform(g, DEVICES)
+    assert not res.report.exact and any("assertion" in r.what for r in res.report.reasons)
+    compare(g, res.graph, "train", _feeds([7, 2]), fetch=("loss:0",))     # runs
