@@ -85,8 +85,19 @@ def advice_for(reasons: list[Reason], sync: bool) -> list[Reason]:
     on, a fix must not advise it (review 30: it did, and the same reason came back)."""
     if not sync:
         return reasons
-    return [Reason(r.node, r.what, r.fix.replace(*SYNC_ADVICE)) if SYNC_ADVICE[0] in r.fix else r
-            for r in reasons]
+    out = []
+    for r in reasons:
+        fix = r.fix
+        for old, new in (SYNC_ADVICE, _SYNC_UPDATE_ADVICE):
+            fix = fix.replace(old, new)
+        out.append(r if fix == r.fix else Reason(r.node, r.what, fix))
+    return out
+
+
+#: An update's advice to pass sync mode, and what it says when sync mode is on (review 43:
+#: a moving average of a batch variance under sync was still told to pass it).
+_SYNC_UPDATE_ADVICE = ("pass batch_norm='sync' if it averages a batch statistic (moving averages), or "
+                       "compute it", "compute it")
 
 
 def coupled_in_body(ir: IR, coupling: str) -> Reason:

@@ -338,6 +338,7 @@ class Analyze:
             unchecked=bodies,
         )
         _exactness.collect(ir, analysis)
+        analysis.reasons[:] = _refusals.advice_for(analysis.reasons, self.sync)
         ir.facts["analysis"] = analysis
         return set() if pulled else fetch_cone(ir, forward_only + unmergeable, inside, dependent,
                                                in_grad, flow.inputs)
