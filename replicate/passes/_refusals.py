@@ -197,10 +197,17 @@ def refuse_batch_arithmetic_ranges(ir: IR, flow, region: list[str]) -> None:
                 raise AnalysisError(f"'{name}' is RaggedTensor code that counts the rows of a "
                                     "ragged tensor built from the batch, and replicate does not "
                                     f"follow row splits across towers; {RAGGED_FIX}")
-            raise AnalysisError(f"'{name}' counts up to the batch size minus a constant "
-                                f"('{node_of(node.inputs[1])}'): a tower with fewer examples than "
-                                "that constant (the last, uneven batch) cannot run it. Slice the "
-                                "tensor instead (x[:-1] runs on any tower), or train on one device")
+            if minus_constant(ir, flow, node.inputs[1]):
+                raise AnalysisError(f"'{name}' counts up to the batch size minus a constant "
+                                    f"('{node_of(node.inputs[1])}'): a tower with fewer examples than "
+                                    "that constant (the last, uneven batch) cannot run it. Slice the "
+                                    "tensor instead (x[:-1] runs on any tower), or train on one device")
+            # review 43: min(B, 3), B // 2 were worded as B minus a constant
+            raise AnalysisError(f"'{name}' counts up to a value computed from the batch size "
+                                f"('{node_of(node.inputs[1])}'): each tower would count up to its "
+                                "own, and a tower with few examples or none may not run it. Count "
+                                "up to a number that does not depend on the batch size (a static "
+                                "maximum length), or train on one device")
 
 
 def refuse_inconsistent_override(ir: IR, graph: nx.DiGraph, flow, apply_ops, forced) -> None:
