@@ -103,10 +103,6 @@ def batch_multiple(fact) -> bool:
         and len(fact.value) == 1 and isinstance(fact.value[0], Sym) and isinstance(fact.value[0].coef, int)
 
 
-#: Ops TensorFlow marks stateful that only check their input and pass it on: recomputed once,
-#: they check the batch's value (``check_numerics(loss)``: the fetched loss was tower 0's).
-_PURE_CHECKS = frozenset({"CheckNumerics", "CheckNumericsV2"})
-
 #: The most ops a recomputed output may need (it runs once, on the controller).
 MAX_RECOMPUTE = 64
 
@@ -130,7 +126,7 @@ def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str],
         node = ir.nodes[name]
         op_def = ir.op_def(node.op)
         if name in gradient or node.op in ops.CONTROL_FLOW_OPS or op_def is None or \
-                op_def.is_stateful and node.op not in _PURE_CHECKS:
+                op_def.is_stateful and node.op not in ops.NUMERIC_CHECK_OPS:   # checked once
             return False
         for inp in node.inputs:
             producer = node_of(inp)

@@ -27,6 +27,7 @@ __all__ = [
     "AFFINE_OPS",
     "SHAPE_CONSUMERS",
     "SHAPE_ATTRS",
+    "NUMERIC_CHECK_OPS",
     "PER_TOWER_NAME_ATTRS",
     "STATEFUL_NAME_ATTRS",
     "UNSAFE_OPS",
@@ -278,6 +279,10 @@ SHAPE_CONSUMERS = frozenset(
      ("RandomUniform", 0), ("RandomStandardNormal", 0), ("TruncatedNormal", 0),
      ("SplitV", 1), ("Slice", 2), ("BroadcastGradientArgs", 0), ("BroadcastGradientArgs", 1)}
 )
+
+#: Ops that check their input's values for NaN and Inf and pass it on: TensorFlow marks them
+#: stateful, but they compute nothing else (a value checked once is the value checked).
+NUMERIC_CHECK_OPS = frozenset({"CheckNumerics", "CheckNumericsV2"})
 
 #: Shape-valued attributes that repeat a static batch size: op type -> attribute names.
 SHAPE_ATTRS: dict[str, tuple[str, ...]] = {

@@ -15,11 +15,15 @@ the batch's value when only assertions read that argument in its body.
 Requires: the analysis's facts (``flow``), the tower region and the forward outputs the
 frontier merges (or recomputes once on the controller) under their original names.
 
-Produces: :func:`whole_batch` (such assertions of the calling graph, with the condition each
-must check), :func:`in_bodies` (reasons for such assertions inside function bodies, whose
-copies cannot read a merged value), and :func:`rewire` (run after the merge: each tower's
-copy checks the merged condition, or, when the analysis could not merge it, does not check:
-a reason says so).
+A NaN check (``check_numerics(loss)``) of such a value is checked once, on the merged value,
+before the optimizer's updates: an empty tower's mean is 0/0.
+
+Produces: :func:`whole_batch` (such assertions and checks of the calling graph, with the
+inputs each must read), :func:`unchecked` (the merged inputs each reads, and reasons for those
+the analysis could not merge), :func:`in_bodies` (reasons for such assertions inside function
+bodies, whose copies cannot read a merged value), :func:`rewire` (run after the merge: each
+tower's copy checks the merged condition, or does not check), and :func:`uncheck` (the
+assertions in bodies turned off).
 """
 
 from __future__ import annotations
@@ -34,9 +38,6 @@ from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["whole_batch", "unchecked", "in_bodies", "rewire", "uncheck", "guard"]
-
-#: Ops that check their input's values (for NaN and Inf) and pass it on.
-NUMERIC_CHECKS = frozenset({"CheckNumerics", "CheckNumericsV2"})
 
 #: Roles of a merged forward output whose original name holds the whole batch's value.
 _GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute", "global"})
@@ -74,9 +75,9 @@ def whole_batch(ir: IR, flow, region: list[str], dependent: set[str]) -> dict[st
     for name in region:
         node = ir.nodes[name]
         if not node.inputs or (node.op not in ASSERT_OPS and node.op not in ops.CALL_OPS
-                               and node.op not in NUMERIC_CHECKS):
+                               and node.op not in ops.NUMERIC_CHECK_OPS):
             continue
-        if node.op in NUMERIC_CHECKS:       # a NaN check of a value of the whole batch
+        if node.op in ops.NUMERIC_CHECK_OPS:       # a NaN check of a value of the whole batch
             value = tensor_name(*parse_tensor(node.inputs[0]))
             if name not in flow.ctx.gradient and _varying(ir, flow.fact(value), value, dependent):
                 found[name] = {0: value}
@@ -272,7 +273,7 @@ def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str
     copies pass their value on unchecked. Returns the number of copies changed."""
     changed = 0
     for name, refs in checks.items():
-        if ir.nodes.get(copies[0].get(name, "")) is not None and ir.nodes[copies[0][name]].op in NUMERIC_CHECKS:
+        if ir.nodes.get(copies[0].get(name, "")) is not None and ir.nodes[copies[0][name]].op in ops.NUMERIC_CHECK_OPS:
             changed += _check_once(ir, copies, name, refs, applies)
             continue
         for tower in copies:
