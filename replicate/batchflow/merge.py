@@ -94,6 +94,17 @@ def _named(outer) -> bool:
     return isinstance(outer, str) and "#" in outer and not outer.startswith("?")
 
 
+def _rebatched(plan, node) -> bool:
+    """``node`` reads a value or has an attribute the rewrite resizes to each tower's batch (a
+    static batch size baked into a shape): run once on the merged values it would not fit."""
+    if plan is None:
+        return False
+    refs = {tensor_name(*parse_tensor(r)) for r in node.inputs}
+    planned = set(plan.consts) | set(plan.substitutes) | set(plan.resized) | set(plan.promote) \
+        | {key[0] for key in plan.elements}
+    return bool(refs & planned) or any(key[0] == node.name for key in plan.attrs)
+
+
 def batch_multiple(fact) -> bool:
     """``fact`` is a size that is a known multiple of the batch size (``tf.size`` of the
     labels, a metric's example count): the towers' sizes add up to the batch's. Not a size
@@ -128,6 +139,8 @@ def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str],
         if name in gradient or node.op in ops.CONTROL_FLOW_OPS or op_def is None or \
                 op_def.is_stateful and node.op not in ops.NUMERIC_CHECK_OPS:   # checked once
             return False
+        if _rebatched(flow.plan, node):
+            return False        # it reads a size the rewrite makes the tower's (a static batch)
         for inp in node.inputs:
             producer = node_of(inp)
             if producer not in region or producer not in dependent:

@@ -228,11 +228,16 @@ def in_bodies(ir: IR, flow, checks: dict) -> tuple[list[Reason], dict[str, list[
         if not (isinstance(key, tuple) and len(key) == 2 and key[0] == "inner") or key[1] in guarded:
             continue
         for node in inner.ir.nodes.values():
-            if node.op not in ASSERT_OPS or not node.inputs:
+            if node.op not in ASSERT_OPS and node.op not in ops.NUMERIC_CHECK_OPS or not node.inputs:
                 continue
             cond = tensor_name(*parse_tensor(node.inputs[0]))
             fact = inner.fact(cond)
-            if fact is not None and fact.dependent and not _per_tower(fact, inner.ir.output_dtype(cond)):
+            if node.op in ops.NUMERIC_CHECK_OPS and not inner.in_gradient(node) \
+                    and _varying(inner.ir, fact, cond):     # a NaN check of a batch mean
+                reasons.append(_in_body(f"{key[1]}/{node.name}", cond))
+                found.setdefault(key[1], []).append(node.name)
+            elif node.op in ASSERT_OPS and fact is not None and fact.dependent \
+                    and not _per_tower(fact, inner.ir.output_dtype(cond)):
                 reasons.append(_in_body(f"{key[1]}/{node.name}", cond))
                 found.setdefault(key[1], []).append(node.name)
     return reasons, found
@@ -253,6 +258,11 @@ def uncheck(ir: IR, bodies: dict[str, list[str]]) -> int:
         true = None
         for node in fdef.node_def:
             if node.name not in names or not node.input:
+                continue
+            if node.op in ops.NUMERIC_CHECK_OPS:     # passes its value on, unchecked
+                node.op = "Identity"
+                del node.attr["message"]
+                done += 1
                 continue
             if true is None:
                 const = fdef.node_def.add(name="replicate_unchecked", op="Const")
