@@ -88,7 +88,7 @@ def scope_loss(ir: IR, prefix: str) -> str | None:
         for consumer in ir.consumers(seed.name):
             op = forward_op_of(ir, prefix, consumer.name)
             if op is not None:
-                return tensor_name(op, 0)
+                return _loss_output(ir, op, prefix)
     candidates: dict[str, None] = {}
     for name in ir.nodes:
         if name.startswith(prefix + "/"):
@@ -98,7 +98,38 @@ def scope_loss(ir: IR, prefix: str) -> str | None:
     # The loss is the candidate no other candidate's forward op reads.
     consumed = {node_of(r) for c in candidates for r in ir.nodes[c].inputs}
     downstream = [c for c in candidates if c not in consumed]
-    return tensor_name(downstream[-1], 0) if downstream else None
+    return _loss_output(ir, downstream[-1], prefix) if downstream else None
+
+
+def _loss_output(ir: IR, op: str, prefix: str) -> str:
+    """The output of forward op ``op`` a loss is: its only one, or the only float output that
+    forward code reads (review 44: the loss ``a`` of ``_, a = tf.while_loop(...)`` was taken
+    for the loop's counter, output 0, whose fact is shared: each tower's gradient weighed
+    alike, 0.09-0.25 off)."""
+    n = len(ir.output_types(ir.nodes[op]))
+    if n <= 1:
+        return tensor_name(op, 0)
+    read = {parse_tensor(r)[1] for c in ir.consumers(op) if not c.name.startswith(prefix + "/")
+            for r in c.inputs if node_of(r) == op}
+    floats = [i for i in sorted(read) if ir.output_dtype(tensor_name(op, i)) in FLOAT_TYPES]
+    if len(floats) > 1:     # a v2 loop's outputs each get an Identity of its own: the loss's leaves it
+        floats = [i for i in floats if _leaves(ir, tensor_name(op, i), op + "/", prefix + "/")] or floats
+    return tensor_name(op, floats[0] if len(floats) == 1 else 0)
+
+
+def _leaves(ir: IR, ref: str, scope: str, gradient: str, depth: int = 4) -> bool:
+    """A forward reader of ``ref``, through ``Identity`` ops inside ``scope``, is outside it
+    (gradient code, under ``gradient``, does not count)."""
+    for reader in ir.consumers(node_of(ref)):
+        if reader.name.startswith(gradient) or not any(parse_tensor(r) == parse_tensor(ref)
+                                                        for r in reader.inputs):
+            continue
+        if not reader.name.startswith(scope):
+            return True
+        if reader.op == "Identity" and depth and \
+                _leaves(ir, tensor_name(reader.name, 0), scope, gradient, depth - 1):
+            return True
+    return False
 
 
 _SEED_INDEX = re.compile(r"^grad_ys_(\d+)$")
@@ -127,7 +158,7 @@ def scope_seeds(ir: IR, prefix: str) -> list[tuple[str, str | None]]:
         else:
             found = seed_sources(ir, prefix, name)
             if len(found) == 1:
-                loss = tensor_name(found[0], 0)
+                loss = _loss_output(ir, found[0], prefix)
             elif found:
                 # the seed passed through ops whose gradient makes no op (``mean + 0.01 *
                 # sum(x ** 2)`` of scalars): the loss joins them. Taking the first was a loss
