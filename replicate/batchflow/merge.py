@@ -67,6 +67,9 @@ def merge_kind(ir: IR, flow, ref: str, synced: frozenset | None = None) -> Merge
         spec = fact.spec
         if spec and spec[0] == "count":
             spec = ("count", flow.classes.find(spec[1]))
+        if _weights_in_branch(ir, spec, ref):
+            return Merge("other", note="weighted by a count taken inside a TF1 cond's branch, "
+                         "which a step may not run")
         if fact.merge in ("sum", "count") or batch_multiple(fact):
             return Merge("sum", ("ones",))
         if fact.merge in ("mean", "ratio"):
@@ -92,6 +95,33 @@ def merge_kind(ir: IR, flow, ref: str, synced: frozenset | None = None) -> Merge
 def _named(outer) -> bool:
     """``outer`` is a dimension of a tensor, named ``"tensor#dim"`` (not an anonymous one)."""
     return isinstance(outer, str) and "#" in outer and not outer.startswith("?")
+
+
+def _weights_in_branch(ir: IR, spec: tuple, ref: str) -> bool:
+    """A merge weighed by a tensor inside a TF1 cond's branch (the size of rows a branch masks),
+    for a value after the cond: in a step that skips the branch the weight is dead, and so was
+    the merged value (review 44: "Retval[0] does not have value")."""
+    if len(spec) < 2 or not isinstance(spec[1], str) or node_of(spec[1]) not in ir.nodes:
+        return False
+    return _switched(ir, node_of(spec[1])) and not _switched(ir, node_of(ref))
+
+
+def _switched(ir: IR, name: str, limit: int = 2000) -> bool:
+    """A ``Switch`` feeds node ``name`` (by data) with no ``Merge`` closing it on the way: it
+    runs in a branch of a TF1 cond."""
+    seen, work = {name}, [name]
+    while work and len(seen) < limit:
+        node = ir.nodes[work.pop()]
+        if node.op in ("Switch", "RefSwitch"):
+            return True
+        if node.op in ("Merge", "RefMerge"):
+            continue
+        for ref in node.inputs:
+            producer = node_of(ref)
+            if producer in ir.nodes and producer not in seen:
+                seen.add(producer)
+                work.append(producer)
+    return False
 
 
 def _rebatched(plan, node) -> bool:

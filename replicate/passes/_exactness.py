@@ -170,10 +170,22 @@ def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[s
         else:
             fetch_only.append(t)
     if fetch_only:
-        warnings.append("fetching " + ", ".join(f"'{t}'" for t in fetch_only) +
+        # the names a driver fetches: identities of them (``loss = tf.identity(..., name=)``)
+        named = list(dict.fromkeys(n for t in fetch_only for n in [t] + _identities(ir, t)))
+        warnings.append("fetching " + ", ".join(f"'{t}'" for t in named) +
                         " gives tower 0's value, not the global batch's (not mergeable across "
                         "towers)")
     return reasons
+
+
+def _identities(ir: IR, ref: str, depth: int = 3) -> list[str]:
+    """Outputs of ``Identity`` ops that pass tensor ``ref`` on (review 44: the warning named
+    ``add_1:0`` where the driver fetches the loss ``loss:0``)."""
+    out = []
+    for reader, _ in ir.data_consumers(ref):
+        if reader.op == "Identity" and depth:
+            out += [f"{reader.name}:0"] + _identities(ir, f"{reader.name}:0", depth - 1)
+    return out
 
 
 def collect(ir: IR, analysis: Analysis) -> None:
