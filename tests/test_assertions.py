@@ -253,3 +253,34 @@ def test_an_assertion_in_a_tf1_loop_on_a_whole_batch_value_is_a_reason_and_runs(
     res = replicate.transform(g, DEVICES)
     assert not res.report.exact and any("assertion" in r.what for r in res.report.reasons)
     compare(g, res.graph, "train", _feeds([7, 2]), fetch=("loss:0",))     # runs
+
+
+@pytest.mark.parametrize("kind", ["print_argmax", "print_first", "assert_sorted_min", "check_sorted_max"])
+def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
+    """Review 44: printing or checking the batch's worst or first example (``tf.print(argmax(
+    ce))``, ``tf.print(x[0])``, an assertion on ``sort(c)[0]``) as a control dependency was
+    claimed exact, and each tower's own pick stopped an empty tower at replicate's "too few
+    examples" assertion. The print or check runs once, on the batch's value."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        c = tf.stop_gradient(ce)
+        check = {
+            "print_argmax": lambda: tf.print("worst", tf.argmax(c), output_stream="file:///dev/null"),
+            "print_first": lambda: tf.print("first", x[0], output_stream="file:///dev/null"),
+            "assert_sorted_min": lambda: v1.assert_non_negative(tf.sort(c)[0]),
+            "check_sorted_max": lambda: tf.debugging.check_numerics(tf.sort(c)[-1], "nan"),
+        }[kind]()
+        with tf.control_dependencies([check]):
+            loss = tf.identity(tf.reduce_mean(ce), name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    res = replicate.transform(g, DEVICES)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp
+    if kind.startswith("print"):        # printed once per step, not once per tower
+        prints = [n for n in res.graph_def.node if n.op == "PrintV2"]
+        assert len(prints) == 1, [n.name for n in prints]

@@ -39,6 +39,10 @@ from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["whole_batch", "unchecked", "in_bodies", "rewire", "uncheck", "guard"]
 
+#: Ops run once on a merged value: NaN checks, and prints (``tf.print``) of the batch's values.
+_PRINTS = frozenset({"PrintV2"})
+_ONCE = ops.NUMERIC_CHECK_OPS | _PRINTS
+
 #: Roles of a merged forward output whose original name holds the whole batch's value.
 _GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute", "global"})
 
@@ -75,11 +79,12 @@ def whole_batch(ir: IR, flow, region: list[str], dependent: set[str]) -> dict[st
     for name in region:
         node = ir.nodes[name]
         if not node.inputs or (node.op not in ASSERT_OPS and node.op not in ops.CALL_OPS
-                               and node.op not in ops.NUMERIC_CHECK_OPS):
+                               and node.op not in _ONCE):
             continue
-        if node.op in ops.NUMERIC_CHECK_OPS:       # a NaN check of a value of the whole batch
+        if node.op in _ONCE:       # a NaN check or print of a value of the whole batch
             value = tensor_name(*parse_tensor(node.inputs[0]))
-            if name not in flow.ctx.gradient and _varying(ir, flow.fact(value), value, dependent):
+            if name not in flow.ctx.gradient and opening(ir, name) is None and \
+                    _varying(ir, flow.fact(value), value, dependent):
                 found[name] = {0: value}
             continue
         if _is_call(ir, node):
@@ -165,6 +170,14 @@ def _asserted_only(body: IR, arg: str, outs: set[str]) -> bool:
     return True
 
 
+def _switched_in(ir: IR, ref: str) -> bool:
+    """Tensor ``ref`` comes through a ``Switch`` (past ``Identity`` ops): a TF1 cond's branch."""
+    node = ir.nodes[node_of(ref)]
+    while node.op == "Identity" and node.inputs and not node.control:
+        node = ir.nodes[node_of(node.inputs[0])]
+    return node.op in ("Switch", "RefSwitch") or (node.op == "Identity" and bool(node.control))
+
+
 def _before_switch(ir: IR, ref: str) -> str:
     """Tensor ``ref`` seen from outside the TF1 conds it is in: past ``Identity`` ops and the
     data input of ``Switch`` ops (a TF1 ``tf.Assert`` guard switches its condition into the
@@ -189,7 +202,7 @@ def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs) -> tuple[dict[
             # the loop's frame can stand in (review 43: "inputs from different frames")
             settled[name] = {i: t for i, t in refs.items() if t in merged} \
                 if refs[0] in merged and opening(ir, name) is None else None
-            if settled[name] is None:
+            if settled[name] is None and ir.nodes[name].op not in _PRINTS:   # a print: each tower's
                 reasons.append(Reason(name, f"the assertion checks '{refs[0]}', a value of the whole "
                                       "batch that replicate cannot compute once from the towers' "
                                       "values; each tower would check its own examples' value and "
@@ -283,8 +296,8 @@ def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str
     copies pass their value on unchecked. Returns the number of copies changed."""
     changed = 0
     for name, refs in checks.items():
-        if ir.nodes.get(copies[0].get(name, "")) is not None and ir.nodes[copies[0][name]].op in ops.NUMERIC_CHECK_OPS:
-            changed += _check_once(ir, copies, name, refs, applies)
+        if ir.nodes.get(copies[0].get(name, "")) is not None and ir.nodes[copies[0][name]].op in _ONCE:
+            changed += _once(ir, copies, name, refs, applies)
             continue
         for tower in copies:
             copy = tower.get(name)
@@ -296,12 +309,16 @@ def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str
                     ir.set_input(copy, i, _ref(t))
                 changed += bool(refs)
                 continue
-            # what gated the copy (its branch of a TF1 cond) still does: an op with a dead
-            # control input is skipped
-            ir.set_control(copy, list(dict.fromkeys(node.control + [node_of(node.inputs[0])])))
+            # what gated the copy (its branch of a TF1 cond, its loop) still does: an op with a
+            # dead control input is skipped. Elsewhere the tower's own condition must not run
+            # (review 44: its pick of the tower's first example stopped an empty tower)
+            gated = _switched_in(ir, node.inputs[0]) or opening(ir, copy) is not None
+            if gated:
+                ir.set_control(copy, list(dict.fromkeys(node.control + [node_of(node.inputs[0])])))
             if refs is None or node_of(refs[0]) not in ir.nodes:
                 true = ir.const(f"{copy}/replicate_unchecked", True, device=node.device)
-                ir.set_control(true, [node_of(node.inputs[0])])    # in the condition's frame
+                if gated:
+                    ir.set_control(true, [node_of(node.inputs[0])])    # in the condition's frame
                 ir.set_input(copy, 0, true)
             else:
                 for i, t in refs.items():
@@ -312,22 +329,50 @@ def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str
     return changed
 
 
-def _check_once(ir: IR, copies: list[dict[str, str]], name: str, refs: dict[int, str] | None,
-                applies: list[str]) -> int:
+def _once(ir: IR, copies: list[dict[str, str]], name: str, refs: dict[int, str] | None,
+          applies: list[str]) -> int:
+    """A NaN check or a print of a value of the whole batch, made once on the merged value (a
+    check before the optimizer's ``applies``). A tower's copy that only control edges wait for
+    is replaced by it (the tower's own value, a pick of its first example, is then not
+    computed: it stopped an empty tower, review 44); one whose value the tower reads passes
+    that value on, unchecked."""
     first = ir.nodes[copies[0][name]]
+    once = None
     if refs and node_of(refs[0]) in ir.nodes:
-        check = ir.add(f"{name}/replicate_batch", first.op, [_ref(refs[0])], device=ir.nodes[node_of(refs[0])].device,
-                       attrs=dict(first.attrs)).name
-        for apply in applies:
-            if apply in ir.nodes:
-                ir.set_control(apply, list(dict.fromkeys(ir.nodes[apply].control + [check])))
+        once = ir.add(f"{name}/replicate_batch", first.op, [_ref(refs[0])],
+                      device=ir.nodes[node_of(refs[0])].device, attrs=dict(first.attrs)).name
+        if first.op in ops.NUMERIC_CHECK_OPS:
+            for apply in applies:
+                if apply in ir.nodes:
+                    ir.set_control(apply, list(dict.fromkeys(ir.nodes[apply].control + [once])))
     changed = 0
     for tower in copies:
         node = ir.nodes.get(tower.get(name, ""))
-        if node is not None:
+        if node is None:
+            continue
+        if once is not None and node.op in _PRINTS:
+            for waiter in list(ir.consumers(node.name)):
+                ir.set_control(waiter.name, list(dict.fromkeys(
+                    once if c == node.name else c for c in waiter.control)))
+            ir.remove(node.name)
+        elif node.op in ops.NUMERIC_CHECK_OPS:
             node.op, node.attrs = "Identity", {"T": node.attrs["T"]}
-            changed += 1
+            if once is not None and not _read(ir, node.name):    # (verify_tensor_all_finite's
+                ir.set_input(node.name, 0, once)                    # identity waited for)
+        else:
+            continue        # a print with no merged value: each tower prints its own
+        changed += 1
     return changed
+
+
+def _read(ir: IR, name: str, depth: int = 3) -> bool:
+    """Some op reads ``name``'s value, past ``Identity`` ops only control edges wait for."""
+    for reader in ir.consumers(name):
+        if name not in map(node_of, reader.inputs):
+            continue
+        if reader.op != "Identity" or not depth or _read(ir, reader.name, depth - 1):
+            return True
+    return False
 
 
 def _switch_on(ir: IR, tower: dict[str, str], cond: str) -> None:
