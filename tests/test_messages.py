@@ -564,11 +564,16 @@ def test_a_static_batch_the_analysis_cannot_follow_is_refused_without_the_reason
         flat = tf.reshape(tf.tanh(seq * v1.get_variable("w", [H])), [B * S, H])
         picked = tf.gather(flat, tf.reshape(pos + tf.reshape(tf.range(0, B) * S, [-1, 1]), [-1]))
         v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(picked)), name="train")
-    with pytest.raises(replicate.ReplicateError) as err:
-        replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
-    text = str(err.value)
-    assert "static batch size (7)" in text and "dynamic batch dimension" in text, text
+    # refused while its recomputed values read the towers' resized sizes and did not import;
+    # now an inexact rewrite that runs, whose reason names the same fix
+    res = replicate.transform(graph, ["/cpu:0", "/cpu:1", "/cpu:2"])
+    assert not res.report.exact
+    text = str(res.report.reasons[0])
+    assert "dynamic batch dimension" in text, text
     assert "reduce it with a mean or sum" not in text, text
+    rng = np.random.RandomState(0)
+    compare(graph, res.graph, "train", [{"seq:0": rng.randn(B, S, H).astype(np.float32),
+                                         "positions:0": rng.randint(0, S, (B, 2)).astype(np.int32)}])
 
 
 def test_batch_norm_over_two_batches_with_a_sliced_loss_runs():

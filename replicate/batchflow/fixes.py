@@ -46,6 +46,10 @@ FIXES = (
     ("two different orders",
      "keep the examples in the order they are fed (regroup both sides alike), or train this "
      "graph on one device"),
+    ("by row numbers local to each tower",
+     "number the rows from the batch's own size (tf.range(tf.shape(x)[0]) with a dynamic batch "
+     "dimension, [None, ...]), which each tower then counts from its own first example, or "
+     "train this graph on one device"),
     ("", "compute the loss per example and reduce it with a mean or sum over the batch, or "
          "train this graph on one device"),
 )
