@@ -130,6 +130,7 @@ def _rebatched(plan, node) -> bool:
     if plan is None:
         return False
     refs = {tensor_name(*parse_tensor(r)) for r in node.inputs}
+    refs |= {node_of(r) for r in refs}          # the plan names some by node (its elements)
     planned = set(plan.consts) | set(plan.substitutes) | set(plan.resized) | set(plan.promote) \
         | {key[0] for key in plan.elements}
     return bool(refs & planned) or any(key[0] == node.name for key in plan.attrs)
