@@ -93,7 +93,8 @@ def whole_batch(ir: IR, flow, region: list[str], dependent: set[str]) -> dict[st
                 found[name] = passed
             continue
         cond = _before_switch(ir, node.inputs[0])
-        if node_of(cond) not in dependent or _per_tower(flow.fact(cond), ir.output_dtype(cond)):
+        if node_of(cond) not in dependent or _per_tower(flow.fact(cond), ir.output_dtype(cond)) \
+                or _sizes_agree(ir, flow, cond):
             continue
         found[name] = {0: cond}
         for i, ref in enumerate(node.inputs[1:], start=1):
@@ -178,6 +179,26 @@ def _switched_in(ir: IR, ref: str) -> bool:
     return node.op in ("Switch", "RefSwitch") or (node.op == "Identity" and bool(node.control))
 
 
+#: Ops through which a shape check's equalities pass to its condition.
+_CHECK_PATH = frozenset({"All", "LogicalAnd", "Identity", "Cast", "Reshape", "Squeeze"})
+
+
+def _sizes_agree(ir: IR, flow, cond: str, depth: int = 6) -> bool:
+    """``cond`` only says that sizes of the batch are equal (``dynamic_rnn``'s check that
+    ``sequence_length`` has the batch's size): each tower's copy of it holds exactly when the
+    batch's does, since the split gives every input of a batch the same counts (and checks
+    that it can). Read in the towers, such a check needs no value of the others."""
+    node = ir.nodes[node_of(cond)]
+    if node.op in ("Equal", "NotEqual"):
+        facts = [flow.fact(tensor_name(*parse_tensor(r))) for r in node.inputs[:2]]
+        return all(f is not None and (f.kind == SHARED or f.kind == RED and f.merge == "size")
+                   for f in facts)
+    if node.op not in _CHECK_PATH or not depth or not node.inputs:
+        return False
+    data = [r for r in node.inputs if not (node.op == "All" and r is node.inputs[-1] and len(node.inputs) > 1)]
+    return all(_sizes_agree(ir, flow, r, depth - 1) for r in data)
+
+
 def _before_switch(ir: IR, ref: str) -> str:
     """Tensor ``ref`` seen from outside the TF1 conds it is in: past ``Identity`` ops and the
     data input of ``Switch`` ops (a TF1 ``tf.Assert`` guard switches its condition into the
@@ -203,11 +224,15 @@ def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs) -> tuple[dict[
             settled[name] = {i: t for i, t in refs.items() if t in merged} \
                 if refs[0] in merged and opening(ir, name) is None else None
             if settled[name] is None and ir.nodes[name].op not in _PRINTS:   # a print: each tower's
+                kept = _switched_in(ir, ir.nodes[name].inputs[0])     # left in its cond's branch
                 reasons.append(Reason(name, f"the assertion checks '{refs[0]}', a value of the whole "
                                       "batch that replicate cannot compute once from the towers' "
-                                      "values; each tower would check its own examples' value and "
-                                      "fail where one device passes, so the towers do not check "
-                                      "it", "assert on the inputs as fed, outside the model, or "
+                                      "values; each tower " + ("checks its own examples' value, and "
+                                                               "may fail where one device passes" if kept else
+                                                               "would check its own examples' value "
+                                                               "and fail where one device passes, so "
+                                                               "the towers do not check it"),
+                                      "assert on the inputs as fed, outside the model, or "
                                       "remove the assertion"))
         elif all(t in merged for t in refs.values()):
             settled[name] = refs
@@ -312,13 +337,17 @@ def rewire(ir: IR, copies: list[dict[str, str]], checks: dict[str, dict[int, str
             # what gated the copy (its branch of a TF1 cond, its loop) still does: an op with a
             # dead control input is skipped. Elsewhere the tower's own condition must not run
             # (review 44: its pick of the tower's first example stopped an empty tower)
-            gated = _switched_in(ir, node.inputs[0]) or opening(ir, copy) is not None
+            switched = _switched_in(ir, node.inputs[0])
+            gated = switched or opening(ir, copy) is not None
+            if switched and refs is None:
+                continue    # in a TF1 cond's branch with no merged condition: left as it is (a
+                            # constant waiting for the branch's Switch hung a step)
             if gated:
                 ir.set_control(copy, list(dict.fromkeys(node.control + [node_of(node.inputs[0])])))
             if refs is None or node_of(refs[0]) not in ir.nodes:
                 true = ir.const(f"{copy}/replicate_unchecked", True, device=node.device)
                 if gated:
-                    ir.set_control(true, [node_of(node.inputs[0])])    # in the condition's frame
+                    ir.set_control(true, [node_of(node.inputs[0])])    # in the loop's frame
                 ir.set_input(copy, 0, true)
             else:
                 for i, t in refs.items():
