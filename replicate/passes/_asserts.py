@@ -199,6 +199,27 @@ def _sizes_agree(ir: IR, flow, cond: str, depth: int = 6) -> bool:
     return all(_sizes_agree(ir, flow, r, depth - 1) for r in data)
 
 
+#: Ops whose result depends on their input's shape only.
+_SHAPE_OPS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
+def _shapes_only(ir: IR, ref: str, limit: int = 400) -> bool:
+    """Tensor ``ref`` is computed from shapes alone: every path back to a fed input or a
+    variable passes a ``Shape``/``Size``/``Rank`` op."""
+    seen, work = {node_of(ref)}, [node_of(ref)]
+    while work:
+        node = ir.nodes[work.pop()]
+        if node.op in _SHAPE_OPS:
+            continue
+        if node.op in ops.INPUT_SOURCE_OPS or node.op in ops.VARIABLE_OPS or len(seen) > limit:
+            return False
+        for producer in map(node_of, node.inputs):
+            if producer in ir.nodes and producer not in seen:
+                seen.add(producer)
+                work.append(producer)
+    return True
+
+
 def _before_switch(ir: IR, ref: str) -> str:
     """Tensor ``ref`` seen from outside the TF1 conds it is in: past ``Identity`` ops and the
     data input of ``Switch`` ops (a TF1 ``tf.Assert`` guard switches its condition into the
@@ -210,7 +231,8 @@ def _before_switch(ir: IR, ref: str) -> str:
         ref = node.inputs[0]
 
 
-def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs) -> tuple[dict[str, dict[int, str] | None], list[Reason]]:
+def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs,
+              flow=None) -> tuple[dict[str, dict[int, str] | None], list[Reason]]:
     """``checks`` with the merged inputs each tower's copy will read (None: not checked, the
     analysis could not merge its condition), and a reason for each assertion not checked, and
     each call whose bodies then check the towers' own values."""
@@ -223,8 +245,13 @@ def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs) -> tuple[dict[
             # the loop's frame can stand in (review 43: "inputs from different frames")
             settled[name] = {i: t for i, t in refs.items() if t in merged} \
                 if refs[0] in merged and opening(ir, name) is None else None
+            kept = _switched_in(ir, ir.nodes[name].inputs[0])     # left in its cond's branch
+            fact = flow.fact(refs[0]) if flow is not None else None
+            if settled[name] is None and kept and (fact is not None and fact.kind == RED and
+                                                   fact.src is None or _shapes_only(ir, refs[0])):
+                continue    # a check of shapes and sizes in a TF1 guard (the losses API's
+                            # assert_broadcastable): each tower's holds as the batch's does
             if settled[name] is None and ir.nodes[name].op not in _PRINTS:   # a print: each tower's
-                kept = _switched_in(ir, ir.nodes[name].inputs[0])     # left in its cond's branch
                 reasons.append(Reason(name, f"the assertion checks '{refs[0]}', a value of the whole "
                                       "batch that replicate cannot compute once from the towers' "
                                       "values; each tower " + ("checks its own examples' value, and "
