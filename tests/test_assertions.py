@@ -7,6 +7,8 @@ batch's value (merged, or computed once on the controller), in TF1 conds and in 
 2's assert guards (an ``If`` whose branch asserts) alike; an assertion on per-example values
 (``All``) stays in its tower. One that fails on one device fails in the rewrite too."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -18,35 +20,41 @@ v1 = tf.compat.v1
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 
 
-def _graph(kind: str, v1_control_flow: bool) -> tf.Graph:
-    g = tf.Graph()
-    if v1_control_flow:
+@contextlib.contextmanager
+def _control_flow_v1(on: bool):
+    """Build with TF1 control flow (Switch/Merge conds, frames) when ``on``."""
+    if on:
         v1.disable_control_flow_v2()
     try:
-        with g.as_default():
-            x = v1.placeholder(tf.float32, [None, 6], name="x")
-            y = v1.placeholder(tf.int64, [None], name="y")
-            w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
-            out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
-            h = tf.tanh(tf.matmul(x, w))
-            size = tf.shape(x)[0]
-            check = {
-                "positive_size": lambda: v1.assert_positive(size),
-                "size_above_one": lambda: tf.Assert(size > 1, [size]),
-                "size_at_most_5": lambda: v1.assert_less_equal(size, 5),
-                "positive_sum": lambda: v1.assert_positive(tf.reduce_sum(tf.exp(h))),
-                "some_small": lambda: tf.Assert(tf.reduce_any(h < 0.5), [h]),
-                "labels": lambda: v1.assert_less(y, tf.constant(3, tf.int64)),
-            }[kind]
-            with tf.control_dependencies([check()]):
-                h = tf.identity(h)
-            logits = tf.matmul(h, out)
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
-                                  name="loss")
-            v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+        yield
     finally:
-        if v1_control_flow:
+        if on:
             v1.enable_control_flow_v2()
+
+
+def _graph(kind: str, v1_control_flow: bool) -> tf.Graph:
+    g = tf.Graph()
+    with _control_flow_v1(v1_control_flow), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
+        out = v1.get_variable("out", [6, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+        h = tf.tanh(tf.matmul(x, w))
+        size = tf.shape(x)[0]
+        check = {
+            "positive_size": lambda: v1.assert_positive(size),
+            "size_above_one": lambda: tf.Assert(size > 1, [size]),
+            "size_at_most_5": lambda: v1.assert_less_equal(size, 5),
+            "positive_sum": lambda: v1.assert_positive(tf.reduce_sum(tf.exp(h))),
+            "some_small": lambda: tf.Assert(tf.reduce_any(h < 0.5), [h]),
+            "labels": lambda: v1.assert_less(y, tf.constant(3, tf.int64)),
+        }[kind]
+        with tf.control_dependencies([check()]):
+            h = tf.identity(h)
+        logits = tf.matmul(h, out)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
     return g
 
 
@@ -154,37 +162,31 @@ def test_a_cond_branch_asserting_on_its_own_batch_value_is_a_reason_and_runs(kin
 def _stat_graph(kind: str, v1_control_flow: bool = False) -> tf.Graph:
     """Review 43's cases: checks of a whole-batch value placed in the towers."""
     g = tf.Graph()
-    if v1_control_flow:
-        v1.disable_control_flow_v2()
-    try:
-        with g.as_default():
-            x = v1.placeholder(tf.float32, [None, 6], name="x")
-            y = v1.placeholder(tf.int64, [None], name="y")
-            w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-            logits = tf.matmul(x, w)
-            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-            c = x[:, 0]
-            deps, updates = [], []
-            stat = tf.identity(tf.math.reduce_variance(c), name="stat")
-            if kind == "logged_variance":        # printed in the towers, averaged beside the step
-                deps = [tf.print("variance", stat, output_stream="file:///dev/null")]
-                running = v1.get_variable("running", [], initializer=tf.zeros_initializer(), trainable=False)
-                updates = [running.assign(0.9 * running + 0.1 * stat)]
-            elif kind == "versus_mean":          # each example against the batch's mean
-                deps = [v1.assert_greater_equal(c, tf.reduce_mean(c) - 2.0)]
-            elif kind == "sum_bound":            # a TF1 guard: every tower under it, the batch not
-                deps = [v1.assert_less(tf.reduce_sum(c), 3.0)]
-            with tf.control_dependencies(deps):
-                ce = tf.identity(ce)
-            loss = tf.reduce_mean(ce)
-            if kind == "check_numerics":
-                loss = tf.debugging.check_numerics(loss, "loss is NaN")
-            loss = tf.identity(loss, name="loss")
-            train = v1.train.GradientDescentOptimizer(0.4).minimize(loss)
-            tf.group(train, *updates, name="train")
-    finally:
-        if v1_control_flow:
-            v1.enable_control_flow_v2()
+    with _control_flow_v1(v1_control_flow), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.matmul(x, w)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        c = x[:, 0]
+        deps, updates = [], []
+        stat = tf.identity(tf.math.reduce_variance(c), name="stat")
+        if kind == "logged_variance":        # printed in the towers, averaged beside the step
+            deps = [tf.print("variance", stat, output_stream="file:///dev/null")]
+            running = v1.get_variable("running", [], initializer=tf.zeros_initializer(), trainable=False)
+            updates = [running.assign(0.9 * running + 0.1 * stat)]
+        elif kind == "versus_mean":          # each example against the batch's mean
+            deps = [v1.assert_greater_equal(c, tf.reduce_mean(c) - 2.0)]
+        elif kind == "sum_bound":            # a TF1 guard: every tower under it, the batch not
+            deps = [v1.assert_less(tf.reduce_sum(c), 3.0)]
+        with tf.control_dependencies(deps):
+            ce = tf.identity(ce)
+        loss = tf.reduce_mean(ce)
+        if kind == "check_numerics":
+            loss = tf.debugging.check_numerics(loss, "loss is NaN")
+        loss = tf.identity(loss, name="loss")
+        train = v1.train.GradientDescentOptimizer(0.4).minimize(loss)
+        tf.group(train, *updates, name="train")
     return g
 
 
@@ -233,23 +235,19 @@ def test_an_assertion_fails_in_the_rewrite_exactly_where_one_device_fails(kind, 
 
 def test_an_assertion_in_a_tf1_loop_on_a_whole_batch_value_is_a_reason_and_runs():
     g = tf.Graph()
-    v1.disable_control_flow_v2()
-    try:
-        with g.as_default():
-            x = v1.placeholder(tf.float32, [None, 6], name="x")
-            y = v1.placeholder(tf.int64, [None], name="y")
-            w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-            size = tf.shape(x)[0]
+    with _control_flow_v1(True), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        size = tf.shape(x)[0]
 
-            def body(i, h):
-                with tf.control_dependencies([v1.assert_less(i, size + 1)]):
-                    return i + 1, h * 0.9
-            _, h = tf.while_loop(lambda i, h: i < 2, body, [tf.constant(0), x])
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(h, w)),
-                                  name="loss")
-            v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
-    finally:
-        v1.enable_control_flow_v2()
+        def body(i, h):
+            with tf.control_dependencies([v1.assert_less(i, size + 1)]):
+                return i + 1, h * 0.9
+        _, h = tf.while_loop(lambda i, h: i < 2, body, [tf.constant(0), x])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(h, w)),
+                              name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
     res = replicate.transform(g, DEVICES)
     assert not res.report.exact and any("assertion" in r.what for r in res.report.reasons)
     compare(g, res.graph, "train", _feeds([7, 2]), fetch=("loss:0",))     # runs
