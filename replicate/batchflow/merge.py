@@ -124,16 +124,29 @@ def _switched(ir: IR, name: str, limit: int = 2000) -> bool:
     return False
 
 
-def _rebatched(plan, node) -> bool:
-    """``node`` reads a value or has an attribute the rewrite resizes to each tower's batch (a
-    static batch size baked into a shape): run once on the merged values it would not fit."""
+def _resized_by(plan) -> tuple[frozenset, frozenset]:
+    """(tensors and nodes whose values, nodes whose attributes) the rewrite resizes to each
+    tower's batch (a static batch size baked into a shape)."""
     if plan is None:
-        return False
-    refs = {tensor_name(*parse_tensor(r)) for r in node.inputs}
-    refs |= {node_of(r) for r in refs}          # the plan names some by node (its elements)
+        return frozenset(), frozenset()
     planned = set(plan.consts) | set(plan.substitutes) | set(plan.resized) | set(plan.promote) \
         | {key[0] for key in plan.elements}
-    return bool(refs & planned) or any(key[0] == node.name for key in plan.attrs)
+    return frozenset(planned), frozenset(key[0] for key in plan.attrs)
+
+
+def _rebatched(resized: tuple[frozenset, frozenset], node) -> bool:
+    """``node`` reads a value or has an attribute the rewrite resizes to each tower's batch
+    (``resized`` from :func:`_resized_by`): run once on the merged values it would not fit."""
+    planned, attrs = resized
+    if node.name in attrs:
+        return True
+    if not planned:
+        return False
+    for ref in node.inputs:
+        ref = tensor_name(*parse_tensor(ref))
+        if ref in planned or node_of(ref) in planned:   # the plan names some by node (elements)
+            return True
+    return False
 
 
 def batch_multiple(fact) -> bool:
@@ -150,28 +163,36 @@ MAX_RECOMPUTE = 64
 
 
 def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str], dependent: set[str],
-                   mergeable) -> tuple[list[str], list[str]] | None:
+                   mergeable, blocked: set[str] | None = None) -> tuple[list[str], list[str]] | None:
     """The ops that compute ``ref`` from values available once for the whole batch: merged
     tensors (``mergeable(t)``), shared values (tower 0's copies) and nodes outside the towers.
     Running them once on those inputs is the single-device computation itself, so the result is
-    exact. None when an op on the way is stateful, random, control flow or gradient code."""
+    exact. None when an op on the way is stateful, random, control flow or gradient code.
+
+    ``blocked``: nodes that no plan can recompute, shared by the calls of one analysis (found by
+    one call, never walked again by the next: a ResNet asks for hundreds of plans)."""
     from replicate.graph import ops
 
+    blocked = set() if blocked is None else blocked
+    resized = _resized_by(flow.plan)
     nodes: list[str] = []
     needs: dict[str, None] = {}
     state: dict[str, bool] = {}
+    failed: list[str] = []          # nodes that failed for what they are or read, not for size
 
     def visit(name: str) -> bool:
         if name in state:
             return state[name]
         state[name] = False
+        if name in blocked or len(nodes) >= MAX_RECOMPUTE:
+            return False
         node = ir.nodes[name]
         op_def = ir.op_def(node.op)
         if name in gradient or node.op in ops.CONTROL_FLOW_OPS or op_def is None or \
-                op_def.is_stateful and node.op not in ops.NUMERIC_CHECK_OPS:   # checked once
+                op_def.is_stateful and node.op not in ops.NUMERIC_CHECK_OPS or \
+                _rebatched(resized, node):       # a size the rewrite makes the tower's
+            blocked.add(name)
             return False
-        if _rebatched(flow.plan, node):
-            return False        # it reads a size the rewrite makes the tower's (a static batch)
         for inp in node.inputs:
             producer = node_of(inp)
             if producer not in region or producer not in dependent:
@@ -180,9 +201,13 @@ def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str],
                 needs.setdefault(tensor_name(*parse_tensor(inp)), None)
                 continue
             if not visit(producer):
+                if producer in blocked:
+                    failed.append(name)
                 return False
         nodes.append(name)
         state[name] = len(nodes) <= MAX_RECOMPUTE
         return state[name]
 
-    return (nodes, list(needs)) if visit(node_of(ref)) else None
+    found = visit(node_of(ref))
+    blocked.update(failed)          # each reads a blocked node: no plan can run it either
+    return (nodes, list(needs)) if found else None

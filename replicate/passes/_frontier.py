@@ -89,6 +89,14 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     forward_only: list[str] = []
     recomputed: set[str] = set()        # nodes recomputed once from merged values, by name
     merged: dict[str, Frontier] = {}
+    blocked: set[str] = set()           # nodes no recompute plan can run (shared by the plans)
+    mergeable: dict[str, bool] = {}
+
+    def joins(r: str) -> bool:
+        """The towers' copies of ``r`` merge into the batch's value (a plan's input)."""
+        if r not in mergeable:
+            mergeable[r] = _untainted(flow, r, syncs) and merge_kind(ir, flow, r, syncs).kind in _MERGEABLE
+        return mergeable[r]
 
     def add(t: str, required: bool, recompute: bool = False) -> None:
         if t in merged or node_of(t) not in dependent:
@@ -97,9 +105,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
         if red.kind not in _MERGEABLE:
             fact = flow.fact(t)
             if red.kind != "none" and (required or recompute or (fact is not None and fact.kind == "red")):
-                plan = recompute_plan(ir, flow, t, inside, in_grad, dependent,
-                                      lambda r: _untainted(flow, r, syncs)
-                                      and merge_kind(ir, flow, r, syncs).kind in _MERGEABLE)
+                plan = recompute_plan(ir, flow, t, inside, in_grad, dependent, joins, blocked)
                 if plan is not None:
                     nodes, needs = plan
                     recomputed.update(nodes)
