@@ -38,7 +38,9 @@ class Trainer:
     """A session over an imported copy of a training graph.
 
     Args:
-        source: a tf.Graph or MetaGraphDef (a copy is imported; the source is not touched).
+        source: a tf.Graph or MetaGraphDef (the source is not touched: a tf.Graph whose
+            variables all have their read op already is run as it is, with the ops it has;
+            anything else is imported as a copy).
         train_op: name of the op to run per step.
         cpus: logical CPU devices of the session.
         soft_placement: run ops pinned to absent devices on a CPU.
@@ -50,26 +52,28 @@ class Trainer:
 
         from replicate.graph.io import export_graph, importable
 
-        meta = export_graph(source) if isinstance(source, tf.Graph) else importable(source)
-        self.graph = tf.Graph()
-        with self.graph.as_default():
-            tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
-            self.variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
-            self.init = tf.compat.v1.variables_initializer(list(self.variables.values()))
-            local = tf.compat.v1.local_variables()
-            self.local_init = tf.compat.v1.variables_initializer(local) if local else None
-            table_init = self.graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS)
-            self.table_init = tf.group(*table_init) if table_init else None
-            self._names = sorted(self.variables)
-            self._reads = [self.variables[n].value() if hasattr(self.variables[n], "value")
-                           else self.variables[n] for n in self._names]
+        found = _existing_ops(source) if isinstance(source, tf.Graph) else None
+        if found is not None:       # no copy: importing one costs far more than the steps
+            self.graph = source
+            self.variables, self._reads, local = found
+        else:
+            meta = export_graph(source) if isinstance(source, tf.Graph) else importable(source)
+            self.graph = tf.Graph()
+            with self.graph.as_default():
+                tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+                self.variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+                local = tf.compat.v1.local_variables()
+                self._reads = [self.variables[n].value() if hasattr(self.variables[n], "value")
+                               else self.variables[n] for n in sorted(self.variables)]
+        self._names = sorted(self.variables)
+        tables = self.graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS)
         self.train_op = self.graph.get_operation_by_name(train_op)
         self.session = tf.compat.v1.Session(graph=self.graph,
                                             config=session_config(cpus, threads, soft_placement))
-        self.session.run(self.init)
-        for extra in (self.local_init, self.table_init):
-            if extra is not None:
-                self.session.run(extra)
+        for ops in ([self.variables[n].initializer for n in self._names],
+                    [v.initializer for v in local], list(tables)):
+            if ops:
+                self.session.run(ops)
 
     def values(self) -> dict[str, np.ndarray]:
         """Current value of every global variable, by variable name."""
@@ -104,6 +108,28 @@ class Trainer:
     def close(self) -> None:
         """Close the session."""
         self.session.close()
+
+
+def _existing_ops(graph) -> tuple[dict, list, list] | None:
+    """(global variables by name, a read of each in name order, local variables) of ``graph``
+    from ops it already has, or None when a variable has no read op of its own (a read would
+    have to be added to the user's graph)."""
+    import tensorflow as tf
+
+    def read(var):
+        found = getattr(var, "_graph_element", None)            # a resource variable's read
+        if found is None and hasattr(var, "_snapshot"):        # a ref variable's
+            found = var._snapshot
+        return found if getattr(found, "graph", None) is graph else None
+
+    with graph.as_default():
+        variables = {v.op.name: v for v in tf.compat.v1.global_variables()}
+        local = tf.compat.v1.local_variables()
+    reads = [read(variables[n]) for n in sorted(variables)]
+    if any(r is None for r in reads) or any(getattr(v, "initializer", None) is None
+                                            for v in list(variables.values()) + local):
+        return None
+    return variables, reads, local
 
 
 @dataclasses.dataclass
