@@ -282,3 +282,40 @@ def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
     if kind.startswith("print"):        # printed once per step, not once per tower
         prints = [n for n in res.graph_def.node if n.op == "PrintV2"]
         assert len(prints) == 1, [n.name for n in prints]
+
+
+def _checked_sum_graph(kind: str) -> tf.Graph:
+    """A NaN check of a batch sum, divided by the batch size after it (review 44 B5): the
+    check's gradient checks the gradient entering it too, which in a tower without examples
+    is 1 / 0 (its mean of no examples)."""
+    g = tf.Graph()
+    with _control_flow_v1(kind == "cond_branch"), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.tanh(tf.matmul(x, w)))
+        size = tf.cast(tf.shape(x)[0], tf.float32)
+        if kind == "sum_over_size":
+            loss = tf.debugging.check_numerics(tf.reduce_sum(ce), "nan") / size
+        elif kind == "in_a_function":
+            @tf.function
+            def checked(c):
+                return tf.debugging.check_numerics(tf.reduce_sum(c), "nan")
+            loss = checked(ce) / size
+        else:   # the mean checked in a TF1 cond's branch: the towers' gradients entering it add up
+            flag = v1.placeholder_with_default(True, [], name="flag")
+            loss = tf.cond(flag, lambda: tf.debugging.check_numerics(tf.reduce_mean(ce), "nan"),
+                           lambda: tf.reduce_mean(ce))
+        loss = tf.identity(loss, name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("kind", ["sum_over_size", "in_a_function", "cond_branch"])
+def test_a_nan_check_s_gradient_runs_in_a_tower_without_examples(kind):
+    graph = _checked_sum_graph(kind)
+    res = replicate.transform(graph, DEVICES)
+    # a check inside a function body cannot read the batch's value: a reason, and it runs
+    assert res.report.exact == (kind != "in_a_function"), res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp

@@ -18,6 +18,15 @@ examples, in the graph and inside function bodies.
   tower's reads the depth of its incoming gradient, which is the images' depth whenever the
   batch has examples.
 
+- A NaN check of gradient code (``CheckNumerics``, or a call of a body that has one: the
+  gradient of ``check_numerics`` checks its incoming gradient too) on a value that is not per
+  example reads zeros in place of the values that are not finite, in a tower without
+  examples. Such a tower's mean of no examples is 0 / 0, and its gradient (1 / 0 through
+  ``sum / batch``) is not finite; the aggregate pass weighs it by 0, but the check stopped
+  the step first (review 44). Finite values pass: an empty tower's share of a gradient the
+  sync pass adds up across the towers is as much the step's as any other's. A per-example
+  value has no elements there and is left alone.
+
 With examples nothing is padded or cut, so every result is exactly the unguarded one.
 
 TF1 ops sit in the graph: each tower copy is guarded. TF2's ``tf.nn.ctc_loss`` calls its op
@@ -38,7 +47,8 @@ from tensorflow.python.framework import dtypes, tensor_util
 
 from replicate.graph.ir import IR, make_attr
 
-__all__ = ["pad_ctc_losses", "empty_tensor_scatters", "empty_gathers", "crop_gradient_depths", "TENSOR_SCATTERS"]
+__all__ = ["pad_ctc_losses", "empty_tensor_scatters", "empty_gathers", "crop_gradient_depths",
+           "finite_gradient_checks", "TENSOR_SCATTERS", "FINITE_CHECKS"]
 
 I32, I64 = dtypes.int32, dtypes.int64
 
@@ -70,6 +80,57 @@ def crop_gradient_depths(ir: IR) -> int:
     """Every tower's ``CropAndResizeGradImage`` takes the images' depth from its gradient
     (module docstring); returns how many ops changed."""
     return _guard_all(ir, {"CropAndResizeGradImage"}, _crop_depth, bodies=False)
+
+
+#: Ops that stop a step on a value that is not finite.
+FINITE_CHECKS = frozenset({"CheckNumerics", "CheckNumericsV2"})
+
+
+def finite_gradient_checks(ir: IR) -> int:
+    """Every tower's NaN check of gradient code on a value that is not per example reads zeros
+    for values that are not finite when the tower has no examples (module docstring); returns
+    how many inputs changed."""
+    from replicate.batchflow.effects import called_functions
+    from replicate.batchflow.lattice import PART
+    from replicate.batchflow.roles import FLOAT_TYPES
+
+    flow, towers = ir.facts["analysis"].flow, ir.facts["towers"]
+    if flow is None:
+        return 0
+    checking = _checking_functions(ir, called_functions)
+    done = 0
+    for k, names in enumerate(ir.facts["copies"]):
+        prefix = f"{towers.prefixes[k]}/"
+        for name, copied in names.items():
+            op = ir.nodes.get(copied)
+            if op is None or name not in flow.ctx.gradient or not (
+                    op.op in FINITE_CHECKS or checking.intersection(called_functions(op))):
+                continue
+            for i, ref in enumerate(list(op.inputs[:1] if op.op in FINITE_CHECKS else op.inputs)):
+                fact = flow.fact(ref[len(prefix):] if ref.startswith(prefix) else ref)
+                if ir.output_dtype(ref) not in FLOAT_TYPES or (fact is not None and fact.kind == PART):
+                    continue
+                ops = _GraphOps(ir, op)
+                dtype = dtypes.as_dtype(ir.output_dtype(ref))
+                some = ops.add(f"some_{i}", "Greater", [towers.counts[k], ops.const(f"none_{i}", 0)], T=I32)
+                kept = ops.add(f"kept_{i}", "LogicalOr", [some, ops.add(f"is_finite_{i}", "IsFinite", [ref], T=dtype)])
+                ops.set_input(i, ops.add(f"finite_{i}", "SelectV2", [
+                    kept, ref, ops.add(f"zeros_{i}", "ZerosLike", [ref], T=dtype)], T=dtype))
+                done += 1
+    return done
+
+
+def _checking_functions(ir: IR, called_functions) -> set[str]:
+    """Library functions with a NaN check in their body or in a body they call."""
+    bodies = {f.signature.name: f for f in ir.library.function} if ir.library is not None else {}
+    calls = {name: {c for n in f.node_def for c in called_functions(n)} for name, f in bodies.items()}
+    found = {name for name, f in bodies.items() if any(n.op in FINITE_CHECKS for n in f.node_def)}
+    grown = True
+    while grown:
+        more = {name for name, inner in calls.items() if name not in found and inner & found}
+        found |= more
+        grown = bool(more)
+    return found
 
 
 def _guard_all(ir: IR, kinds, guard, bodies: bool = True, only=None) -> int:

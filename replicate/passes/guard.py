@@ -14,7 +14,7 @@ holds enough examples, with a message that says so (:mod:`replicate.passes._pick
 tower's run-time reshape target gets the ``-1`` the analysis proved (a sparse one to ``[n, -1]``
 the product of its input's other dimensions), a gradient range a
 nonzero step, a stack of an empty list or a TensorArray's gather a full element shape, and the gradient of a gather
-along another axis its number of indices, a segment op a count of at least 0, a CTC loss a padding example, and a depthwise filter
+along another axis its number of indices, a segment op a count of at least 0, a CTC loss a padding example, a NaN check of gradient code zeros, and a depthwise filter
 gradient zeros (its kernel leaves the output unwritten), where an empty tower would fail (:mod:`replicate.passes._empty`), and
 ``max_pool_with_argmax`` and its gradient one zero example (:mod:`replicate.passes._pad`); and every tower gather of a flattened batch by offsets
 ``range(batch) * stride + offset`` checks that each offset stays inside its own example
@@ -50,7 +50,8 @@ from replicate.graph.ir import IR
 from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, infer_sparse_reshapes,
                                      nonnegative_segments, nonzero_steps, shape_array_gathers,
                                      stack_empty_lists, zero_unwritten_outputs)
-from replicate.passes._empty_kernels import crop_gradient_depths, empty_gathers, empty_tensor_scatters, pad_ctc_losses
+from replicate.passes._empty_kernels import (crop_gradient_depths, empty_gathers, empty_tensor_scatters,
+                                             finite_gradient_checks, pad_ctc_losses)
 from replicate.passes._pad import pad_empty_batches
 from replicate.passes._picks import assert_examples
 from replicate.passes._rows import local_rows
@@ -81,6 +82,7 @@ EMPTY_GUARDS = (
     (crop_gradient_depths, "crop gradients the depth of their incoming gradient"),
     (pad_empty_batches, "kernels that reject an empty batch one zero example"),
     (zero_unwritten_outputs, "kernels that leave their output unwritten when empty read zeros"),
+    (finite_gradient_checks, "NaN checks of gradient code on values not per example read zeros when empty"),
 )
 
 
