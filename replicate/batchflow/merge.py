@@ -179,12 +179,16 @@ def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str],
     needs: dict[str, None] = {}
     state: dict[str, bool] = {}
     failed: list[str] = []          # nodes that failed for what they are or read, not for size
+    overflow: list[bool] = []
 
     def visit(name: str) -> bool:
         if name in state:
             return state[name]
         state[name] = False
-        if name in blocked or len(nodes) >= MAX_RECOMPUTE:
+        if name in blocked:
+            return False
+        if len(nodes) >= MAX_RECOMPUTE:
+            overflow.append(True)
             return False
         node = ir.nodes[name]
         op_def = ir.op_def(node.op)
@@ -206,8 +210,12 @@ def recompute_plan(ir: IR, flow, ref: str, region: set[str], gradient: set[str],
                 return False
         nodes.append(name)
         state[name] = len(nodes) <= MAX_RECOMPUTE
+        if not state[name]:
+            overflow.append(True)
         return state[name]
 
     found = visit(node_of(ref))
     blocked.update(failed)          # each reads a blocked node: no plan can run it either
+    if not found and overflow and not failed:
+        blocked.add(node_of(ref))   # needs more ops than a plan may run, whatever else it has
     return (nodes, list(needs)) if found else None

@@ -90,6 +90,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     recomputed: set[str] = set()        # nodes recomputed once from merged values, by name
     merged: dict[str, Frontier] = {}
     blocked: set[str] = set()           # nodes no recompute plan can run (shared by the plans)
+    plans: dict[str, tuple | None] = {}  # by node: a plan runs nodes (a batch norm's 5 outputs)
     mergeable: dict[str, bool] = {}
 
     def joins(r: str) -> bool:
@@ -105,7 +106,9 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
         if red.kind not in _MERGEABLE:
             fact = flow.fact(t)
             if red.kind != "none" and (required or recompute or (fact is not None and fact.kind == "red")):
-                plan = recompute_plan(ir, flow, t, inside, in_grad, dependent, joins, blocked)
+                if node_of(t) not in plans:
+                    plans[node_of(t)] = recompute_plan(ir, flow, t, inside, in_grad, dependent, joins, blocked)
+                plan = plans[node_of(t)]
                 if plan is not None:
                     nodes, needs = plan
                     recomputed.update(nodes)
