@@ -416,3 +416,45 @@ def test_weights_from_a_batch_statistic_over_their_sum_are_not_exact_per_tower(f
         assert not res.report.exact
         assert any(r.node == "Mean" for r in res.report.reasons), res.report.reasons
         assert cmp.max_rel > 1e-3     # the reason is real
+
+
+@pytest.mark.parametrize("guard", ["count", "flag"])
+def test_a_guarded_ratio_added_to_a_batch_mean_is_fetched_as_the_batch_s(guard):
+    """Multi-task: a second task whose labels may be missing, its ratio of masked sums guarded
+    by a TF1 cond (review 44 A2). Training was exact, but the fetched loss was tower 0's
+    (1-19% off): the ratio, each tower's copy computed from synchronized sums, is the batch's
+    in every tower, and the loss that adds it to the merged batch mean is computed once."""
+    graph = tf.Graph()
+    v1.disable_control_flow_v2()
+    try:
+        with graph.as_default():
+            x = v1.placeholder(tf.float32, [None, 4], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            y2 = v1.placeholder(tf.int64, [None], name="y2")      # -1: no label for task 2
+            w = v1.get_variable("w", [4, 5], initializer=v1.glorot_uniform_initializer(seed=1))
+            w2 = v1.get_variable("w2", [5, 3], initializer=v1.glorot_uniform_initializer(seed=2))
+            w3 = v1.get_variable("w3", [5, 3], initializer=v1.glorot_uniform_initializer(seed=3))
+            h = tf.tanh(tf.matmul(x, w))
+            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(h, w2))
+            m = tf.cast(y2 >= 0, tf.float32)
+            ce2 = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.maximum(y2, 0), logits=tf.matmul(h, w3))
+            pred = tf.reduce_sum(m) > 0 if guard == "count" else v1.placeholder_with_default(True, [], name="flag")
+            ratio = tf.cond(pred, lambda: tf.reduce_sum(ce2 * m) / tf.maximum(tf.reduce_sum(m), 1.0),
+                            lambda: tf.constant(0.0))
+            loss = tf.identity(tf.reduce_mean(ce) + tf.identity(ratio, name="l2"), name="loss")
+            v1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    finally:
+        v1.enable_control_flow_v2()
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(3)
+    feeds = []
+    for batch in (7, 2, 5):
+        labels = np.full(batch, -1)
+        labels[:: 3] = rng.randint(0, 3, len(labels[:: 3]))
+        feeds.append({"x:0": rng.randn(batch, 4).astype(np.float32), "y:0": rng.randint(0, 3, batch),
+                      "y2:0": labels})
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0", "l2:0"))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+    for one, many in cmp.fetched:
+        np.testing.assert_allclose(many, one, rtol=1e-5)

@@ -19,6 +19,7 @@ from replicate.batchflow.merge import merge_kind, recompute_plan
 from replicate.batchflow.roles import FLOAT_TYPES, sparse_roles
 from replicate.errors import AnalysisError
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
+from replicate.passes._synced import global_value
 
 __all__ = ["classify", "fetch_cone"]
 
@@ -94,9 +95,12 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     mergeable: dict[str, bool] = {}
 
     def joins(r: str) -> bool:
-        """The towers' copies of ``r`` merge into the batch's value (a plan's input)."""
+        """The towers' copies of ``r`` merge into the batch's value, or each holds it already
+        (computed from synchronized reductions: a ratio of synchronized sums in a TF1 cond's
+        branch, review 44 A2): a plan's input."""
         if r not in mergeable:
-            mergeable[r] = _untainted(flow, r, syncs) and merge_kind(ir, flow, r, syncs).kind in _MERGEABLE
+            mergeable[r] = (_untainted(flow, r, syncs) and merge_kind(ir, flow, r, syncs).kind in _MERGEABLE) \
+                or bool(syncs) and global_value(flow, r, syncs)
         return mergeable[r]
 
     def add(t: str, required: bool, recompute: bool = False) -> None:
