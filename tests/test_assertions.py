@@ -253,7 +253,8 @@ def test_an_assertion_in_a_tf1_loop_on_a_whole_batch_value_is_a_reason_and_runs(
     compare(g, res.graph, "train", _feeds([7, 2]), fetch=("loss:0",))     # runs
 
 
-@pytest.mark.parametrize("kind", ["print_argmax", "print_first", "assert_sorted_min", "check_sorted_max"])
+@pytest.mark.parametrize("kind", ["print_argmax", "print_first", "assert_sorted_min", "check_sorted_max",
+                                  "all_finite_first"])
 def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
     """Review 44: printing or checking the batch's worst or first example (``tf.print(argmax(
     ce))``, ``tf.print(x[0])``, an assertion on ``sort(c)[0]``) as a control dependency was
@@ -271,6 +272,8 @@ def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
             "print_first": lambda: tf.print("first", x[0], output_stream="file:///dev/null"),
             "assert_sorted_min": lambda: v1.assert_non_negative(tf.sort(c)[0]),
             "check_sorted_max": lambda: tf.debugging.check_numerics(tf.sort(c)[-1], "nan"),
+            # an identity of the first example that waits for the check
+            "all_finite_first": lambda: tf.debugging.assert_all_finite(c[0], "nan"),
         }[kind]()
         with tf.control_dependencies([check]):
             loss = tf.identity(tf.reduce_mean(ce), name="loss")

@@ -415,6 +415,13 @@ def _once(ir: IR, copies: list[dict[str, str]], name: str, refs: dict[int, str] 
             node.op, node.attrs = "Identity", {"T": node.attrs["T"]}
             if once is not None and not _read(ir, node.name):    # (verify_tensor_all_finite's
                 ir.set_input(node.name, 0, once)                    # identity waited for)
+            for waiter in list(ir.consumers(node.name)) if once is not None else ():
+                # assert_all_finite(ce[0]): an identity of the checked value that waits for
+                # the check, itself only waited for, forwards the batch's value, not a pick
+                # of the tower's first example (it stopped an empty tower, review 44 B3)
+                if waiter.op == "Identity" and node.name in waiter.control and waiter.inputs \
+                        and not _read(ir, waiter.name):
+                    ir.set_input(waiter.name, 0, once)
         else:
             continue        # a print with no merged value: each tower prints its own
         changed += 1
