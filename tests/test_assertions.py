@@ -254,7 +254,7 @@ def test_an_assertion_in_a_tf1_loop_on_a_whole_batch_value_is_a_reason_and_runs(
 
 
 @pytest.mark.parametrize("kind", ["print_argmax", "print_first", "assert_sorted_min", "check_sorted_max",
-                                  "all_finite_first"])
+                                  "all_finite_first", "summary_top_1", "histogram_first_3"])
 def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
     """Review 44: printing or checking the batch's worst or first example (``tf.print(argmax(
     ce))``, ``tf.print(x[0])``, an assertion on ``sort(c)[0]``) as a control dependency was
@@ -274,6 +274,8 @@ def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
             "check_sorted_max": lambda: tf.debugging.check_numerics(tf.sort(c)[-1], "nan"),
             # an identity of the first example that waits for the check
             "all_finite_first": lambda: tf.debugging.assert_all_finite(c[0], "nan"),
+            "summary_top_1": lambda: v1.summary.scalar("worst", tf.math.top_k(c, 1).values[0]),
+            "histogram_first_3": lambda: v1.summary.histogram("first", c[:3]),
         }[kind]()
         with tf.control_dependencies([check]):
             loss = tf.identity(tf.reduce_mean(ce), name="loss")
@@ -285,6 +287,8 @@ def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
     if kind.startswith("print"):        # printed once per step, not once per tower
         prints = [n for n in res.graph_def.node if n.op == "PrintV2"]
         assert len(prints) == 1, [n.name for n in prints]
+    # no tower picks its own examples any more: no step needs a minimum batch
+    assert not any("examples per step" in w for w in res.report.warnings), res.report.warnings
 
 
 def _checked_sum_graph(kind: str) -> tf.Graph:

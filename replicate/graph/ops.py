@@ -9,6 +9,7 @@ type and the names of its arguments.
 from __future__ import annotations
 
 __all__ = [
+    "SUMMARY_VALUE",
     "VARIABLE_OPS",
     "RESOURCE_VARIABLE_OPS",
     "REF_VARIABLE_OPS",
@@ -251,6 +252,10 @@ READ_STATE_OPS = frozenset(
 READ_STATE_FAMILIES = ("Iterator", "Dataset", "Queue", "Reader", "TensorArray", "Stack",
                        "Summary", "Barrier", "Record", "Save", "Restore", "Print", "Assert",
                        "Optional", "Tpu", "TPU", "Infeed", "Outfeed", "Debug", "Variable")
+
+#: Summary ops (a protocol buffer of a value, no state) -> the input holding the value.
+SUMMARY_VALUE: dict[str, int] = {"ScalarSummary": 1, "HistogramSummary": 1, "TensorSummaryV2": 1,
+                                 "ImageSummary": 1, "AudioSummaryV2": 1}
 
 #: Reductions over the batch and how tower results combine into the global value:
 #: ``mean`` is weighted by example counts, ``sum`` adds, ``max``/``min`` take extremes.

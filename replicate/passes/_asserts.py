@@ -39,9 +39,12 @@ from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
 __all__ = ["whole_batch", "unchecked", "in_bodies", "rewire", "uncheck", "guard"]
 
-#: Ops run once on a merged value: NaN checks, and prints (``tf.print``) of the batch's values.
-_PRINTS = frozenset({"PrintV2"})
+#: Ops run once on a merged value: NaN checks, and prints (``tf.print``) and summaries of the
+#: batch's values.
+_PRINTS = frozenset({"PrintV2"}) | frozenset(ops.SUMMARY_VALUE)
 _ONCE = ops.NUMERIC_CHECK_OPS | _PRINTS
+#: The input that holds the value of a print, summary or check.
+_VALUE = ops.SUMMARY_VALUE
 
 #: Roles of a merged forward output whose original name holds the whole batch's value.
 _GLOBAL_ROLES = frozenset({"concat", "mean", "sum", "ratio", "max", "min", "recompute", "global"})
@@ -81,8 +84,8 @@ def whole_batch(ir: IR, flow, region: list[str], dependent: set[str]) -> dict[st
         if not node.inputs or (node.op not in ASSERT_OPS and node.op not in ops.CALL_OPS
                                and node.op not in _ONCE):
             continue
-        if node.op in _ONCE:       # a NaN check or print of a value of the whole batch
-            value = tensor_name(*parse_tensor(node.inputs[0]))
+        if node.op in _ONCE:       # a NaN check, print or summary of a value of the whole batch
+            value = tensor_name(*parse_tensor(node.inputs[_VALUE.get(node.op, 0)]))
             if name not in flow.ctx.gradient and opening(ir, name) is None and \
                     _varying(ir, flow.fact(value), value, dependent):
                 found[name] = {0: value}
@@ -395,7 +398,9 @@ def _once(ir: IR, copies: list[dict[str, str]], name: str, refs: dict[int, str] 
     first = ir.nodes[copies[0][name]]
     once = None
     if refs and node_of(refs[0]) in ir.nodes:
-        once = ir.add(f"{name}/replicate_batch", first.op, [_ref(refs[0])],
+        inputs = list(first.inputs)         # a summary's tag: tower 0's constant
+        inputs[_VALUE.get(first.op, 0)] = _ref(refs[0])
+        once = ir.add(f"{name}/replicate_batch", first.op, inputs,
                       device=ir.nodes[node_of(refs[0])].device, attrs=dict(first.attrs)).name
         if first.op in ops.NUMERIC_CHECK_OPS:
             for apply in applies:
@@ -406,7 +411,7 @@ def _once(ir: IR, copies: list[dict[str, str]], name: str, refs: dict[int, str] 
         node = ir.nodes.get(tower.get(name, ""))
         if node is None:
             continue
-        if once is not None and node.op in _PRINTS:
+        if once is not None and node.op in _PRINTS and not _read(ir, node.name, 0):
             for waiter in list(ir.consumers(node.name)):
                 ir.set_control(waiter.name, list(dict.fromkeys(
                     once if c == node.name else c for c in waiter.control)))

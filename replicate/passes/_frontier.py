@@ -18,6 +18,7 @@ from replicate.batchflow.facts import ApplyOp, Frontier, GradScope
 from replicate.batchflow.merge import merge_kind, recompute_plan
 from replicate.batchflow.roles import FLOAT_TYPES, sparse_roles
 from replicate.errors import AnalysisError
+from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 from replicate.passes._synced import global_value
 
@@ -109,7 +110,8 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
         red = merge_kind(ir, flow, t, syncs)
         if red.kind not in _MERGEABLE:
             fact = flow.fact(t)
-            if red.kind != "none" and (required or recompute or (fact is not None and fact.kind == "red")):
+            summary = ir.nodes[node_of(t)].op in ops.SUMMARY_VALUE    # of the batch's values
+            if red.kind != "none" and (required or recompute or summary or (fact is not None and fact.kind == "red")):
                 if node_of(t) not in plans:
                     plans[node_of(t)] = recompute_plan(ir, flow, t, inside, in_grad, dependent, joins, blocked)
                 plan = plans[node_of(t)]
@@ -198,7 +200,6 @@ def fetch_cone(ir: IR, stand_ins: list[str], inside: set[str], dependent: set[st
     a conflict: every op downstream of a stand-in up to a state write, an update or gradient
     code; the analysis then puts them in the towers, whose values it merges (or, unmergeable
     in turn, warns of), so they run."""
-    from replicate.graph import ops
 
     def pure(node) -> bool:
         op_def = ir.op_def(node.op)

@@ -85,14 +85,16 @@ def assert_examples(ir: IR) -> int:
     done, needs = 0, {}
     towers = ir.facts["towers"]
     grads = tuple(f"{s.prefix}/" for s in ir.facts["analysis"].scopes)
+    dead = _unread(ir, {c for names in copies for c in names.values()})
     for k, names in enumerate(copies):
         prefix = f"{towers.prefixes[k]}/"
         # a batch input's slice for the tower is read as the input (``x[0]`` of a placeholder)
         inputs = {tensor_name(*parse_tensor(v)): o for o, v in towers.inputs[k].items()}
         for name, copied in names.items():
             copy = ir.nodes.get(copied)
-            if copy is None or copy.op not in PICK_OPS:
-                continue
+            if copy is None or copy.op not in PICK_OPS or copied in dead and not any(
+                    o.startswith(tuple(f"{s}{name}_grad/" for s in grads)) for o in names):
+                continue        # never run, nor its gradient (which fails as the pick does)
             data, where, kind = PICK_OPS[copy.op]
             position = 0 if kind == "classes" else _constant(ir, copy.inputs[where])
             if name in flow.ctx.gradient or (position is None and copy.op not in _RUN_TIME):
@@ -140,6 +142,30 @@ def assert_examples(ir: IR) -> int:
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
     return done
+
+
+def _unread(ir: IR, names: set[str]) -> set[str]:
+    """Tower copies no op needs, by data or control, through other such copies: stateless
+    ones a step never runs (a tower's pick of its worst example for a summary that now reads
+    the batch's, review 44). Their check would never run either; the warning that a step needs
+    enough examples for them was untrue."""
+    def stateless(name: str) -> bool:
+        op_def = ir.op_def(ir.nodes[name].op)
+        return op_def is not None and not op_def.is_stateful
+
+    waiting = {n: len(ir.consumers(n)) for n in names if n in ir.nodes}
+    work = [n for n, count in waiting.items() if count == 0 and stateless(n)]
+    dead: set[str] = set()
+    while work:
+        name = work.pop()
+        dead.add(name)
+        node = ir.nodes[name]
+        for producer in dict.fromkeys([node_of(r) for r in node.inputs] + list(node.control)):
+            if producer in waiting and producer not in dead:
+                waiting[producer] -= 1
+                if waiting[producer] == 0 and stateless(producer):
+                    work.append(producer)
+    return dead
 
 
 def _batch_axis(ir: IR, flow, copy: Node, name: str, picked: str, spec: list | None) -> int | None:
