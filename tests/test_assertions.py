@@ -296,7 +296,7 @@ def _checked_sum_graph(kind: str) -> tf.Graph:
     check's gradient checks the gradient entering it too, which in a tower without examples
     is 1 / 0 (its mean of no examples)."""
     g = tf.Graph()
-    with _control_flow_v1(kind == "cond_branch"), g.as_default():
+    with _control_flow_v1(kind in ("cond_branch", "tf1_loop")), g.as_default():
         x = v1.placeholder(tf.float32, [None, 6], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
@@ -309,6 +309,11 @@ def _checked_sum_graph(kind: str) -> tf.Graph:
             def checked(c):
                 return tf.debugging.check_numerics(tf.reduce_sum(c), "nan")
             loss = checked(ce) / size
+        elif kind == "tf1_loop":   # a weight norm checked in a TF1 loop's body: its frame
+            # cannot read the tower's count outside it ("inputs from different frames", review 45)
+            _, norm = tf.while_loop(lambda i, a: i < 2, lambda i, a: (i + 1, a + tf.debugging.check_numerics(
+                tf.reduce_sum(tf.square(w)), "nan")), [0, 0.0])
+            loss = tf.reduce_mean(ce) + 0.01 * norm
         else:   # the mean checked in a TF1 cond's branch: the towers' gradients entering it add up
             flag = v1.placeholder_with_default(True, [], name="flag")
             loss = tf.cond(flag, lambda: tf.debugging.check_numerics(tf.reduce_mean(ce), "nan"),
@@ -318,7 +323,7 @@ def _checked_sum_graph(kind: str) -> tf.Graph:
     return g
 
 
-@pytest.mark.parametrize("kind", ["sum_over_size", "in_a_function", "cond_branch"])
+@pytest.mark.parametrize("kind", ["sum_over_size", "in_a_function", "cond_branch", "tf1_loop"])
 def test_a_nan_check_s_gradient_runs_in_a_tower_without_examples(kind):
     graph = _checked_sum_graph(kind)
     res = replicate.transform(graph, DEVICES)

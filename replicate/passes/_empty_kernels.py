@@ -93,6 +93,7 @@ def finite_gradient_checks(ir: IR) -> int:
     from replicate.batchflow.effects import called_functions
     from replicate.batchflow.lattice import PART
     from replicate.batchflow.roles import FLOAT_TYPES
+    from replicate.graph.frames import opening
 
     flow, towers = ir.facts["analysis"].flow, ir.facts["towers"]
     if flow is None:
@@ -104,8 +105,9 @@ def finite_gradient_checks(ir: IR) -> int:
         for name, copied in names.items():
             op = ir.nodes.get(copied)
             if op is None or name not in flow.ctx.gradient or not (
-                    op.op in FINITE_CHECKS or checking.intersection(called_functions(op))):
-                continue
+                    op.op in FINITE_CHECKS or checking.intersection(called_functions(op))) \
+                    or opening(ir, copied) is not None:
+                continue    # (in a TF1 loop's frame the count outside it cannot be read)
             for i, ref in enumerate(list(op.inputs[:1] if op.op in FINITE_CHECKS else op.inputs)):
                 fact = flow.fact(ref[len(prefix):] if ref.startswith(prefix) else ref)
                 if ir.output_dtype(ref) not in FLOAT_TYPES or (fact is not None and fact.kind == PART):
