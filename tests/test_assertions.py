@@ -331,3 +331,25 @@ def test_a_nan_check_s_gradient_runs_in_a_tower_without_examples(kind):
     assert res.report.exact == (kind != "in_a_function"), res.report.reasons
     cmp = compare(graph, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
     assert cmp.max_rel < 1e-5, cmp
+
+
+def test_a_print_of_a_batch_statistic_out_of_a_tf1_cond_is_said_to_print_per_tower():
+    """Review 45: a variance computed in a TF1 cond's branch cannot be computed once from the
+    towers' values, so each tower prints its own (three lines a step, ``nan`` for a tower
+    without examples). Training is exact; the report now says which print logs per tower."""
+    g = tf.Graph()
+    with _control_flow_v1(True), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        stat = tf.cond(flag, lambda: tf.math.reduce_variance(tf.stop_gradient(ce)), lambda: 0.0)
+        with tf.control_dependencies([tf.print("variance", stat, output_stream="file:///dev/null")]):
+            loss = tf.identity(tf.reduce_mean(ce), name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    res = replicate.transform(g, DEVICES)
+    assert res.report.exact, res.report.reasons
+    assert any("each tower logs its own" in w for w in res.report.warnings), res.report.warnings
+    cmp = compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp

@@ -37,7 +37,7 @@ from replicate.graph import ops
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
-__all__ = ["whole_batch", "unchecked", "in_bodies", "rewire", "uncheck", "guard"]
+__all__ = ["whole_batch", "unchecked", "logged_per_tower", "in_bodies", "rewire", "uncheck", "guard"]
 
 #: Ops run once on a merged value: NaN checks, and prints (``tf.print``) and summaries of the
 #: batch's values.
@@ -269,6 +269,18 @@ def unchecked(ir: IR, checks: dict[str, dict[int, str]], outputs,
         else:
             reasons.append(_in_body(name, next(t for t in refs.values() if t not in merged)))
     return settled, reasons
+
+
+def logged_per_tower(ir: IR, checks: dict, settled: dict) -> list[str]:
+    """Warnings for prints and summaries of a value of the whole batch that :func:`unchecked`
+    could not settle (``checks`` before, ``settled`` after): each tower logs its own value
+    (a variance out of a TF1 cond: three lines a step, ``nan`` for a tower without examples,
+    review 45), where one device logs the batch's. Training is not affected."""
+    return [f"'{name}' logs '{checks[name][0]}', a value of the whole batch that replicate cannot "
+            "compute once from the towers' values: each tower logs its own (one device logs the "
+            "batch's); compute it outside a tf.cond or loop to log the batch's"
+            for name, refs in settled.items() if refs is None and ir.nodes[name].op in _PRINTS
+            and checks.get(name)]
 
 
 def _is_call(ir: IR, node: Node) -> bool:

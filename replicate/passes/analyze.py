@@ -252,7 +252,9 @@ class Analyze:
         # a node the shared graph keeps (it computes on the whole batch) keeps its own value
         kept = {t for t in forward_only if node_of(t) in keep}
         outputs = [f for f in outputs if f.tensor not in kept]
-        checks, unchecked = _asserts.unchecked(ir, checks, outputs, flow)
+        settled, unchecked = _asserts.unchecked(ir, checks, outputs, flow)
+        warnings += _asserts.logged_per_tower(ir, checks, settled)
+        checks = settled
         inner, bodies = _asserts.in_bodies(ir, flow, checks)
         reasons += unchecked + inner
         forward_only = [t for t in forward_only if t not in kept
