@@ -37,7 +37,8 @@ from replicate.graph import ops
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
 
-__all__ = ["whole_batch", "unchecked", "logged_per_tower", "in_bodies", "rewire", "uncheck", "guard"]
+__all__ = ["whole_batch", "unchecked", "logged_per_tower", "checked_once", "in_bodies", "rewire", "uncheck",
+           "guard"]
 
 #: Ops run once on a merged value: NaN checks, and prints (``tf.print``) and summaries of the
 #: batch's values.
@@ -281,6 +282,19 @@ def logged_per_tower(ir: IR, checks: dict, settled: dict) -> list[str]:
             "batch's); compute it outside a tf.cond or loop to log the batch's"
             for name, refs in settled.items() if refs is None and ir.nodes[name].op in _PRINTS
             and checks.get(name)]
+
+
+def checked_once(ir: IR, settled: dict) -> set[str]:
+    """NaN checks :func:`rewire` makes once on the merged value and whose value no op reads,
+    and the identities (``verify_tensor_all_finite``'s) that wait for them: fetched by name,
+    each gives the batch's value (the warning called it tower 0's, review 45)."""
+    found: set[str] = set()
+    for name, refs in settled.items():
+        if refs and ir.nodes[name].op in ops.NUMERIC_CHECK_OPS and not _read(ir, name):
+            found.add(name)
+            found.update(w.name for w in ir.consumers(name)
+                         if w.op == "Identity" and name in w.control and not _read(ir, w.name))
+    return found
 
 
 def _is_call(ir: IR, node: Node) -> bool:

@@ -257,7 +257,8 @@ class Analyze:
         checks = settled
         inner, bodies = _asserts.in_bodies(ir, flow, checks)
         reasons += unchecked + inner
-        forward_only = [t for t in forward_only if t not in kept
+        once = _asserts.checked_once(ir, checks)
+        forward_only = [t for t in forward_only if t not in kept and node_of(t) not in once
                         and not (syncs and _synced.global_value(flow, t, syncs))]
         if forward_only:        # intermediates: a warning, not the report's NOT MERGED line
             # every name: a driver fetching one sees tower 0's value (the list was cut at 4,
