@@ -355,3 +355,19 @@ def test_a_print_of_a_batch_statistic_out_of_a_tf1_cond_is_said_to_print_per_tow
     assert any("each tower logs its own" in w for w in res.report.warnings), res.report.warnings
     cmp = compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
     assert cmp.max_rel < 1e-5, cmp
+
+
+def test_a_nan_check_s_gradient_fails_on_a_batch_of_none_as_on_one_device():
+    """Review 45: a step with no examples at all is one device's 0/0, and its NaN check's
+    gradient stops the step; the empty-tower guard had zeroed the check's input in every tower,
+    and the rewrite trained on. It keeps the check when the whole batch is empty."""
+    graph = _checked_sum_graph("sum_over_size")
+    res = replicate.transform(graph, DEVICES)
+    for g in (graph, res.graph):
+        with g.as_default():
+            init = v1.global_variables_initializer()
+        with v1.Session(graph=g, config=session_config()) as sess:
+            sess.run(init)
+            sess.run("train", _feeds([5])[0])                   # a batch with examples runs
+            with pytest.raises(tf.errors.InvalidArgumentError, match="Inf|NaN"):
+                sess.run("train", _feeds([0])[0])

@@ -23,7 +23,8 @@ examples, in the graph and inside function bodies.
   example reads zeros in place of the values that are not finite, in a tower without
   examples. Such a tower's mean of no examples is 0 / 0, and its gradient (1 / 0 through
   ``sum / batch``) is not finite; the aggregate pass weighs it by 0, but the check stopped
-  the step first (review 44). Finite values pass: an empty tower's share of a gradient the
+  the step first (review 44). A step with no examples at all keeps them, and fails as one
+  device's does (review 45). Finite values pass: an empty tower's share of a gradient the
   sync pass adds up across the towers is as much the step's as any other's. A per-example
   value has no elements there and is left alone.
 
@@ -115,6 +116,9 @@ def finite_gradient_checks(ir: IR) -> int:
                 ops = _GraphOps(ir, op)
                 dtype = dtypes.as_dtype(ir.output_dtype(ref))
                 some = ops.add(f"some_{i}", "Greater", [towers.counts[k], ops.const(f"none_{i}", 0)], T=I32)
+                if towers.batch_size:       # a batch of none: one device's check fails, so does this
+                    some = ops.add(f"some_or_none_{i}", "LogicalOr", [some, ops.add(f"no_batch_{i}", "Equal", [
+                        towers.batch_size, ops.const(f"zero_{i}", 0)], T=I32, incompatible_shape_error=True)])
                 kept = ops.add(f"kept_{i}", "LogicalOr", [some, ops.add(f"is_finite_{i}", "IsFinite", [ref], T=dtype)])
                 ops.set_input(i, ops.add(f"finite_{i}", "SelectV2", [
                     kept, ref, ops.add(f"zeros_{i}", "ZerosLike", [ref], T=dtype)], T=dtype))
