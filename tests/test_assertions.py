@@ -371,3 +371,40 @@ def test_a_nan_check_s_gradient_fails_on_a_batch_of_none_as_on_one_device():
             sess.run("train", _feeds([5])[0])                   # a batch with examples runs
             with pytest.raises(tf.errors.InvalidArgumentError, match="Inf|NaN"):
                 sess.run("train", _feeds([0])[0])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_merged_summaries_the_loss_waits_for_are_the_batch_s(accumulate):
+    """Review 45: ``merge_all()`` as a control dependency of the loss (so that the summary is
+    made every step): the towers' merge read their own summaries, a top-1 scalar stopped the
+    tower without examples, and the fetched merge was tower 0's (a batch mean 1.33 for 1.42).
+    Each tower's merge now reads the summaries made once from the batch's values."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 6], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        c = tf.stop_gradient(ce)
+        v1.summary.scalar("worst", tf.math.top_k(c, 1).values[0])
+        v1.summary.scalar("mean", tf.reduce_mean(c))
+        v1.summary.histogram("first", c[:3])
+        merged = v1.summary.merge_all(name="merged")
+        with tf.control_dependencies([merged]):
+            loss = tf.identity(tf.reduce_mean(ce), name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    res = replicate.transform(g, DEVICES, accumulate=accumulate)
+    assert res.report.exact, res.report.reasons
+    assert not any("tower 0's value" in w or "examples per step" in w for w in res.report.warnings), \
+        res.report.warnings
+    cmp = compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=(merged.name,))
+    assert cmp.max_rel < 1e-5, cmp
+    for (one,), (many,) in cmp.fetched:
+        a, b = tf.compat.v1.Summary(), tf.compat.v1.Summary()
+        a.ParseFromString(one)
+        b.ParseFromString(many)
+        one_scalars = {v.tag: v.simple_value for v in a.value if v.WhichOneof("value") == "simple_value"}
+        many_scalars = {v.tag: v.simple_value for v in b.value if v.WhichOneof("value") == "simple_value"}
+        assert set(one_scalars) == set(many_scalars) and len(one_scalars) == 2, (one_scalars, many_scalars)
+        for tag, value in one_scalars.items():
+            assert many_scalars[tag] == pytest.approx(value, rel=1e-5), tag

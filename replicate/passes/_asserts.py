@@ -286,14 +286,18 @@ def logged_per_tower(ir: IR, checks: dict, settled: dict) -> list[str]:
 
 def checked_once(ir: IR, settled: dict) -> set[str]:
     """NaN checks :func:`rewire` makes once on the merged value and whose value no op reads,
-    and the identities (``verify_tensor_all_finite``'s) that wait for them: fetched by name,
-    each gives the batch's value (the warning called it tower 0's, review 45)."""
+    the identities (``verify_tensor_all_finite``'s) that wait for them, and ``MergeSummary``
+    ops of summaries made once: fetched by name, each gives the batch's value (the warning
+    called it tower 0's, review 45)."""
     found: set[str] = set()
     for name, refs in settled.items():
         if refs and ir.nodes[name].op in ops.NUMERIC_CHECK_OPS and not _read(ir, name):
             found.add(name)
             found.update(w.name for w in ir.consumers(name)
                          if w.op == "Identity" and name in w.control and not _read(ir, w.name))
+    once = {name for name, refs in settled.items() if refs and ir.nodes[name].op in ops.SUMMARY_VALUE}
+    found.update(n.name for n in ir.nodes.values() if n.op == "MergeSummary" and n.inputs
+                 and all(node_of(r) in once for r in n.inputs))
     return found
 
 
@@ -437,6 +441,12 @@ def _once(ir: IR, copies: list[dict[str, str]], name: str, refs: dict[int, str] 
         node = ir.nodes.get(tower.get(name, ""))
         if node is None:
             continue
+        if once is not None and node.op in ops.SUMMARY_VALUE:
+            for merge in [c for c in ir.consumers(node.name) if c.op == "MergeSummary"]:
+                # merge_all() the loss waits for (review 45): it merges the batch's summary
+                for i, ref in enumerate(list(merge.inputs)):
+                    if node_of(ref) == node.name:
+                        ir.set_input(merge.name, i, once)
         if once is not None and node.op in _PRINTS and not _read(ir, node.name, 0):
             for waiter in list(ir.consumers(node.name)):
                 ir.set_control(waiter.name, list(dict.fromkeys(
