@@ -64,6 +64,16 @@ def _feeds(batches):
             for b in batches]
 
 
+def _per_example_losses(squash: bool = False):
+    """In the default graph: the fed ``x`` and ``y``, a seeded weight ``w`` and the examples'
+    cross-entropies of a linear classifier (of ``tanh`` of it, with ``squash``)."""
+    x = v1.placeholder(tf.float32, [None, 6], name="x")
+    y = v1.placeholder(tf.int64, [None], name="y")
+    w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+    logits = tf.tanh(tf.matmul(x, w)) if squash else tf.matmul(x, w)
+    return x, y, w, tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+
+
 WHOLE_BATCH = ["positive_size", "size_above_one", "positive_sum", "some_small"]
 
 
@@ -163,11 +173,7 @@ def _stat_graph(kind: str, v1_control_flow: bool = False) -> tf.Graph:
     """Review 43's cases: checks of a whole-batch value placed in the towers."""
     g = tf.Graph()
     with _control_flow_v1(v1_control_flow), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 6], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        logits = tf.matmul(x, w)
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        x, y, w, ce = _per_example_losses()
         c = x[:, 0]
         deps, updates = [], []
         stat = tf.identity(tf.math.reduce_variance(c), name="stat")
@@ -262,10 +268,7 @@ def test_a_logged_or_checked_pick_of_the_batch_runs_with_an_empty_tower(kind):
     examples" assertion. The print or check runs once, on the batch's value."""
     g = tf.Graph()
     with g.as_default():
-        x = v1.placeholder(tf.float32, [None, 6], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, y, w, ce = _per_example_losses()
         c = tf.stop_gradient(ce)
         check = {
             "print_argmax": lambda: tf.print("worst", tf.argmax(c), output_stream="file:///dev/null"),
@@ -299,10 +302,7 @@ def _checked_sum_graph(kind: str) -> tf.Graph:
     is 1 / 0 (its mean of no examples)."""
     g = tf.Graph()
     with _control_flow_v1(kind in ("cond_branch", "tf1_loop")), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 6], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.tanh(tf.matmul(x, w)))
+        x, y, w, ce = _per_example_losses(squash=True)
         size = tf.cast(tf.shape(x)[0], tf.float32)
         if kind == "sum_over_size":
             loss = tf.debugging.check_numerics(tf.reduce_sum(ce), "nan") / size
@@ -341,10 +341,7 @@ def test_a_print_of_a_batch_statistic_out_of_a_tf1_cond_is_said_to_print_per_tow
     without examples). Training is exact; the report now says which print logs per tower."""
     g = tf.Graph()
     with _control_flow_v1(True), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 6], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, y, w, ce = _per_example_losses()
         flag = v1.placeholder_with_default(True, [], name="flag")
         stat = tf.cond(flag, lambda: tf.math.reduce_variance(tf.stop_gradient(ce)), lambda: 0.0)
         with tf.control_dependencies([tf.print("variance", stat, output_stream="file:///dev/null")]):
@@ -381,10 +378,7 @@ def test_merged_summaries_the_loss_waits_for_are_the_batch_s(accumulate):
     Each tower's merge now reads the summaries made once from the batch's values."""
     g = tf.Graph()
     with g.as_default():
-        x = v1.placeholder(tf.float32, [None, 6], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, y, w, ce = _per_example_losses()
         c = tf.stop_gradient(ce)
         v1.summary.scalar("worst", tf.math.top_k(c, 1).values[0])
         v1.summary.scalar("mean", tf.reduce_mean(c))
