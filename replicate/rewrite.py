@@ -32,6 +32,7 @@ from replicate.passes.analyze import Analyze
 from replicate.passes.clone import Clone
 from replicate.passes.draw import Draw
 from replicate.passes.guard import Guard
+from replicate.passes._logged import warnings as logged_warnings
 from replicate.passes.mirror import Mirror
 from replicate.passes.pipeline import PassRecord, run_pipeline
 from replicate.passes.place import Place
@@ -201,6 +202,7 @@ def _rewrite(graph: Any, devices: Sequence[str], options: Options) -> Result:
             warnings.append(f"the rewrite needs at least {need['batch']} examples per step: "
                             f"'{need['ops'][0]}' reads examples of each tower's batch by position; "
                             "a smaller step stops with an assertion that says so")
+        warnings.extend(logged_warnings(ir.facts.get("logged_picks", {})))
         warnings.extend(_empty_convolutions(ir, devices, options.accumulate))
         graph_def = ir.to_graph_def()
         meta_out = meta.rewrite(loaded.meta, graph_def, ir.facts.get("renamed", {}), warnings.append)

@@ -49,7 +49,7 @@ from tensorflow.python.framework import dtypes, tensor_util
 from replicate.graph.ir import IR, make_attr
 
 __all__ = ["pad_ctc_losses", "empty_tensor_scatters", "empty_gathers", "crop_gradient_depths",
-           "finite_gradient_checks", "TENSOR_SCATTERS", "FINITE_CHECKS"]
+           "finite_gradient_checks", "TENSOR_SCATTERS", "FINITE_CHECKS", "GraphOps", "BodyOps"]
 
 I32, I64 = dtypes.int32, dtypes.int64
 
@@ -113,7 +113,7 @@ def finite_gradient_checks(ir: IR) -> int:
                 fact = flow.fact(ref[len(prefix):] if ref.startswith(prefix) else ref)
                 if ir.output_dtype(ref) not in FLOAT_TYPES or (fact is not None and fact.kind == PART):
                     continue
-                ops = _GraphOps(ir, op)
+                ops = GraphOps(ir, op)
                 dtype = dtypes.as_dtype(ir.output_dtype(ref))
                 some = ops.add(f"some_{i}", "Greater", [towers.counts[k], ops.const(f"none_{i}", 0)], T=I32)
                 if towers.batch_size:       # a batch of none: one device's check fails, so does this
@@ -147,12 +147,12 @@ def _guard_all(ir: IR, kinds, guard, bodies: bool = True, only=None) -> int:
         for original, copied in names.items():
             op = ir.nodes.get(copied)
             if op is not None and op.op in kinds and (only is None or original in only):
-                guard(_GraphOps(ir, op), list(op.inputs), op.attr)
+                guard(GraphOps(ir, op), list(op.inputs), op.attr)
                 done += 1
     for fdef in list(ir.library.function) if ir.library is not None and bodies else ():
         for node in list(fdef.node_def):
             if node.op in kinds:
-                guard(_BodyOps(ir, fdef, node), list(node.input),
+                guard(BodyOps(ir, fdef, node), list(node.input),
                       lambda key, default=None, node=node: _body_attr(node, key, default))
                 done += 1
     return done
@@ -257,7 +257,7 @@ def _crop_depth(ops, refs: list[str], attr) -> None:
     ops.set_input(3, add("image_size", "ConcatV2", [size, depth, const("axis", 0)], T=I32, N=2, Tidx=I32))
 
 
-class _GraphOps:
+class GraphOps:
     """Ops added to the graph beside a tower's op."""
 
     def __init__(self, ir: IR, op) -> None:
@@ -278,7 +278,7 @@ class _GraphOps:
         self.ir.replace_uses(ref, make(ref), only=readers)
 
 
-class _BodyOps:
+class BodyOps:
     """Ops added to a function body beside its op (references in the body's
     ``node:output_arg:index`` form)."""
 

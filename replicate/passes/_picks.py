@@ -10,7 +10,9 @@ ops that need it) and, before every tower copy of a forward op that picks a fixe
 ``argmax`` over the batch, ...), or any position of a tensor that already mixes the tower's
 examples along an axis of no static length (``tf.sort(losses)[k]``, a batch quantile), an
 ``Assert`` that the tower holds enough examples, as a control input of the copy. Nothing else
-changes: with enough examples the assertion passes and the values are the same.
+changes: with enough examples the assertion passes and the values are the same. A pick that
+only logging reads (a print, a summary) is padded to the examples it needs instead
+(:mod:`replicate.passes._logged`): it cannot change what a step trains.
 
 Why: such an op is what makes a rewrite inexact ("picks one example": each tower picks its own
 first example), and the report says so. But with fewer examples in a step than towers -- the
@@ -29,6 +31,7 @@ from replicate.batchflow.rules.layout import strided_entries
 from replicate.batchflow.rules.slicing import keeps_axis
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
+from replicate.passes._logged import logged_only, pad_logged
 
 __all__ = ["MARKER", "assert_examples", "behind_check", "PICK_OPS"]
 
@@ -86,6 +89,7 @@ def assert_examples(ir: IR) -> int:
     towers = ir.facts["towers"]
     grads = tuple(f"{s.prefix}/" for s in ir.facts["analysis"].scopes)
     dead = _unread(ir, {c for names in copies for c in names.values()})
+    differentiated = _differentiated(copies[0] if copies else {}, grads)
     for k, names in enumerate(copies):
         prefix = f"{towers.prefixes[k]}/"
         # a batch input's slice for the tower is read as the input (``x[0]`` of a placeholder)
@@ -117,6 +121,16 @@ def assert_examples(ir: IR) -> int:
             if opening(ir, copy.name) is not None:
                 continue    # in a TF1 loop: an assertion there needs the frame's plumbing (its
                             # constants outside the frame failed the step, review 16)
+            if _only_logged(ir, copy, kind, position, prefix, grads,
+                            {prefix + n for n in differentiated}):
+                need = (_needed(ir, copy, axis, where) if position is not None
+                        else _largest_plus_one(ir, copy, copy.inputs[where]) if copy.op in _INDICES
+                        else _position_plus_one(ir, copy, axis, rank, spec) if copy.op == "StridedSlice"
+                        else copy.inputs[where])
+                if need is not None:
+                    pad_logged(ir, copy, axis, need, dtypes.as_dtype(ir.output_dtype(copy.inputs[0])))
+                    done += 1
+                continue
             if position is None and copy.op in _INDICES:
                 indices = copy.inputs[where]
                 check = _assert(ir, copy, k, axis, _largest_plus_one(ir, copy, indices),
@@ -142,6 +156,24 @@ def assert_examples(ir: IR) -> int:
     if needs:
         ir.facts["min_batch"] = {"batch": max(needs.values()) * len(copies), "ops": sorted(needs)}
     return done
+
+
+def _differentiated(names: dict[str, str], grads: tuple[str, ...]) -> set[str]:
+    """The forward ops of ``names`` (one tower's originals) that gradient code differentiates
+    (``gradients/<op>_grad/...`` exists)."""
+    return {original[len(s):].split("_grad/", 1)[0] for original in names for s in grads
+            if original.startswith(s) and "_grad/" in original}
+
+
+def _only_logged(ir: IR, copy: Node, kind: str, position, prefix: str, grads: tuple[str, ...],
+                 differentiated: set[str]) -> bool:
+    """Whether tower copy ``copy`` picks examples that only logging reads, and can be padded
+    to the count it needs (a run-time n-th element, picks from lists and softmax classes keep
+    their assertion)."""
+    dtype = dtypes.as_dtype(ir.output_dtype(copy.inputs[0]))
+    return (kind == "shape" and not (copy.op == "NthElement" and position is None)
+            and dtype not in (dtypes.string, dtypes.resource, dtypes.variant)
+            and logged_only(ir, copy.name, tuple(prefix + g for g in grads), differentiated))
 
 
 def _unread(ir: IR, names: set[str]) -> set[str]:

@@ -10,7 +10,9 @@ padding is zero and the slice is the whole tensor, so the values are the same bi
 the kernel sees one example instead of zero.
 
 Also: every tower copy of an op that picks examples by position checks first that its tower
-holds enough examples, with a message that says so (:mod:`replicate.passes._picks`); and a
+holds enough examples, with a message that says so (:mod:`replicate.passes._picks`), or, when
+only prints, summaries and assertion messages read it (in function bodies too), reads its input
+padded with zeros to what it picks (:mod:`replicate.passes._logged`); and a
 tower's run-time reshape target gets the ``-1`` the analysis proved (a sparse one to ``[n, -1]``
 the product of its input's other dimensions), a gradient range a
 nonzero step, a stack of an empty list or a TensorArray's gather a full element shape, and the gradient of a gather
@@ -52,6 +54,7 @@ from replicate.passes._empty import (gather_gradient_widths, infer_reshapes, inf
                                      stack_empty_lists, zero_unwritten_outputs)
 from replicate.passes._empty_kernels import (crop_gradient_depths, empty_gathers, empty_tensor_scatters,
                                              finite_gradient_checks, pad_ctc_losses)
+from replicate.passes._logged import pad_logged_body_picks
 from replicate.passes._pad import pad_empty_batches
 from replicate.passes._picks import assert_examples
 from replicate.passes._rows import local_rows
@@ -83,6 +86,7 @@ EMPTY_GUARDS = (
     (pad_empty_batches, "kernels that reject an empty batch one zero example"),
     (zero_unwritten_outputs, "kernels that leave their output unwritten when empty read zeros"),
     (finite_gradient_checks, "NaN checks of gradient code on values not per example read zeros when empty"),
+    (pad_logged_body_picks, "picks in function bodies that only logging reads their input padded"),
 )
 
 
