@@ -8,6 +8,8 @@ replicate's "too few examples" assertion, or in TensorFlow's kernel) where one d
 Such a pick now reads its input padded with zeros up to what it picks: the step trains as one
 device's, each tower logs its own value, and the report says so."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -20,9 +22,21 @@ DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 NULL = "file:///dev/null"
 
 
+@contextlib.contextmanager
+def _control_flow_v1(on: bool):
+    """Build with TF1 control flow (Switch/Merge conds, loop frames) when ``on``."""
+    if on:
+        v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        if on:
+            v1.enable_control_flow_v2()
+
+
 def _graph(kind: str, stream: str = NULL) -> tf.Graph:
     g = tf.Graph()
-    with g.as_default():
+    with _control_flow_v1(kind == "tf1_loop"), g.as_default():
         x = v1.placeholder(tf.float32, [None, 4], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [4, 5], initializer=v1.glorot_uniform_initializer(seed=1))
@@ -42,6 +56,10 @@ def _graph(kind: str, stream: str = NULL) -> tf.Graph:
                                                         [c[:3], tf.argmax(c)])],
             "print_in_function": lambda: [_printing_mean(c, stream)],
             "print_first_loss": lambda: [_printing_first(c, stream)],
+            # the smallest loss added up in a TF1 loop (its frame), printed after it
+            "tf1_loop": lambda: [tf.print("smallest", tf.while_loop(
+                lambda i, a: i < 2, lambda i, a: (i + 1, a + tf.sort(c)[0]), [0, 0.0])[1],
+                output_stream=stream)],
         }.get(kind, lambda: [])()
         if kind == "print_in_cond_branch":
             flag = v1.placeholder_with_default(True, [], name="flag")
@@ -82,7 +100,7 @@ def _feeds(batches):
 
 
 KINDS = ["printed_check", "v1_print_data", "logits_print_data", "assert_data", "print_in_function",
-         "print_in_cond_branch"]
+         "print_in_cond_branch", "tf1_loop"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,7 +117,7 @@ def test_a_pick_only_logged_runs_in_an_empty_tower_and_trains_as_one_device(kind
     assert not any("examples per step" in w for w in warnings), warnings
 
 
-@pytest.mark.parametrize("kind", ["v1_print_data", "print_in_function"])
+@pytest.mark.parametrize("kind", ["v1_print_data", "print_in_function", "tf1_loop"])
 def test_a_pick_only_logged_runs_with_accumulation(kind):
     graph = _graph(kind)
     res = replicate.transform(graph, DEVICES, accumulate=2)

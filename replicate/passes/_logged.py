@@ -18,7 +18,8 @@ zeros, which the report says (each tower logs its own value anyway: one device l
 batch's).
 
 In the graph, the guard pass pads the tower copies it would otherwise assert on
-(:mod:`replicate.passes._picks` asks :func:`logged_only`). In function bodies, where every
+(:mod:`replicate.passes._picks` asks :func:`logged_only`), and those with constant positions in
+TF1 loops, where it cannot assert (the padding's constants wait for an op of the loop's frame). In function bodies, where every
 tower calls the same function, :func:`pad_logged_body_picks` pads in place each pick with
 constant positions whose value reaches neither the body's results nor a call; that changes
 nothing for a call with enough examples (the one device's included).
@@ -180,14 +181,30 @@ def warnings(logged: dict[str, str | None]) -> list[str]:
             "than it picks logs it over zeros padded in instead of stopping the step"]
 
 
-def pad_logged(ir: IR, copy, axis: int, need: int | str, dtype) -> None:
+def pad_logged(ir: IR, copy, axis: int, need: int | str, dtype, framed: bool = False) -> None:
     """Tower copy ``copy`` (a graph node) picks from its input 0 padded with zeros to ``need``
-    (a number or an integer tensor) along ``axis``, and is listed in the facts."""
-    ops = GraphOps(ir, copy)
+    (a number or an integer tensor) along ``axis``, and is listed in the facts. ``framed``:
+    the copy runs in a TF1 loop's frame, where the padding's constants must run too (they
+    wait for the input's op)."""
+    ops = _FramedOps(ir, copy, node_of(copy.inputs[0])) if framed else GraphOps(ir, copy)
     if not isinstance(need, int) and ir.output_dtype(need) != I32.as_datatype_enum:
         need = ops.add("pad_need", "Cast", [need], SrcT=dtypes.as_dtype(ir.output_dtype(need)), DstT=I32)
     ops.set_input(0, _padded(ops, copy.inputs[0], axis, need, dtype))
     ir.facts.setdefault("logged_picks", {})[copy.name.split("/", 1)[1]] = None
+
+
+class _FramedOps(GraphOps):
+    """Ops beside a tower's op in a TF1 loop: constants wait for ``anchor`` (an op of the
+    frame), which puts them in its frame."""
+
+    def __init__(self, ir: IR, op, anchor: str) -> None:
+        super().__init__(ir, op)
+        self.anchor = anchor
+
+    def const(self, name: str, value, kind=I32) -> str:
+        made = super().const(name, value, kind)
+        self.ir.set_control(made, [self.anchor])
+        return made
 
 
 def _padded(ops, ref: str, axis: int, need: int | str, dtype) -> str:

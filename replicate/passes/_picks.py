@@ -118,17 +118,21 @@ def assert_examples(ir: IR) -> int:
                 continue    # a gather along another axis, or per example (batch_dims), or a
                             # slice that keeps every example (``sel[:, None]``): its positions
                             # are no examples' (an assertion on them misfired, review 31)
-            if opening(ir, copy.name) is not None:
+            framed = opening(ir, copy.name) is not None
+            logged = (position is not None or not framed) and _only_logged(
+                ir, copy, kind, position, prefix, grads, {prefix + n for n in differentiated})
+            if framed and not logged:
                 continue    # in a TF1 loop: an assertion there needs the frame's plumbing (its
-                            # constants outside the frame failed the step, review 16)
-            if _only_logged(ir, copy, kind, position, prefix, grads,
-                            {prefix + n for n in differentiated}):
+                            # constants outside the frame failed the step, review 16); a pick
+                            # only logged is padded, its constants run in the loop's frame
+            if logged:
                 need = (_needed(ir, copy, axis, where) if position is not None
                         else _largest_plus_one(ir, copy, copy.inputs[where]) if copy.op in _INDICES
                         else _position_plus_one(ir, copy, axis, rank, spec) if copy.op == "StridedSlice"
                         else copy.inputs[where])
                 if need is not None:
-                    pad_logged(ir, copy, axis, need, dtypes.as_dtype(ir.output_dtype(copy.inputs[0])))
+                    pad_logged(ir, copy, axis, need, dtypes.as_dtype(ir.output_dtype(copy.inputs[0])),
+                               framed)
                     done += 1
                 continue
             if position is None and copy.op in _INDICES:
