@@ -174,3 +174,42 @@ def test_a_synchronized_reduction_read_on_two_routes_is_a_reason(kind):
     else:
         assert res.report.exact, res.report.reasons
         assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
+def _switched_decay(own_reduction: bool, v1_cond: bool) -> tf.Graph:
+    """A weight decay chosen by a cond on the batch's mean loss (a loss-adaptive curriculum):
+    ``mean + cond(mean > 0.5, 0.01 * wd, 0.02 * wd)``, or the predicate read from a reduction
+    of its own (``reduce_mean(stop_gradient(e))``)."""
+    graph = tf.Graph()
+    if v1_cond:
+        v1.disable_control_flow_v2()
+    try:
+        with graph.as_default():
+            p, y, m, w = models.masked_regression()
+            e = tf.square(p - y)
+            mean = tf.reduce_mean(e)
+            level = tf.reduce_mean(tf.stop_gradient(e)) if own_reduction else mean
+            decay = tf.reduce_sum(tf.square(w))
+            loss = mean + tf.cond(level > 0.5, lambda: 0.01 * decay, lambda: 0.02 * decay)
+            v1.train.GradientDescentOptimizer(0.3).minimize(tf.identity(loss, name="loss"), name="train")
+    finally:
+        if v1_cond:
+            v1.enable_control_flow_v2()
+    return graph
+
+
+@pytest.mark.parametrize("v1_cond", [True, False], ids=["tf1_cond", "cond_v2"])
+def test_a_cond_on_the_mean_loss_is_told_to_read_a_reduction_of_its_own(v1_cond):
+    """Review 45 C3: the default mode's reason for the mean the predicate reads advised
+    batch_norm='sync', which synchronizes the mean the loss also reads directly (two routes:
+    0.0021 off became 2.06 off). It now advises a reduction of its own for the predicate, and
+    that graph under sync trains as one device."""
+    graph = _switched_decay(False, v1_cond)
+    res = replicate.transform(graph, DEVICES)
+    assert not res.report.exact
+    assert any("a reduction of its own" in r.fix for r in res.report.reasons), res.report.reasons
+    graph = _switched_decay(True, v1_cond)
+    res = replicate.transform(graph, DEVICES, batch_norm="sync")
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds(), fetch=("loss:0",))
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)

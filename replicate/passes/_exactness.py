@@ -69,7 +69,7 @@ def two_routes(ir: IR, flow, synced) -> list[Reason]:
     reasons = []
     couplings = set(flow.couplings()) if synced else set()
     for loss, (terms, _) in flow.losses.items():
-        roots = {node_of(behind(ir, t.root, _PASS)) for t in terms if t.kind != "shared"}
+        roots = _roots(ir, terms)
         for name in sorted(synced):
             rooted = name in roots
             inside = any(name in t.sync for t in terms)
@@ -85,6 +85,17 @@ def two_routes(ir: IR, flow, synced) -> list[Reason]:
                                       "stop its gradient on one route (tf.stop_gradient), or "
                                       "train this graph on one device"))
     return reasons
+
+
+def _roots(ir: IR, terms) -> set[str]:
+    """The nodes a loss's own terms (not the shared ones) are, behind reshapes and casts."""
+    return {node_of(behind(ir, t.root, _PASS)) for t in terms if t.kind != "shared"}
+
+
+def _a_term_too(ir: IR, flow, name: str) -> bool:
+    """Whether batch reduction ``name`` is also a term of a loss of its own (``m`` in
+    ``m + tf.cond(m > 0.5, ...)``): synchronized, its two routes would be weighed alike."""
+    return flow is not None and any(name in _roots(ir, terms) for terms, _ in flow.losses.values())
 
 
 def _other_terms(ir: IR, flow, name: str, roots: set[str]) -> bool:
@@ -237,8 +248,13 @@ def collect(ir: IR, analysis: Analysis) -> None:
                 if ir.nodes[name].op in FUSED_BATCH_NORM or "moments" in name
                 else f"batch reduction ({ir.nodes[name].op}) feeds per-example values; each tower "
                      "sees its own slice's value")
-        reasons.append(Reason(name, what, "use batch_norm='sync' (--batch-norm sync) to compute it "
-                              "over the global batch"))
+        fix = ("use batch_norm='sync' (--batch-norm sync) to compute it over the global batch"
+               if not _a_term_too(ir, analysis.flow, name) else
+               "compute what it feeds from a reduction of its own (a predicate from "
+               "tf.reduce_mean(tf.stop_gradient(...))) and use batch_norm='sync' (--batch-norm "
+               "sync): synchronized, a reduction the loss also reads directly has its two routes "
+               "weighed alike")
+        reasons.append(Reason(name, what, fix))
     for f in analysis.frontier:
         if f.gradient and f.role == "dense" and ir.output_dtype(f.tensor) not in FLOAT_TYPES:
             reasons.append(Reason(node_of(f.tensor), "non-float gradient", "check the gradient"))
@@ -326,7 +342,7 @@ def _gradients_in_the_forward(ir: IR, analysis: Analysis) -> list[Reason]:
 
 
 #: Ops that pass a value through unchanged on the way to its sign.
-_PASS = frozenset({"Identity", "StopGradient", "Snapshot"})
+_SIGN_PASS = frozenset({"Identity", "StopGradient", "Snapshot"})
 
 
 def _sign_of_a_mean(ir: IR, analysis: Analysis, ref: str, reader: str) -> bool:
@@ -352,7 +368,7 @@ def _sign_of_a_mean(ir: IR, analysis: Analysis, ref: str, reader: str) -> bool:
         node = ir.nodes[name]
         if node.op == "Sign":
             continue
-        if node.op not in _PASS:
+        if node.op not in _SIGN_PASS:
             return False
         readers = [c.name for c, _ in ir.data_consumers(name)]
         if not readers:
