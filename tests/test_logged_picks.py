@@ -113,7 +113,7 @@ def test_a_pick_only_logged_runs_in_an_empty_tower_and_trains_as_one_device(kind
     cmp = compare(graph, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
     assert cmp.max_rel < 1e-5, cmp
     warnings = res.report.warnings
-    assert any("only logged" in w and "logs it over zeros" in w for w in warnings), warnings
+    assert any("only logg" in w and "zeros padded in" in w for w in warnings), warnings
     assert not any("examples per step" in w for w in warnings), warnings
 
 
@@ -145,21 +145,80 @@ def test_each_tower_logs_its_own_pick_and_an_empty_one_logs_zeros(tmp_path):
     assert sum(abs(v - first) < 1e-5 for v in by[1]) == runs and all(v > 0 for v in by[1]), lines
 
 
+def _kept(res) -> None:
+    """The pick kept its assertion and was neither padded nor said to be only logged."""
+    assert not any("zeros padded in" in w for w in res.report.warnings), res.report.warnings
+    asserts = [n.name for n in res.graph_def.node if n.op == "Assert" and "replicate/examples" in n.name]
+    assert asserts, "the pick lost its assertion"
+    pads = [n.name for n in res.graph_def.node if "/replicate/empty/pad_" in n.name]
+    assert not pads, pads
 
-def test_a_pick_a_variable_update_reads_keeps_its_assertion():
+
+@pytest.mark.parametrize("resource", [True, False], ids=["resource", "ref"])
+def test_a_pick_a_variable_update_reads_keeps_its_assertion(resource):
     """Padding is for picks only logging reads: a pick stored in a variable is state the
-    step writes, and an empty tower still stops with replicate's message."""
+    step writes (an ``Assign`` of a ref variable is not marked stateful: review 46 took it
+    for logging), and an empty tower still stops with replicate's message."""
     g = tf.Graph()
     with g.as_default():
         x = v1.placeholder(tf.float32, [None, 6], name="x")
         w = v1.get_variable("w", [6, 1], initializer=v1.glorot_uniform_initializer(seed=1))
-        first = v1.get_variable("first", [6], initializer=tf.zeros_initializer(), trainable=False)
+        first = v1.get_variable("first", [6], initializer=tf.zeros_initializer(), trainable=False,
+                                use_resource=resource)
         with tf.control_dependencies([v1.assign(first, x[0])]):
             loss = tf.identity(tf.reduce_mean(tf.square(tf.matmul(x, w))), name="loss")
         v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    _kept(replicate.transform(g, DEVICES))
+
+
+def _scaled_by_a_cond_on_a_pick() -> tf.Graph:
+    """``mean(ce) * cond(argmax(ce) > 2, 1.0, 3.0)`` in a TF1 cond: its branches are constants
+    that wait for the cond's pivot by control edge only."""
+    g = tf.Graph()
+    with _control_flow_v1(True), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        scale = tf.cond(tf.argmax(tf.stop_gradient(ce)) > 2, lambda: tf.constant(1.0),
+                        lambda: tf.constant(3.0))
+        loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    return g
+
+
+def test_a_pick_deciding_a_tf1_cond_of_constants_is_a_reason_and_keeps_its_assertion():
+    """Review 46: each tower's cond chose its scale by its own argmax (0.31 off one device),
+    claimed exact; the padding then took the pick for logging. The cond's value now carries
+    its predicate's fact: inexact, naming the pick, which keeps its assertion."""
+    graph = _scaled_by_a_cond_on_a_pick()
+    res = replicate.transform(graph, DEVICES)
+    assert not res.report.exact
+    assert any(r.node == "ArgMax" for r in res.report.reasons), res.report.reasons
+    _kept(res)
+    cmp = compare(graph, res.graph, "train", _feeds([7, 6, 5]), fetch=("loss:0",))
+    assert cmp.max_rel > 1e-2, cmp        # the reason is true: the towers train otherwise
+
+
+@pytest.mark.parametrize("route", ["assert_data", "v1_print_data"])
+def test_a_bool_pick_only_logged_is_padded_with_false(route):
+    """Review 46: the zero padded in was an int, and a bool pick (``wrong[0]``) failed the
+    transform."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.matmul(x, w)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        wrong = tf.not_equal(tf.argmax(logits, 1), y)
+        if route == "assert_data":
+            with tf.control_dependencies([tf.debugging.Assert(tf.reduce_all(tf.math.is_finite(ce)),
+                                                              [wrong[0]])]):
+                loss = tf.identity(tf.reduce_mean(ce), name="loss")
+        else:
+            loss = tf.identity(tf.reduce_mean(v1.Print(ce, [wrong[0]], "wrong ")), name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
     res = replicate.transform(g, DEVICES)
-    assert not any("only logged" in w for w in res.report.warnings), res.report.warnings
-    asserts = [n.name for n in res.graph_def.node if n.op == "Assert" and "replicate/examples" in n.name]
-    assert asserts, "the stored pick lost its assertion"
-    pads = [n.name for n in res.graph_def.node if "/replicate/empty/pad_" in n.name]
-    assert not pads, pads
+    assert res.report.exact, res.report.reasons
+    assert compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",)).max_rel < 1e-5

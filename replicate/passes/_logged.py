@@ -60,6 +60,15 @@ _FOLLOWED = {"If": (("then_branch", "else_branch"), 1), "StatelessIf": (("then_b
 #: Other calls: what their bodies do is not followed (a pick they read is not padded).
 _CALLS = frozenset({"While", "StatelessWhile", "Case", "StatelessCase"}) | frozenset(_FOLLOWED)
 
+#: Ops whose input 1 decides what runs: a TF1 cond's branches may be constants that wait for
+#: the ``Switch`` by control edge only (review 46: ``cond(argmax(c) > 2, 1.0, 3.0)`` scaling the
+#: loss was taken for logging).
+_DECIDERS = frozenset({"Switch", "RefSwitch"})
+
+#: Ops whose input vectors are never batch-sized: a pick of them (``tf.shape(x)[0]``) is not
+#: of examples.
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
 #: The longest walk from a pick to its loggers (a longer one is taken to reach training).
 _LIMIT = 400
 
@@ -67,8 +76,8 @@ _LIMIT = 400
 def _only_logged(start: str, readers: Callable[[str], Iterable[tuple[str | None, int]]],
                  op_of: Callable[[str], str], stateless: Callable[[str], bool],
                  logs: Callable[[str, int], bool]) -> bool:
-    """Whether every data path from node ``start`` ends at a logged input (or at nothing),
-    through stateless ops, NaN checks and calls whose bodies only log the argument
+    """Whether every data path from node ``start`` ends at a logged input (or at nothing: a
+    driver fetching such a node by name gets tower 0's value, as the report says), through stateless ops, NaN checks and calls whose bodies only log the argument
     (``logs(call, input position)``). ``readers(name)`` yields (reader, input position)
     pairs, a None reader for a result that leaves (a body's return)."""
     seen, work = {start}, [start]
@@ -79,6 +88,8 @@ def _only_logged(start: str, readers: Callable[[str], Iterable[tuple[str | None,
             op = op_of(reader)
             if position >= LOGGED_INPUTS.get(op, 1 << 30):
                 continue
+            if op in _DECIDERS and position == 1:
+                return False
             if op in _CALLS:
                 if logs(reader, position):
                     continue
@@ -109,8 +120,7 @@ def logged_only(ir: IR, name: str, training: tuple[str, ...], differentiated: se
                            else reader.name), position
 
     def stateless(node: str) -> bool:
-        op_def = ir.op_def(ir.nodes[node].op)
-        return op_def is not None and not op_def.is_stateful
+        return _stateless(ir.op_def(ir.nodes[node].op))
 
     def logs(call: str, position: int) -> bool:
         node = ir.nodes[call]
@@ -147,8 +157,7 @@ class _Bodies:
         inner = _Bodies(self.ir, self.depth + 1)
 
         def stateless(name: str) -> bool:
-            op_def = self.ir.op_def(nodes[name].op)
-            return op_def is not None and not op_def.is_stateful
+            return _stateless(self.ir.op_def(nodes[name].op))
 
         def logs(call: str, position: int) -> bool:
             node = nodes[call]
@@ -156,6 +165,12 @@ class _Bodies:
                                        if k in node.attr], position)
 
         return _only_logged(start, lambda n: readers.get(n, ()), lambda n: nodes[n].op, stateless, logs)
+
+
+def _stateless(op_def) -> bool:
+    """Whether an op neither has state nor writes any (``Assign`` of a ref variable is not
+    marked stateful: its ref input is the state, review 46)."""
+    return op_def is not None and not op_def.is_stateful and not any(a.is_ref for a in op_def.input_arg)
 
 
 def _readers(fdef) -> dict[str, list[tuple[str | None, int]]]:
@@ -173,12 +188,21 @@ def _readers(fdef) -> dict[str, list[tuple[str | None, int]]]:
 def warnings(logged: dict[str, str | None]) -> list[str]:
     """The report's words for the picks padded (``ir.facts["logged_picks"]``: op -> the
     function it is in, or None)."""
-    if not logged:
-        return []
-    named = ", ".join(f"'{op}'" + (f" (in '{fn}')" if fn else "") for op, fn in sorted(logged.items(), key=str))
-    return [f"{named} {'are' if len(logged) > 1 else 'is'} only logged (printed, summarized or checked): each tower logs its own "
-            "examples' value (one device logs the batch's), and a tower with fewer examples "
-            "than it picks logs it over zeros padded in instead of stopping the step"]
+    out = []
+    graph = sorted(op for op, fn in logged.items() if fn is None)
+    if graph:
+        out.append(", ".join(f"'{op}'" for op in graph) + f" {'pick' if len(graph) > 1 else 'picks'} "
+                   "examples only logging reads (a print, summary or assertion message): each "
+                   "tower logs its own examples' pick (one device logs the batch's), and a tower "
+                   "with fewer examples than it picks logs zeros padded in instead of stopping "
+                   "the step (fetched by name, it is tower 0's, zeros too where tower 0 is short)")
+    bodies = sorted((op, fn) for op, fn in logged.items() if fn is not None)
+    if bodies:
+        out.append(", ".join(f"'{op}' (in '{fn}')" for op, fn in bodies) + " only logged inside "
+                   "function bodies: where the tensor picked from is a tower's examples, each tower "
+                   "logs its own, and where it holds fewer entries than picked, zeros padded in "
+                   "instead of stopping the step")
+    return out
 
 
 def pad_logged(ir: IR, copy, axis: int, need: int | str, dtype, framed: bool = False) -> None:
@@ -221,7 +245,8 @@ def _padded(ops, ref: str, axis: int, need: int | str, dtype) -> str:
     axes = add("pad_axes", "Range", [const("pad_from", 0), rank, const("pad_step", 1)], Tidx=I32)
     here = add("pad_here", "Equal", [axes, at], T=I32, incompatible_shape_error=True)
     dims = add("pad_dims", "SelectV2", [here, short, shape], T=I32)
-    zeros = add("pad_zeros", "Fill", [dims, const("pad_zero", 0, dtype)], T=dtype, index_type=I32)
+    zero = const("pad_zero", np.zeros((), dtype.as_numpy_dtype), dtype)     # False for a bool
+    zeros = add("pad_zeros", "Fill", [dims, zero], T=dtype, index_type=I32)
     return add("pad_padded", "ConcatV2", [ref, zeros, at], T=dtype, N=2, Tidx=I32)
 
 
@@ -230,14 +255,17 @@ def pad_logged_body_picks(ir: IR) -> int:
     returns how many."""
     done, bodies = 0, _Bodies(ir)
     for fdef in list(ir.library.function) if ir.library is not None else ():
+        nodes = {n.name: n for n in fdef.node_def}
         values = {n.name: tensor_util.MakeNdarray(n.attr["value"].tensor)
                   for n in fdef.node_def if n.op == "Const"}
         for node in list(fdef.node_def):
             needs = _body_needs(node, values)
             if not needs:
                 continue
-            dtype = dtypes.as_dtype(node.attr["T"].type) if "T" in node.attr else None
-            if dtype is None or dtype in (dtypes.string, dtypes.resource, dtypes.variant) \
+            kind = "Tparams" if node.op == "GatherV2" else "T"
+            dtype = dtypes.as_dtype(node.attr[kind].type) if kind in node.attr else None
+            source = nodes.get(node.input[0].split(":")[0]) if node.input else None
+            if dtype is None or source is not None and source.op in _SHAPES or dtype in (dtypes.string, dtypes.resource, dtypes.variant) \
                     or not bodies.only_logged(fdef, node.name):
                 continue
             ops = BodyOps(ir, fdef, node)

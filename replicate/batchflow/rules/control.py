@@ -13,7 +13,7 @@ from __future__ import annotations
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, SHARED, Fact, join, mixed, shared
 from replicate.batchflow.rules.common import condition, taint_of
-from replicate.graph.ir import Node
+from replicate.graph.ir import Node, node_of
 
 __all__ = ["merge", "switch", "array_new", "array_write", "array_read", "array_gather",
            "array_concat", "array_scatter", "array_split", "array_grad", "array_size",
@@ -22,11 +22,49 @@ __all__ = ["merge", "switch", "array_new", "array_write", "array_read", "array_g
 
 def merge(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]:
     out = join(ins, ctx.classes)
+    decided = _decided(ctx, node, out)
+    if decided is not None:
+        return [decided, shared()]
     if out is not None and out.kind == PART:
         for ref, f in zip(node.inputs, ins):
             if f is not None and f.kind == SHARED:
                 ctx.demand(ref, out.axis, out, node)
     return [out, shared()]
+
+
+def _decided(ctx: Context, node: Node, out: Fact | None) -> Fact | None:
+    """What a TF1 cond's ``Merge`` gives when its predicate is decided per example or per
+    tower (``tf.argmax(losses) > 2``), or None. Its branches' values that pass through the
+    cond's ``Switch`` carry that already; values made in a branch (constants, waiting for the
+    branch's pivot by control edge only) do not, yet which one the ``Merge`` gives is the
+    predicate's choice (review 46: ``mean * cond(argmax(c) > 2, 1.0, 3.0)`` claimed exact)."""
+    if out is None or out.kind == MIXED or any(
+            ctx.ir.nodes[node_of(r)].op in ("NextIteration", "RefNextIteration") for r in node.inputs):
+        return None         # a loop's Merge: its condition decides through its Switch
+    predicates, seen = set(), set()
+    work = [node_of(r) for r in node.inputs]
+    while work:
+        name = work.pop()
+        if name in seen or name not in ctx.ir.nodes or len(seen) > _WALK:
+            continue
+        seen.add(name)
+        back = ctx.ir.nodes[name]
+        if back.op in ("Switch", "RefSwitch"):
+            predicates.add(back.inputs[1])
+            continue
+        work.extend([node_of(r) for r in back.inputs] + list(back.control))
+    for pred in sorted(predicates):
+        fact = ctx.fact(pred)
+        if fact is not None and fact.kind == PART:
+            return mixed(node.name, "a value a TF1 cond chooses by a condition decided per example",
+                         fact.taint | out.taint)
+        if fact is not None and fact.kind == MIXED:
+            return fact.with_(handle=None)
+    return None
+
+
+#: How far back a cond's ``Merge`` looks for its ``Switch`` nodes.
+_WALK = 64
 
 
 def switch(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
