@@ -23,8 +23,9 @@ __all__ = ["merge", "switch", "array_new", "array_write", "array_read", "array_g
 def merge(ctx: Context, node: Node, ins: list[Fact | None]) -> list[Fact | None]:
     out = join(ins, ctx.classes)
     decided = _decided(ctx, node, out)
-    if decided is not None:
+    if decided is not None and decided.kind == MIXED:
         return [decided, shared()]
+    out = decided or out
     if out is not None and out.kind == PART:
         for ref, f in zip(node.inputs, ins):
             if f is not None and f.kind == SHARED:
@@ -53,14 +54,21 @@ def _decided(ctx: Context, node: Node, out: Fact | None) -> Fact | None:
             predicates.add(back.inputs[1])
             continue
         work.extend([node_of(r) for r in back.inputs] + list(back.control))
-    for pred in sorted(predicates):
-        fact = ctx.fact(pred)
-        if fact is not None and fact.kind == PART:
+    decided = None
+    for fact in [ctx.fact(p) for p in sorted(predicates)]:
+        if fact is None:
+            continue
+        if fact.kind == PART:
             return mixed(node.name, "a value a TF1 cond chooses by a condition decided per example",
                          fact.taint | out.taint)
-        if fact is not None and fact.kind == MIXED:
+        if fact.kind == MIXED:
             return fact.with_(handle=None)
-    return None
+        bad, taint = condition(ctx, node, fact)     # as the Switch's rule: a coupling's taint
+        if bad is not None:
+            return bad
+        if not taint <= (decided or out).taint:
+            decided = (decided or out).with_(taint=(decided or out).taint | taint)
+    return decided
 
 
 #: How far back a cond's ``Merge`` looks for its ``Switch`` nodes.
