@@ -6,6 +6,7 @@ makes feed dicts. None of them knows about replicate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -28,6 +29,18 @@ OPTIMIZERS: dict[str, Callable[[], object]] = {
     "proximal_sgd": lambda: v1.train.ProximalGradientDescentOptimizer(0.1, l1_regularization_strength=0.01),
     "proximal_adagrad": lambda: v1.train.ProximalAdagradOptimizer(0.1, l2_regularization_strength=0.01),
 }
+
+
+@contextlib.contextmanager
+def control_flow_v1(on: bool = True):
+    """Build with TF1 control flow (Switch/Merge conds, loop frames) when ``on``."""
+    if on:
+        v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        if on:
+            v1.enable_control_flow_v2()
 
 
 @dataclasses.dataclass

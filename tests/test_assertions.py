@@ -7,8 +7,7 @@ batch's value (merged, or computed once on the controller), in TF1 conds and in 
 2's assert guards (an ``If`` whose branch asserts) alike; an assertion on per-example values
 (``All``) stays in its tower. One that fails on one device fails in the rewrite too."""
 
-import contextlib
-
+from models import control_flow_v1
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -20,21 +19,9 @@ v1 = tf.compat.v1
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 
 
-@contextlib.contextmanager
-def _control_flow_v1(on: bool):
-    """Build with TF1 control flow (Switch/Merge conds, frames) when ``on``."""
-    if on:
-        v1.disable_control_flow_v2()
-    try:
-        yield
-    finally:
-        if on:
-            v1.enable_control_flow_v2()
-
-
 def _graph(kind: str, v1_control_flow: bool) -> tf.Graph:
     g = tf.Graph()
-    with _control_flow_v1(v1_control_flow), g.as_default():
+    with control_flow_v1(v1_control_flow), g.as_default():
         x = v1.placeholder(tf.float32, [None, 6], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [6, 6], initializer=v1.glorot_uniform_initializer(seed=1))
@@ -172,7 +159,7 @@ def test_a_cond_branch_asserting_on_its_own_batch_value_is_a_reason_and_runs(kin
 def _stat_graph(kind: str, v1_control_flow: bool = False) -> tf.Graph:
     """Review 43's cases: checks of a whole-batch value placed in the towers."""
     g = tf.Graph()
-    with _control_flow_v1(v1_control_flow), g.as_default():
+    with control_flow_v1(v1_control_flow), g.as_default():
         x, y, w, ce = _per_example_losses()
         c = x[:, 0]
         deps, updates = [], []
@@ -241,7 +228,7 @@ def test_an_assertion_fails_in_the_rewrite_exactly_where_one_device_fails(kind, 
 
 def test_an_assertion_in_a_tf1_loop_on_a_whole_batch_value_is_a_reason_and_runs():
     g = tf.Graph()
-    with _control_flow_v1(True), g.as_default():
+    with control_flow_v1(True), g.as_default():
         x = v1.placeholder(tf.float32, [None, 6], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [6, 3], initializer=v1.glorot_uniform_initializer(seed=1))
@@ -301,7 +288,7 @@ def _checked_sum_graph(kind: str) -> tf.Graph:
     check's gradient checks the gradient entering it too, which in a tower without examples
     is 1 / 0 (its mean of no examples)."""
     g = tf.Graph()
-    with _control_flow_v1(kind in ("cond_branch", "tf1_loop")), g.as_default():
+    with control_flow_v1(kind in ("cond_branch", "tf1_loop")), g.as_default():
         x, y, w, ce = _per_example_losses(squash=True)
         size = tf.cast(tf.shape(x)[0], tf.float32)
         if kind == "sum_over_size":
@@ -340,7 +327,7 @@ def test_a_print_of_a_batch_statistic_out_of_a_tf1_cond_is_said_to_print_per_tow
     towers' values, so each tower prints its own (three lines a step, ``nan`` for a tower
     without examples). Training is exact; the report now says which print logs per tower."""
     g = tf.Graph()
-    with _control_flow_v1(True), g.as_default():
+    with control_flow_v1(True), g.as_default():
         x, y, w, ce = _per_example_losses()
         flag = v1.placeholder_with_default(True, [], name="flag")
         stat = tf.cond(flag, lambda: tf.math.reduce_variance(tf.stop_gradient(ce)), lambda: 0.0)

@@ -8,6 +8,7 @@ like a mean times a shared scale and was claimed exact while each tower chose it
 (0.72 off one device; by the batch size, 0.71 off). The cond's ``Merge`` now carries its
 predicate's fact."""
 
+from models import control_flow_v1
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -21,21 +22,17 @@ DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 
 def _graph(predicate: str) -> tf.Graph:
     g = tf.Graph()
-    v1.disable_control_flow_v2()
-    try:
-        with g.as_default():
-            x = v1.placeholder(tf.float32, [None, 4], name="x")
-            y = v1.placeholder(tf.int64, [None], name="y")
-            w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
-            decides = {"mean": lambda: tf.reduce_mean(tf.stop_gradient(ce)) > 1.1,
-                       "size": lambda: tf.shape(x)[0] > 4,
-                       "flag": lambda: v1.placeholder_with_default(True, [], name="flag")}[predicate]()
-            scale = tf.cond(decides, lambda: tf.constant(1.0), lambda: tf.constant(3.0))
-            loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
-            v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
-    finally:
-        v1.enable_control_flow_v2()
+    with control_flow_v1(), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        decides = {"mean": lambda: tf.reduce_mean(tf.stop_gradient(ce)) > 1.1,
+                   "size": lambda: tf.shape(x)[0] > 4,
+                   "flag": lambda: v1.placeholder_with_default(True, [], name="flag")}[predicate]()
+        scale = tf.cond(decides, lambda: tf.constant(1.0), lambda: tf.constant(3.0))
+        loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
     return g
 
 

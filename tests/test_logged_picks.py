@@ -8,8 +8,7 @@ replicate's "too few examples" assertion, or in TensorFlow's kernel) where one d
 Such a pick now reads its input padded with zeros up to what it picks: the step trains as one
 device's, each tower logs its own value, and the report says so."""
 
-import contextlib
-
+from models import control_flow_v1
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -22,21 +21,9 @@ DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 NULL = "file:///dev/null"
 
 
-@contextlib.contextmanager
-def _control_flow_v1(on: bool):
-    """Build with TF1 control flow (Switch/Merge conds, loop frames) when ``on``."""
-    if on:
-        v1.disable_control_flow_v2()
-    try:
-        yield
-    finally:
-        if on:
-            v1.enable_control_flow_v2()
-
-
 def _graph(kind: str, stream: str = NULL) -> tf.Graph:
     g = tf.Graph()
-    with _control_flow_v1(kind == "tf1_loop"), g.as_default():
+    with control_flow_v1(kind == "tf1_loop"), g.as_default():
         x = v1.placeholder(tf.float32, [None, 4], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [4, 5], initializer=v1.glorot_uniform_initializer(seed=1))
@@ -175,7 +162,7 @@ def _scaled_by_a_cond_on_a_pick() -> tf.Graph:
     """``mean(ce) * cond(argmax(ce) > 2, 1.0, 3.0)`` in a TF1 cond: its branches are constants
     that wait for the cond's pivot by control edge only."""
     g = tf.Graph()
-    with _control_flow_v1(True), g.as_default():
+    with control_flow_v1(True), g.as_default():
         x = v1.placeholder(tf.float32, [None, 4], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))

@@ -3,8 +3,8 @@ state, stateful ops no table describes, updates in loop and function bodies, sum
 batch in half precision, shapes of a static batch inside a cond, TF1 TensorArrays in an
 empty tower (reviews 21 and 22). SGD, uneven batches, one device as the reference."""
 
-import contextlib
 
+import models
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,19 +16,10 @@ from replicate.errors import AnalysisError
 v1 = tf.compat.v1
 
 
-@contextlib.contextmanager
-def _control_flow_v1():
-    v1.disable_control_flow_v2()
-    try:
-        yield
-    finally:
-        v1.enable_control_flow_v2()
-
-
 def _build(body, batch=None, control_flow_v1=False):
     """A 4 -> 3 softmax classifier; ``body(x, w)`` returns the logits and may add state."""
     graph = tf.Graph()
-    with (_control_flow_v1() if control_flow_v1 else contextlib.nullcontext()), graph.as_default():
+    with models.control_flow_v1(control_flow_v1), graph.as_default():
         v1.set_random_seed(1)
         x = v1.placeholder(tf.float32, [batch, 4], name="x")
         y = v1.placeholder(tf.int64, [batch], name="y")
