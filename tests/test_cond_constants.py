@@ -20,17 +20,39 @@ v1 = tf.compat.v1
 DEVICES = ["/cpu:1", "/cpu:2", "/cpu:3"]
 
 
-def _graph(predicate: str) -> tf.Graph:
+def _branches(kind: str):
+    """The two branches: constants, a chain of 70 ops on constants (review 47: the walk back to
+    the cond's Switch stopped at 64), or inner conds deciding by a constant made in the branch
+    (review 47: it hid the outer predicate)."""
+    def make(a, b):
+        if kind == "chain":
+            def chain(value):
+                out = tf.constant(value)
+                for _ in range(70):
+                    out = out * 1.0
+                return out
+            return (lambda: chain(a)), (lambda: chain(b))
+        if kind == "nested":
+            return tuple(lambda v=v: tf.cond(tf.constant(1.0) > 0.5, lambda: tf.constant(v),
+                                             lambda: tf.constant(v + 1.0)) for v in (a, b))
+        return (lambda: tf.constant(a)), (lambda: tf.constant(b))
+    return make(1.0, 3.0)
+
+
+def _graph(predicate: str, branches: str = "constants", v1_cond: bool = True) -> tf.Graph:
     g = tf.Graph()
-    with control_flow_v1(), g.as_default():
+    with control_flow_v1(v1_cond), g.as_default():
         x = v1.placeholder(tf.float32, [None, 4], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
         ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
         decides = {"mean": lambda: tf.reduce_mean(tf.stop_gradient(ce)) > 1.1,
                    "size": lambda: tf.shape(x)[0] > 4,
+                   # two reductions: under sync, both (review 47: the mean only, 2.4 off)
+                   "mean_and_sum": lambda: tf.logical_and(tf.reduce_mean(tf.stop_gradient(ce)) > 1.0,
+                                                          tf.reduce_sum(tf.stop_gradient(ce)) > 6.0),
                    "flag": lambda: v1.placeholder_with_default(True, [], name="flag")}[predicate]()
-        scale = tf.cond(decides, lambda: tf.constant(1.0), lambda: tf.constant(3.0))
+        scale = tf.cond(decides, *_branches(branches))
         loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
         v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
     return g
@@ -42,21 +64,29 @@ def _feeds(batches):
             for b in batches]
 
 
-def test_constant_branches_chosen_by_each_tower_s_mean_are_a_reason():
-    graph = _graph("mean")
+@pytest.mark.parametrize("predicate,branches", [("mean", "constants"), ("mean", "chain"),
+                                               ("mean", "nested"), ("mean_and_sum", "constants")])
+def test_constant_branches_chosen_by_each_tower_s_mean_are_a_reason(predicate, branches):
+    graph = _graph(predicate, branches)
     res = replicate.transform(graph, DEVICES)
     assert not res.report.exact
     cmp = compare(graph, res.graph, "train", _feeds([7, 6, 5]), fetch=("loss:0",))
     assert cmp.max_rel > 1e-2, cmp          # the reason is true: the towers choose otherwise
 
 
-@pytest.mark.parametrize("predicate,options", [("mean", {"batch_norm": "sync"}), ("size", {}),
-                                               ("size", {"accumulate": 2})])
-def test_constant_branches_on_a_synchronized_value_are_exact(predicate, options):
-    """The value the predicate reads is a coupling like any other: a batch mean under sync, the
-    batch size always (claimed exact before, 0.71 off one device): every tower reads the
-    batch's, chooses one device's branch, and trains as one device."""
-    graph = _graph(predicate)
+SYNC = {"batch_norm": "sync"}
+
+
+@pytest.mark.parametrize("predicate,branches,v1_cond,options", [
+    ("mean", "constants", True, SYNC), ("size", "constants", True, {}),
+    ("size", "constants", True, {"accumulate": 2}), ("size", "chain", True, {}),
+    ("size", "nested", True, {"accumulate": 2}), ("mean_and_sum", "constants", True, SYNC),
+    ("mean_and_sum", "constants", False, SYNC)])
+def test_constant_branches_on_a_synchronized_value_are_exact(predicate, branches, v1_cond, options):
+    """The value the predicate reads is a coupling like any other: a batch mean (or two
+    reductions) under sync, the batch size always (claimed exact before, 0.71 off one device):
+    every tower reads the batch's, chooses one device's branch, and trains as one device."""
+    graph = _graph(predicate, branches, v1_cond)
     res = replicate.transform(graph, DEVICES, **options)
     assert res.report.exact, res.report.reasons
     for batches in ([7, 2, 5], [3, 5, 9]):
