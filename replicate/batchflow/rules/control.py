@@ -50,7 +50,7 @@ def _decided(ctx: Context, node: Node, out: Fact | None) -> Fact | None:
         return mixed(node.name, "a value a TF1 cond chooses whose condition replicate did not "
                      f"trace (more than {_WALK} ops back)", out.taint)
     decided = None
-    for fact in [ctx.fact(p) for p in sorted(predicates)]:
+    for pred, fact in [(p, ctx.fact(p)) for p in sorted(predicates)]:
         if fact is None:
             continue
         if fact.kind == PART:
@@ -58,7 +58,7 @@ def _decided(ctx: Context, node: Node, out: Fact | None) -> Fact | None:
                          fact.taint | out.taint)
         if fact.kind == MIXED:
             return fact.with_(handle=None)
-        bad, taint = condition(ctx, node, fact)     # as the Switch's rule: a coupling's taint
+        bad, taint = condition(ctx, node, fact, pred)   # as the Switch's rule: a coupling's taint
         if bad is not None:
             return bad
         if not taint <= (decided or out).taint:
@@ -100,7 +100,7 @@ def switch(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, "a branch or loop condition decided per example", taint_of(ins))] * 2
     if pred.kind == MIXED:
         return [pred.with_(handle=None)] * 2
-    bad, taint = condition(ctx, node, pred)
+    bad, taint = condition(ctx, node, pred, node.inputs[1])
     if bad is not None:
         return [bad] * 2
     return [data.with_(taint=data.taint | taint)] * 2

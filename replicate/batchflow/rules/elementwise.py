@@ -261,11 +261,8 @@ def _reduced_algebra(ctx: Context, node: Node, refs: list[str], ins: list[Fact])
     """The fact of an elementwise op whose dependent inputs are all batch-reduced."""
     rs = reds(ins)
     others = [f for f in ins if f.kind == SHARED]
+    taint = taint_of(ins)
     first = rs[0]
-    # the result keeps the first reduction as its source: the others become its taint, so
-    # that synchronizing what it decides synchronizes them too (review 47: ``mean > 0.5 and
-    # sum > 3`` deciding a cond under sync synchronized the mean only, claimed exact, 2.4 off)
-    taint = taint_of(ins) | {f.src for f in rs[1:] if f.src and f.src != first.src}
     linear = {"sum", "mean", "ratio", "count", "size"}
 
     def other(why: str) -> Fact:

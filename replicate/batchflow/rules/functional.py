@@ -148,13 +148,14 @@ def _outer(ctx: Context, node: Node, fact: Fact | None, passed: frozenset = froz
     return fact.with_(taint=outer) if outer != fact.taint else fact
 
 
-def _condition(ctx: Context, node: Node, pred: Fact | None, outs: list[Fact | None]) -> list[Fact | None]:
+def _condition(ctx: Context, node: Node, pred: Fact | None, outs: list[Fact | None],
+               ref: str | None = None) -> list[Fact | None]:
     if pred is None:
         return outs
     if pred.kind in (PART, MIXED):
         why = "a branch or loop condition decided per example" if pred.kind == PART else pred.why
         return [mixed(node.name, why, pred.taint)] * len(outs)
-    bad, taint = condition(ctx, node, pred)
+    bad, taint = condition(ctx, node, pred, ref)
     if bad is not None:
         return [bad] * len(outs)
     return [o.with_(taint=o.taint | taint) if o is not None else None for o in outs]
@@ -219,7 +220,7 @@ def if_(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
     if any(r is None for r in results):
         return _unanalysable(ctx, node, ins, f"a branch of '{node.name}' cannot be analysed")
     outs = [join(list(column), ctx.classes) for column in zip(*results)]
-    return _condition(ctx, node, ins[0], outs)
+    return _condition(ctx, node, ins[0], outs, node.inputs[0])
 
 
 def partitioned_call(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact | None]:
