@@ -48,6 +48,7 @@ def _graph(predicate: str, branches: str = "constants", v1_cond: bool = True) ->
         ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
         decides = {"mean": lambda: tf.reduce_mean(tf.stop_gradient(ce)) > 1.1,
                    "size": lambda: tf.shape(x)[0] > 4,
+                   "argmax": lambda: tf.argmax(tf.stop_gradient(ce)) > 2,
                    # two reductions: under sync, both (review 47: the mean only, 2.4 off)
                    "mean_and_sum": lambda: tf.logical_and(tf.reduce_mean(tf.stop_gradient(ce)) > 1.0,
                                                           tf.reduce_sum(tf.stop_gradient(ce)) > 6.0),
@@ -92,6 +93,21 @@ def test_constant_branches_on_a_synchronized_value_are_exact(predicate, branches
     for batches in ([7, 2, 5], [3, 5, 9]):
         cmp = compare(graph, res.graph, "train", _feeds(batches), fetch=("loss:0",))
         assert cmp.max_rel < 1e-5, (batches, cmp)
+
+
+def test_constant_branches_chosen_by_each_tower_s_pick_are_a_reason_and_keep_its_assertion():
+    """Review 46: each tower's cond chose its scale by its own argmax (0.31 off one device),
+    claimed exact, and the padding of picks only logging reads (tests/test_logged_picks.py)
+    took the pick for logging. It is a reason naming the pick, which keeps its assertion."""
+    graph = _graph("argmax")
+    res = replicate.transform(graph, DEVICES)
+    assert not res.report.exact
+    assert any(r.node == "ArgMax" for r in res.report.reasons), res.report.reasons
+    assert not any("zeros padded in" in w for w in res.report.warnings), res.report.warnings
+    assert any(n.op == "Assert" and n.name.startswith("tower_2/ArgMax/replicate/examples/")
+               for n in res.graph_def.node)
+    cmp = compare(graph, res.graph, "train", _feeds([7, 6, 5]), fetch=("loss:0",))
+    assert cmp.max_rel > 1e-2, cmp
 
 
 def test_constant_branches_on_a_fed_flag_stay_exact():

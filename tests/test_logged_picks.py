@@ -158,35 +158,6 @@ def test_a_pick_a_variable_update_reads_keeps_its_assertion(resource):
     _kept(replicate.transform(g, DEVICES))
 
 
-def _scaled_by_a_cond_on_a_pick() -> tf.Graph:
-    """``mean(ce) * cond(argmax(ce) > 2, 1.0, 3.0)`` in a TF1 cond: its branches are constants
-    that wait for the cond's pivot by control edge only."""
-    g = tf.Graph()
-    with control_flow_v1(True), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
-        scale = tf.cond(tf.argmax(tf.stop_gradient(ce)) > 2, lambda: tf.constant(1.0),
-                        lambda: tf.constant(3.0))
-        loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
-        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
-    return g
-
-
-def test_a_pick_deciding_a_tf1_cond_of_constants_is_a_reason_and_keeps_its_assertion():
-    """Review 46: each tower's cond chose its scale by its own argmax (0.31 off one device),
-    claimed exact; the padding then took the pick for logging. The cond's value now carries
-    its predicate's fact: inexact, naming the pick, which keeps its assertion."""
-    graph = _scaled_by_a_cond_on_a_pick()
-    res = replicate.transform(graph, DEVICES)
-    assert not res.report.exact
-    assert any(r.node == "ArgMax" for r in res.report.reasons), res.report.reasons
-    _kept(res)
-    cmp = compare(graph, res.graph, "train", _feeds([7, 6, 5]), fetch=("loss:0",))
-    assert cmp.max_rel > 1e-2, cmp        # the reason is true: the towers train otherwise
-
-
 @pytest.mark.parametrize("route", ["assert_data", "v1_print_data"])
 def test_a_bool_pick_only_logged_is_padded_with_false(route):
     """Review 46: the zero padded in was an int, and a bool pick (``wrong[0]``) failed the
