@@ -91,6 +91,8 @@ class Context:
         self.seeds = seeds or {}
         self.all_gradient = all_gradient
         self.functions = functions if functions is not None else {}
+        #: TF1 cond ``Merge`` -> the predicates that decide it (``rules/control.py``), found once.
+        self.cond_predicates: dict[str, set[str] | None] = {}
         #: Set by the solver, which owns the rules (so that neither this module nor a rule
         #: imports the solver or the rules): ``solve(ir, region, ...)`` analyses a function
         #: body (:func:`replicate.batchflow.solver.solve`), ``sparse_source(ctx, tensor,

@@ -40,7 +40,7 @@ from replicate.graph import ops as op_table
 from replicate.graph.ir import IR, node_of
 from replicate.passes._empty_kernels import BodyOps, GraphOps
 
-__all__ = ["logged_only", "pad_logged", "pad_logged_body_picks", "warnings", "LOGGED_INPUTS"]
+__all__ = ["Bodies", "logged_only", "pad_logged", "pad_logged_body_picks", "warnings", "LOGGED_INPUTS"]
 
 I32 = dtypes.int32
 
@@ -77,7 +77,8 @@ def _only_logged(start: str, readers: Callable[[str], Iterable[tuple[str | None,
                  op_of: Callable[[str], str], stateless: Callable[[str], bool],
                  logs: Callable[[str, int], bool]) -> bool:
     """Whether every data path from node ``start`` ends at a logged input (or at nothing: a
-    driver fetching such a node by name gets tower 0's value, as the report says), through stateless ops, NaN checks and calls whose bodies only log the argument
+    driver fetching such a node by name gets tower 0's value, as the report says), through
+    stateless ops, NaN checks and calls whose bodies only log the argument
     (``logs(call, input position)``). ``readers(name)`` yields (reader, input position)
     pairs, a None reader for a result that leaves (a body's return)."""
     seen, work = {start}, [start]
@@ -104,11 +105,12 @@ def _only_logged(start: str, readers: Callable[[str], Iterable[tuple[str | None,
     return True
 
 
-def logged_only(ir: IR, name: str, training: tuple[str, ...], differentiated: set[str]) -> bool:
+def logged_only(ir: IR, name: str, training: tuple[str, ...], differentiated: set[str],
+                bodies: "Bodies") -> bool:
     """Whether only logging reads graph node ``name``'s outputs: no op on the way is one the
     gradient differentiates (in ``differentiated``: it leads to the loss, even when no op reads
     the loss's value) or reads (its name starts with one of ``training``, the tower's gradient
-    code)."""
+    code). ``bodies`` walks the functions it calls."""
     if name in differentiated:
         return False
 
@@ -124,45 +126,50 @@ def logged_only(ir: IR, name: str, training: tuple[str, ...], differentiated: se
 
     def logs(call: str, position: int) -> bool:
         node = ir.nodes[call]
-        return _Bodies(ir).log(node.op, [node.attr(k) for k in _FOLLOWED.get(node.op, ((), 0))[0]],
-                               position)
+        return bodies.log(node.op, [node.attr(k) for k in _FOLLOWED.get(node.op, ((), 0))[0]], position)
 
     return _only_logged(name, readers, lambda n: ir.nodes[n].op, stateless, logs)
 
 
-class _Bodies:
+class Bodies:
     """The library's functions, walked from an argument or a node (calls followed, to a
-    depth of 8)."""
+    depth of 8). Each body's nodes and readers are indexed once; :meth:`forget` drops a body's
+    index after it changes."""
 
-    def __init__(self, ir: IR, depth: int = 0) -> None:
-        self.ir, self.depth = ir, depth
+    def __init__(self, ir: IR) -> None:
+        self.ir = ir
         self.functions = {f.signature.name: f for f in ir.library.function} if ir.library is not None else {}
+        self.indexed: dict[str, tuple[dict, dict]] = {}
 
-    def log(self, op: str, names: list, position: int) -> bool:
+    def forget(self, fdef) -> None:
+        self.indexed.pop(fdef.signature.name, None)
+
+    def log(self, op: str, names: list, position: int, depth: int = 0) -> bool:
         """Whether the bodies ``names`` a call of ``op`` runs only log its input ``position``."""
         first = _FOLLOWED.get(op, ((), 0))[1]
-        if op not in _FOLLOWED or position < first or self.depth >= 8 or not names:
+        if op not in _FOLLOWED or position < first or depth >= 8 or not names:
             return False
         for name in names:
             fdef = self.functions.get(name)
             args = fdef.signature.input_arg if fdef is not None else ()
-            if position - first >= len(args) or not self.only_logged(fdef, args[position - first].name):
+            if position - first >= len(args) or not self.only_logged(fdef, args[position - first].name, depth):
                 return False
         return True
 
-    def only_logged(self, fdef, start: str) -> bool:
+    def only_logged(self, fdef, start: str, depth: int = 0) -> bool:
         """Whether only logging reads body node (or argument) ``start`` of ``fdef``."""
-        nodes = {n.name: n for n in fdef.node_def}
-        readers = _readers(fdef)
-        inner = _Bodies(self.ir, self.depth + 1)
+        name = fdef.signature.name
+        if name not in self.indexed:
+            self.indexed[name] = ({n.name: n for n in fdef.node_def}, _readers(fdef))
+        nodes, readers = self.indexed[name]
 
-        def stateless(name: str) -> bool:
-            return _stateless(self.ir.op_def(nodes[name].op))
+        def stateless(node: str) -> bool:
+            return _stateless(self.ir.op_def(nodes[node].op))
 
         def logs(call: str, position: int) -> bool:
             node = nodes[call]
-            return inner.log(node.op, [node.attr[k].func.name for k in _FOLLOWED.get(node.op, ((), 0))[0]
-                                       if k in node.attr], position)
+            return self.log(node.op, [node.attr[k].func.name for k in _FOLLOWED.get(node.op, ((), 0))[0]
+                                      if k in node.attr], position, depth + 1)
 
         return _only_logged(start, lambda n: readers.get(n, ()), lambda n: nodes[n].op, stateless, logs)
 
@@ -253,7 +260,7 @@ def _padded(ops, ref: str, axis: int, need: int | str, dtype) -> str:
 def pad_logged_body_picks(ir: IR) -> int:
     """Pad every pick inside a library function that only logging reads (module docstring);
     returns how many."""
-    done, bodies = 0, _Bodies(ir)
+    done, bodies = 0, Bodies(ir)
     for fdef in list(ir.library.function) if ir.library is not None else ():
         nodes = {n.name: n for n in fdef.node_def}
         values = {n.name: tensor_util.MakeNdarray(n.attr["value"].tensor)
@@ -274,6 +281,7 @@ def pad_logged_body_picks(ir: IR) -> int:
                 ops.scope = f"{node.name}/replicate_empty/{k}"
                 ref = _padded(ops, ref, axis, need, dtype)
             ops.set_input(0, ref)
+            bodies.forget(fdef)
             ir.facts.setdefault("logged_picks", {})[node.name] = fdef.signature.name
             done += 1
     return done

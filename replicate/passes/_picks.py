@@ -31,7 +31,7 @@ from replicate.batchflow.rules.layout import strided_entries
 from replicate.batchflow.rules.slicing import keeps_axis
 from replicate.graph.frames import opening
 from replicate.graph.ir import IR, Node, node_of, parse_tensor, tensor_name
-from replicate.passes._logged import logged_only, pad_logged
+from replicate.passes._logged import Bodies, logged_only, pad_logged
 
 __all__ = ["MARKER", "assert_examples", "behind_check", "PICK_OPS"]
 
@@ -90,8 +90,12 @@ def assert_examples(ir: IR) -> int:
     grads = tuple(f"{s.prefix}/" for s in ir.facts["analysis"].scopes)
     dead = _unread(ir, {c for names in copies for c in names.values()})
     differentiated = _differentiated(copies[0] if copies else {}, grads)
+    bodies = Bodies(ir)
     for k, names in enumerate(copies):
         prefix = f"{towers.prefixes[k]}/"
+        # what logged_only needs of the tower: its gradient scopes, its differentiated ops,
+        # the walker of the bodies (built once per tower, not per pick)
+        tower = (tuple(prefix + g for g in grads), {prefix + n for n in differentiated}, bodies)
         # a batch input's slice for the tower is read as the input (``x[0]`` of a placeholder)
         inputs = {tensor_name(*parse_tensor(v)): o for o, v in towers.inputs[k].items()}
         for name, copied in names.items():
@@ -119,8 +123,7 @@ def assert_examples(ir: IR) -> int:
                             # slice that keeps every example (``sel[:, None]``): its positions
                             # are no examples' (an assertion on them misfired, review 31)
             framed = opening(ir, copy.name) is not None
-            logged = (position is not None or not framed) and _only_logged(
-                ir, copy, kind, position, prefix, grads, {prefix + n for n in differentiated})
+            logged = (position is not None or not framed) and _paddable(ir, copy, kind, position, tower)
             if framed and not logged:
                 continue    # in a TF1 loop: an assertion there needs the frame's plumbing (its
                             # constants outside the frame failed the step, review 16); a pick
@@ -169,15 +172,15 @@ def _differentiated(names: dict[str, str], grads: tuple[str, ...]) -> set[str]:
             if original.startswith(s) and "_grad/" in original}
 
 
-def _only_logged(ir: IR, copy: Node, kind: str, position, prefix: str, grads: tuple[str, ...],
-                 differentiated: set[str]) -> bool:
-    """Whether tower copy ``copy`` picks examples that only logging reads, and can be padded
-    to the count it needs (a run-time n-th element, picks from lists and softmax classes keep
-    their assertion)."""
+def _paddable(ir: IR, copy: Node, kind: str, position, tower: tuple) -> bool:
+    """Whether tower copy ``copy`` picks examples that only logging reads (``tower``: the last
+    arguments of :func:`~replicate.passes._logged.logged_only`), and can be padded to the count
+    it needs (a run-time n-th element, picks from lists and softmax classes keep their
+    assertion)."""
     dtype = dtypes.as_dtype(ir.output_dtype(copy.inputs[0]))
     return (kind == "shape" and not (copy.op == "NthElement" and position is None)
             and dtype not in (dtypes.string, dtypes.resource, dtypes.variant)
-            and logged_only(ir, copy.name, tuple(prefix + g for g in grads), differentiated))
+            and logged_only(ir, copy.name, *tower))
 
 
 def _unread(ir: IR, names: set[str]) -> set[str]:

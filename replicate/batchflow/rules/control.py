@@ -42,10 +42,9 @@ def _decided(ctx: Context, node: Node, out: Fact | None) -> Fact | None:
     if out is None or out.kind == MIXED or any(
             ctx.ir.nodes[node_of(r)].op in ("NextIteration", "RefNextIteration") for r in node.inputs):
         return None         # a loop's Merge: its condition decides through its Switch
-    found = ctx.__dict__.setdefault("_cond_predicates", {})
-    if node.name not in found:
-        found[node.name] = _predicates(ctx, node)
-    predicates = found[node.name]
+    if node.name not in ctx.cond_predicates:
+        ctx.cond_predicates[node.name] = _predicates(ctx, node)
+    predicates = ctx.cond_predicates[node.name]
     if predicates is None:
         return mixed(node.name, "a value a TF1 cond chooses whose condition replicate did not "
                      f"trace (more than {_WALK} ops back)", out.taint)
