@@ -46,6 +46,7 @@ import numpy as np
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.python.framework import dtypes, tensor_util
 
+from replicate.graph.frames import opening
 from replicate.graph.ir import IR, make_attr
 
 __all__ = ["pad_ctc_losses", "empty_tensor_scatters", "empty_gathers", "crop_gradient_depths",
@@ -94,7 +95,6 @@ def finite_gradient_checks(ir: IR) -> int:
     from replicate.batchflow.effects import called_functions
     from replicate.batchflow.lattice import PART
     from replicate.batchflow.roles import FLOAT_TYPES
-    from replicate.graph.frames import opening
 
     flow, towers = ir.facts["analysis"].flow, ir.facts["towers"]
     if flow is None:
