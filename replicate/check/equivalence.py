@@ -21,13 +21,19 @@ __all__ = ["session_config", "Trainer", "Comparison", "compare", "relative_diffe
 log = logging.getLogger(__name__)
 
 
-def session_config(cpus: int = 4, threads: int = 0, soft_placement: bool = False):
+def session_config(cpus: int = 4, threads: int = 0, soft_placement: bool = False,
+                   optimize: bool = True):
     """A ConfigProto with ``cpus`` logical CPU devices (``/cpu:0`` ... ``/cpu:{cpus-1}``);
-    ``soft_placement`` lets ops pinned to absent devices (GPUs) run on a CPU."""
+    ``soft_placement`` lets ops pinned to absent devices (GPUs) run on a CPU. ``optimize=False``
+    turns Grappler off: a session that runs a graph for a few steps to check it (the
+    certificate, ``verify``, ``compare``) spent most of its time in Grappler's first-run
+    rewrite of a small graph, and the plain graph is what the check is about."""
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus},
                                       allow_soft_placement=soft_placement)
+    if not optimize:
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
     if threads:
         config.intra_op_parallelism_threads = threads
         config.inter_op_parallelism_threads = threads
@@ -44,10 +50,12 @@ class Trainer:
         train_op: name of the op to run per step.
         cpus: logical CPU devices of the session.
         soft_placement: run ops pinned to absent devices on a CPU.
+        optimize: run Grappler on the graph (off by default: a check runs a few steps, and
+            Grappler's first-run rewrite cost more than the steps; see ``session_config``).
     """
 
     def __init__(self, source: Any, train_op: str, cpus: int = 4, threads: int = 0,
-                 soft_placement: bool = False):
+                 soft_placement: bool = False, optimize: bool = False):
         import tensorflow as tf
 
         from replicate.graph.io import export_graph, importable
@@ -69,7 +77,7 @@ class Trainer:
         tables = self.graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS)
         self.train_op = self.graph.get_operation_by_name(train_op)
         self.session = tf.compat.v1.Session(graph=self.graph,
-                                            config=session_config(cpus, threads, soft_placement))
+                                            config=session_config(cpus, threads, soft_placement, optimize))
         for ops in ([self.variables[n].initializer for n in self._names],
                     [v.initializer for v in local], list(tables)):
             if ops:

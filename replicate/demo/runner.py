@@ -148,8 +148,9 @@ def train_side_by_side(original, replicated, train_op: str, batches: Iterable[tu
         steps: the number of steps, when known, so the last one is a drift checkpoint.
         on_step: called after every step with its index and the results so far.
     """
-    single = Trainer(original, train_op, cpus)
-    multi = Trainer(replicated, train_op, cpus)
+    # timed: both run as users run them, Grappler on (the reference is not timed)
+    single = Trainer(original, train_op, cpus, optimize=True)
+    multi = Trainer(replicated, train_op, cpus, optimize=True)
     ref = Trainer(original, train_op, cpus) if reference else None
     result = SideBySide([], [], [], {}, [], 0, warmup)
     marks, rng = _checkpoints(steps), np.random.RandomState(1)

@@ -16,7 +16,10 @@ examples, in the graph and inside function bodies.
   oneDNN, TensorFlow gives a convolution of an empty batch its input's depth (``[0, 8, 8,
   3]`` for 4 filters), and the gradient stops ("image_size and grads are incompatible"). Each
   tower's reads the depth of its incoming gradient, which is the images' depth whenever the
-  batch has examples.
+  batch has examples. ``CropAndResizeGradBoxes`` reads the images themselves ("image, grads
+  depth differ"; Grappler's rewrite of the graph had hidden it, a session without Grappler
+  stopped): each tower's reads them reshaped to the depth of its gradient, the same tensor
+  whenever the batch has examples.
 
 - A NaN check of gradient code (``CheckNumerics``, or a call of a body that has one: the
   gradient of ``check_numerics`` checks its incoming gradient too) on a value that is not per
@@ -79,9 +82,9 @@ def empty_gathers(ir: IR) -> int:
 
 
 def crop_gradient_depths(ir: IR) -> int:
-    """Every tower's ``CropAndResizeGradImage`` takes the images' depth from its gradient
-    (module docstring); returns how many ops changed."""
-    return _guard_all(ir, {"CropAndResizeGradImage"}, _crop_depth, bodies=False)
+    """Every tower's ``CropAndResizeGradImage`` and ``CropAndResizeGradBoxes`` takes the
+    images' depth from its gradient (module docstring); returns how many ops changed."""
+    return _guard_all(ir, {"CropAndResizeGradImage", "CropAndResizeGradBoxes"}, _crop_depth, bodies=False)
 
 
 #: Ops that stop a step on a value that is not finite.
@@ -246,15 +249,23 @@ def _dimension(ops, name: str, ref: str, axis: int, dtype) -> str:
 
 
 def _crop_depth(ops, refs: list[str], attr) -> None:
-    """One ``CropAndResizeGradImage`` reads its image size with the depth of its gradient."""
+    """One ``CropAndResizeGradImage`` reads its image size, or one ``CropAndResizeGradBoxes``
+    its images, with the depth of its gradient."""
     add, const = ops.add, ops.const
-    grads = add("grads_shape", "Shape", [refs[0]], T=dtypes.as_dtype(attr("T", dtypes.float32)), out_type=I32)
+    grads = add("grads_shape", "Shape", [refs[0]], T=dtypes.float32, out_type=I32)
     depth = add("depth", "StridedSlice", [grads,
                                           const("at", [3]), const("end", [4]), const("step", [1])],
                 T=I32, Index=I32)
-    size = add("size", "StridedSlice", [refs[3], const("first", [0]), const("last", [3]), const("one", [1])],
+    boxes, kind = ops.op.op == "CropAndResizeGradBoxes", dtypes.as_dtype(attr("T", dtypes.float32))
+    sizes = add("images_shape", "Shape", [refs[1]], T=kind, out_type=I32) \
+        if boxes else refs[3]
+    size = add("size", "StridedSlice", [sizes, const("first", [0]), const("last", [3]), const("one", [1])],
                T=I32, Index=I32)
-    ops.set_input(3, add("image_size", "ConcatV2", [size, depth, const("axis", 0)], T=I32, N=2, Tidx=I32))
+    shape = add("image_size", "ConcatV2", [size, depth, const("axis", 0)], T=I32, N=2, Tidx=I32)
+    if boxes:
+        ops.set_input(1, add("images", "Reshape", [refs[1], shape], T=kind, Tshape=I32))
+    else:
+        ops.set_input(3, shape)
 
 
 class GraphOps:
