@@ -118,3 +118,29 @@ def test_constant_branches_on_a_fed_flag_stay_exact():
     feeds[1]["flag:0"] = False
     cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel < 1e-5, cmp
+
+
+@pytest.mark.parametrize("guard", ["size_positive", "size_zero"])
+@pytest.mark.parametrize("options", [{}, {"batch_norm": "sync"}, {"accumulate": 2}])
+def test_a_loss_guarded_against_an_empty_batch_is_exact(guard, options):
+    """``cond(tf.shape(x)[0] > 0, mean, 0.0)``, or ``tf.equal(tf.size(y), 0)``: the loss is a
+    mean in the branch a batch size chooses, and every tower reads the global batch size.
+    It was inexact ("Merge of a value reduced over the batch", review 47 C2): the mean's input
+    carries the batch size as a taint, which the loss's synchronization took for a reduction
+    it could not synchronize. An empty tower (batch 2 on 3 towers) included."""
+    g = tf.Graph()
+    with control_flow_v1(), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        if guard == "size_positive":
+            loss = tf.cond(tf.shape(x)[0] > 0, lambda: tf.reduce_mean(ce), lambda: tf.constant(0.0))
+        else:
+            loss = tf.cond(tf.equal(tf.size(y), 0), lambda: tf.constant(0.0), lambda: tf.reduce_mean(ce))
+        v1.train.GradientDescentOptimizer(0.4).minimize(tf.identity(loss, name="loss"), name="train")
+    res = replicate.transform(g, DEVICES, **options)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp
+    assert max(abs(float(a[0]) - float(b[0])) for a, b in cmp.fetched) < 1e-5, cmp.fetched

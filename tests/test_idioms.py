@@ -173,6 +173,29 @@ def test_fused_batch_norm_under_a_training_placeholder(version):
     assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
 
 
+def test_a_switch_read_on_the_controller_keeps_its_live_output():
+    """The corpus ResNet's batch norm under a training flag (TF1 conds), ``batch_norm='sync'``:
+    the controller's recomputed batch norm reads the cond's ``Switch`` merged from the towers.
+    Merged as one ``IdentityN`` of both outputs, one of them dead, it was dead whole: the
+    moving averages never moved (claimed exact, 1.0 off), which only Grappler's rewrite of
+    the IdentityN had hidden; ``compare`` runs without Grappler."""
+    from breadth_models import control_flow_v1
+    from corpus import resnet_layers
+
+    graph = tf.Graph()
+    with control_flow_v1(), graph.as_default():
+        v1.set_random_seed(0)
+        names = resnet_layers.build(7, flag=True)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2"], batch_norm="sync")
+    assert res.report.exact, res.report.reasons
+    switches = [n for n in res.graph.as_graph_def().node if n.name.endswith("cond/FusedBatchNormV3/Switch")]
+    assert switches and all(n.op == "Switch" for n in switches), [n.op for n in switches]
+    data = resnet_layers.make_data(np.random.RandomState(0), 7, 2)
+    feeds = [{names["features"]: x, names["labels"]: y} for x, y in data]
+    cmp = compare(graph, res.graph, names["train_op"], feeds)
+    assert cmp.max_rel <= 1e-5, (cmp.worst, cmp.max_rel)
+
+
 def test_a_named_split_that_cannot_run_is_refused_by_the_check():
     """``batch_inputs=`` naming a [3] class-weights table splits it: the analysis reports the
     lookup by labels (inexact), and the rewrite fails at run time. With the check the

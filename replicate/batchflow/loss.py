@@ -308,6 +308,10 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
                 if src in sources or src in synced or INSIDE in src or src not in ir.nodes:
                     continue
                 if ir.nodes[src].op not in _SYNCABLE or "moments" in src:
+                    size = ctx.fact(f"{src}:0")
+                    if size is not None and size.kind == RED and batch_size(size) and value_only(ir, src):
+                        work.append(f"{src}:0")     # a batch size deciding the branch the
+                        continue                    # reduction is in: the towers' sizes add up
                     return None     # batch norm's statistics follow the batch_norm option
                 work.append(f"{src}:0")
             continue

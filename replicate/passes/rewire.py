@@ -190,9 +190,24 @@ class Rewire:
                 else:
                     outputs.append(f"{copies[0][name]}:{i}")
                 types.append(ir.output_dtype(outputs[-1]))
+            tower0 = ir.nodes[copies[0][name]]
+            if tower0.op in _SWITCHES and len(outputs) == 2:
+                # one output of a TF1 cond's Switch is dead: an IdentityN of both is dead
+                # whole, and every reader after it never ran (the moving averages of a batch
+                # norm under a training flag were not updated; Grappler's rewrite of the
+                # IdentityN had hidden it). The live one, switched again by the same predicate.
+                live = ir.add(f"{name}_merged/live", _SWITCHES[tower0.op], [_ref(o) for o in outputs],
+                              device=self.controller, attrs={"T": types[0], "N": 2})
+                ir.add(name, tower0.op, [live.name, tower0.inputs[1]], device=self.controller,
+                       attrs={"T": types[0]})
+                continue
             ir.add(name, "IdentityN", [_ref(o) for o in outputs], device=self.controller,
                    attrs={"T": types})
         return count
+
+
+#: A TF1 cond's switches, and the merge that takes the live one of their outputs.
+_SWITCHES = {"Switch": "Merge", "RefSwitch": "RefMerge"}
 
 
 def _ref(tensor: str) -> str:

@@ -104,7 +104,8 @@ def _tf():
 
 
 def session_config():
-    """Four logical CPU devices, one thread per op (deterministic reductions)."""
+    """Four logical CPU devices, one thread per op (deterministic reductions); Grappler off
+    when ``CORPUS_NO_GRAPPLER`` is set (the test suite's quick runs)."""
     tf = _tf()
     config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, intra_op_parallelism_threads=1,
                                       inter_op_parallelism_threads=1)
