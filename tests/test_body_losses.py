@@ -106,3 +106,34 @@ def test_a_loss_out_of_a_v2_loop_is_the_loop_s_value_not_its_counter(form):
         res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], **options)
         assert res.report.exact, res.report.reasons
         assert compare(graph, res.graph, "train", feeds, fetch=("loss:0",)).max_rel < 1e-5
+
+
+@pytest.mark.parametrize("options", [{}, {"batch_norm": "sync"}, {"accumulate": 2}])
+def test_a_guarded_masked_mean_in_a_v2_cond_stays_finite(options):
+    """``cond(sum(m) > 0, sum(ce * m) / sum(m), 0.0)`` as a v2 cond: the ratio's sums are in the
+    branch's body, where they cannot be synchronized, so the rewrite is inexact. The predicate's
+    ``sum(m)`` (a statistic of the labels) used to be read as the batch's in every tower: a
+    tower whose examples are all masked out took the ratio's branch and divided 0 by 0, and
+    every variable became NaN where one device trains (review 45 C2). Each tower now decides
+    on its own count: inexact, finite."""
+    g = tf.Graph()
+    with g.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        logits = v1.layers.dense(x, C, kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        m = tf.cast(y > 0, tf.float32)
+        loss = tf.cond(tf.reduce_sum(m) > 0, lambda: tf.reduce_sum(ce * m) / tf.reduce_sum(m),
+                       lambda: tf.constant(0.0))
+        v1.train.GradientDescentOptimizer(0.5).minimize(tf.identity(loss, name="loss"), name="train")
+    res = replicate.transform(g, ["/cpu:1", "/cpu:2", "/cpu:3"], **options)
+    assert not res.report.exact
+    assert any("disable_control_flow_v2" in r.fix for r in res.report.reasons), res.report.reasons
+    rng = np.random.default_rng(3)
+    feeds = []
+    for b in (7, 6, 5):
+        labels = rng.integers(0, C, b).astype(np.int64)
+        labels[:3] = 0                  # tower 0's examples all masked out
+        feeds.append({"x:0": rng.normal(size=(b, D)).astype(np.float32), "y:0": labels})
+    cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
+    assert np.isfinite(cmp.max_rel), (cmp.worst, cmp.max_rel)

@@ -93,6 +93,9 @@ class Context:
         self.functions = functions if functions is not None else {}
         #: TF1 cond ``Merge`` -> the predicates that decide it (``rules/control.py``), found once.
         self.cond_predicates: dict[str, set[str] | None] = {}
+        #: ``If``/``While`` node -> the batch reductions its condition is computed from
+        #: (``rules/functional.py``).
+        self.decided_by: dict[str, frozenset] = {}
         #: Set by the solver, which owns the rules (so that neither this module nor a rule
         #: imports the solver or the rules): ``solve(ir, region, ...)`` analyses a function
         #: body (:func:`replicate.batchflow.solver.solve`), ``sparse_source(ctx, tensor,

@@ -16,7 +16,7 @@ from tensorflow.core.framework import types_pb2
 
 from replicate.batchflow.effects import describe, writes
 from replicate.batchflow.facts import Analysis, Reason
-from replicate.batchflow.lattice import PART, RED, batch_size
+from replicate.batchflow.lattice import INSIDE, PART, RED, batch_size
 from replicate.batchflow.loss import NO_GRADIENT
 from replicate.batchflow.reductions import FUSED_BATCH_NORM
 from replicate.batchflow.roles import FLOAT_TYPES
@@ -50,6 +50,25 @@ def size_like(ir: IR, name: str, flow) -> bool:
     fact = flow.fact(f"{name}:0")
     return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS \
         or fact is not None and batch_size(fact) and value_only(ir, name)
+
+
+def deciding_bodies(ir: IR, flow, in_bodies: list[str], loss_syncs) -> set[str]:
+    """Batch reductions (not batch sizes) that decide a v2 cond or loop whose bodies hold
+    batch reductions of their own, which cannot be synchronized: left to each tower. Read
+    globally, every tower took the branch one device takes and computed it on its own slice:
+    ``cond(sum(m) > 0, sum(l * m) / sum(m), 0.0)`` divided 0 by 0 in a tower without masked-in
+    examples, and every variable became NaN where one device trains (review 45 C2); decided
+    per tower, that tower takes the guard's branch, as the guard means it to."""
+    held = {c.split(INSIDE, 1)[0] for c in in_bodies}
+    for node, sources in flow.ctx.decided_by.items():
+        inner = f"{node}{INSIDE}"
+        facts = [flow.fact(f"{node}:{i}") for i in range(flow.ctx.n_outputs(ir.nodes[node]))] \
+            if node in ir.nodes else []
+        if any(f is not None and ((f.src or "").startswith(inner) or any(t.startswith(inner) for t in f.taint))
+               for f in facts):
+            held.add(node)
+    return {src for node in held for src in flow.ctx.decided_by.get(node, ())
+            if src in ir.nodes and src not in loss_syncs and not size_like(ir, src, flow)}
 
 
 #: Ops a loss term's root is looked up behind: they only reshape, cast or negate it.

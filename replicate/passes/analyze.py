@@ -193,8 +193,9 @@ class Analyze:
                            "value, and it cannot be synchronized inside the loop's frame",
                            "compute the statistics outside the loop, or train this graph on one "
                            "device") for c in looped]
-        couplings = [c for c in couplings if c not in looped]
         loss_syncs = flow.loss_syncs()
+        local = _exactness.deciding_bodies(ir, flow, in_bodies, loss_syncs)
+        couplings = [c for c in couplings if c not in looped and c not in local]
         auto = [c for c in couplings if _exactness.size_like(ir, c, flow) or c in loss_syncs
                 or _exactness.data_statistic(ir, graph, c, flow)]
         synced = frozenset(couplings if self.sync else auto)

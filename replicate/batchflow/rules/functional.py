@@ -158,6 +158,8 @@ def _condition(ctx: Context, node: Node, pred: Fact | None, outs: list[Fact | No
     bad, taint = condition(ctx, node, pred, ref)
     if bad is not None:
         return [bad] * len(outs)
+    if taint:
+        ctx.decided_by[node.name] = taint
     return [o.with_(taint=o.taint | taint) if o is not None else None for o in outs]
 
 
