@@ -205,10 +205,12 @@ class Accumulate:
 def in_branches(ir: IR, names: set[str]) -> set[str]:
     """The nodes of ``names`` that run only in one branch of a TF1 cond: reached from a
     ``Switch`` without passing a ``Merge`` (or a loop's ``Exit``, after which a loop's
-    ``Switch`` no longer decides)."""
+    ``Switch`` no longer decides); and the switches themselves, one of whose outputs is dead
+    (the controller's copy of a cond's ``Switch`` that the rewire pass merges is one: waited
+    for by a micro-batch's gate, it put every later micro-batch in a branch)."""
     if not any(n.op in ("Switch", "RefSwitch") for n in ir):
         return set()
-    seen: set[str] = set()
+    seen: set[str] = {n.name for n in ir if n.op in ("Switch", "RefSwitch")}
     work = [n.name for n in ir if n.op in ("Switch", "RefSwitch")]
     while work:
         cur = work.pop()
