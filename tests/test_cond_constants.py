@@ -144,3 +144,32 @@ def test_a_loss_guarded_against_an_empty_batch_is_exact(guard, options):
     cmp = compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
     assert cmp.max_rel < 1e-5, cmp
     assert max(abs(float(a[0]) - float(b[0])) for a, b in cmp.fetched) < 1e-5, cmp.fetched
+
+
+@pytest.mark.parametrize("branch", ["unlabelled", "both"])
+def test_two_batches_of_other_sizes_chosen_by_a_cond_are_exact(branch):
+    """A labelled batch ``x, y`` and an unlabelled batch ``z`` of 3 more examples, a TF1 cond
+    on a fed flag taking one task's loss per step (review 48 C1). The cond's ``Merge`` joined
+    the two means and made their batches one class, so the split asserted them the same size
+    and step 1 stopped where one device runs (claimed exact). Two reductions pair no rows."""
+    g = tf.Graph()
+    with control_flow_v1(), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        z = v1.placeholder(tf.float32, [None, 4], name="z")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        u = tf.reduce_mean(tf.square(tf.tanh(tf.matmul(z, w))))
+        flag = v1.placeholder_with_default(True, [], name="flag")
+        other = (lambda: tf.reduce_mean(ce) + u) if branch == "both" else (lambda: tf.reduce_mean(ce))
+        loss = tf.identity(tf.cond(flag, lambda: u, other), name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    res = replicate.transform(g, DEVICES)
+    assert res.report.exact, res.report.reasons
+    feeds = _feeds([7, 6, 5])
+    rng = np.random.RandomState(4)
+    for i, feed in enumerate(feeds):
+        feed["z:0"] = rng.randn(len(feed["y:0"]) + 3, 4).astype(np.float32)
+        feed["flag:0"] = i % 2 == 0
+    cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp

@@ -207,9 +207,9 @@ def join(facts: list[Fact | None], classes: Classes) -> Fact | None:
         sharedv = [f for f in known if f.kind == SHARED]
         if merge in ("sum", "count") and any(f.value != (0,) for f in sharedv):
             merge = "other"                 # towers would each add the shared start value
-        for other in reds[1:]:
-            if reds[0].cls is not None and other.cls is not None:
-                classes.union(reds[0].cls, other.cls)
+        # two reductions pair no rows: their batches may differ (a labelled and an
+        # unlabelled batch, one per branch; review 48 C1: the union made the split assert the
+        # two batches the same size, and a step one device runs stopped)
         values = {f.value for f in known}
         return reds[0].with_(merge=merge, taint=taint, value=values.pop() if len(values) == 1 else None)
     values = {f.value for f in known}
