@@ -138,8 +138,11 @@ class Accumulate:
         names = gradients | {n for n in (node_of(f.tensor) for f in analysis.outputs)
                              if n in copy and copy[n] in needed}
         depths = analysis.flow.depths
-        branches = in_branches(ir, names)
-        return sorted(copy[n] for n in names if n in copy and not depths.get(n, 0) and n not in branches)
+        # the copies' branches, not the originals': a cond only tower 0 runs (a state update on
+        # its slice) has no original-named copy to find (review 48 C2: the gate waited for the
+        # branch's ops, dead in a step the other branch takes, and the step failed)
+        branches = in_branches(ir, {copy[n] for n in names if n in copy})
+        return sorted(copy[n] for n in names if n in copy and not depths.get(n, 0) and copy[n] not in branches)
 
     @staticmethod
     def _cycle(ir: IR, plan, done_of) -> str | None:
