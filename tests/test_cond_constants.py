@@ -173,3 +173,37 @@ def test_two_batches_of_other_sizes_chosen_by_a_cond_are_exact(branch):
         feed["flag:0"] = i % 2 == 0
     cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.max_rel < 1e-5, cmp
+
+
+@pytest.mark.parametrize("loss", ["weighted_mean", "asserted_mean"])
+@pytest.mark.parametrize("predicate", ["flag", "size"])
+def test_assertions_in_a_branch_do_not_decide_the_cond(loss, predicate):
+    """``v1.losses.sparse_softmax_cross_entropy(weights=w)`` checks its weights' shape with an
+    ``Assert`` whose guard is a TF1 cond on a set operation over shapes; an assertion on the
+    labels (``assert_non_negative``) guards with a cond on a reduction of them. In a branch,
+    the walk back from the outer cond's Merge took those guards' predicates for its own, and
+    the loss was inexact (review 48 L3; exact before 8dae365's rule, 0.08-0.22 off since).
+    A guard's Merge is live whichever way it goes: behind it, its own switches lead on."""
+    g = tf.Graph()
+    with control_flow_v1(), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        logits = tf.matmul(x, w)
+
+        def branch():
+            if loss == "weighted_mean":
+                weights = tf.cast(y > 0, tf.float32) + 0.5
+                return v1.losses.sparse_softmax_cross_entropy(y, logits, weights=weights,
+                                                              reduction=v1.losses.Reduction.MEAN)
+            with tf.control_dependencies([tf.debugging.assert_non_negative(y)]):
+                return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+        decides = v1.placeholder_with_default(True, [], name="flag") if predicate == "flag" \
+            else tf.shape(x)[0] > 0
+        out = tf.identity(tf.cond(decides, branch, lambda: tf.constant(0.0)), name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(out, name="train")
+    res = replicate.transform(g, DEVICES)
+    assert res.report.exact, res.report.reasons
+    cmp = compare(g, res.graph, "train", _feeds([7, 2, 5]), fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp

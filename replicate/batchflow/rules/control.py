@@ -69,23 +69,57 @@ def _predicates(ctx: Context, node: Node) -> set[str] | None:
     """The predicates of the ``Switch`` nodes first met on every way back from cond ``Merge``
     ``node`` (by data and control edges), and of those met on the way back from each such
     predicate (one made in an outer branch, a constant waiting for its pivot, leads to the
-    outer cond's Switch: review 47); None when the walk grows past :data:`_WALK` ops."""
+    outer cond's Switch: review 47); None when the walk grows past :data:`_WALK` ops.
+
+    Another cond's ``Merge`` met on the way is live whichever branch its own predicate takes,
+    and its value carries that predicate's fact already (this rule ran there): behind it, its
+    own cond's switches lead on to what they switch, not to their predicate. An assertion in
+    a branch is such a cond (``tf.Assert``, the weights check of ``v1.losses``): its predicate
+    (a set operation on shapes) had made every cond around a weighted loss inexact (review
+    48 L3; exact before 8dae365's rule)."""
     predicates, seen = set(), set()
-    work = [node_of(r) for r in node.inputs]
+    work = [(node_of(r), ()) for r in node.inputs]     # (op, the conds whose Merge we passed)
     while work:
-        name = work.pop()
-        if name in seen or name not in ctx.ir.nodes:
+        name, passed = work.pop()
+        if (name, passed) in seen or name not in ctx.ir.nodes:
             continue
-        seen.add(name)
+        seen.add((name, passed))
         if len(seen) > _WALK:
             return None
         back = ctx.ir.nodes[name]
         if back.op in ("Switch", "RefSwitch"):
+            pred = node_of(back.inputs[1])
+            inside = [i for i, own in enumerate(passed) if pred in own]
+            if inside:                  # out of a cond we came in through its Merge
+                work.append((node_of(back.inputs[0]), passed[:inside[-1]]))
+                continue
             predicates.add(back.inputs[1])
-            work.append(node_of(back.inputs[1]))    # made in an outer branch, it leads there
+            work.append((node_of(back.inputs[1]), passed))  # made in an outer branch, it leads there
             continue
-        work.extend([node_of(r) for r in back.inputs] + list(back.control))
+        if back.op in ("Merge", "RefMerge") and not _looping(ctx, back):
+            own = _own_predicate(ctx, back)
+            passed = passed + (own,) if own and own not in passed else passed
+        work.extend((node_of(r), passed) for r in back.inputs)
+        work.extend((c, passed) for c in back.control)
     return predicates
+
+
+def _looping(ctx: Context, node: Node) -> bool:
+    """A loop's ``Merge`` (it joins the value of the previous iteration)."""
+    return any(ctx.ir.nodes[node_of(r)].op in ("NextIteration", "RefNextIteration")
+               for r in node.inputs if node_of(r) in ctx.ir.nodes)
+
+
+def _own_predicate(ctx: Context, node: Node) -> frozenset:
+    """The predicate of the TF1 cond whose ``Merge`` is ``node``: its ``pred_id`` (``tf.cond``
+    names it in the cond's name scope; the switches of the values a branch reads read it) and
+    the op it copies (the switch of the branches' pivots reads that); empty if not found."""
+    scope = node.name.rsplit("/", 1)[0] if "/" in node.name else ""
+    pred = f"{scope}/pred_id" if scope else "pred_id"
+    found = ctx.ir.nodes.get(pred)
+    if found is None or found.op != "Identity" or not found.inputs:
+        return frozenset()
+    return frozenset({pred, node_of(found.inputs[0])})
 
 
 #: How far back a cond's ``Merge`` looks for its ``Switch`` nodes (review 47: 64 missed the
