@@ -113,11 +113,14 @@ def _looping(ctx: Context, node: Node) -> bool:
 def _own_predicate(ctx: Context, node: Node) -> frozenset:
     """The predicate of the TF1 cond whose ``Merge`` is ``node``: its ``pred_id`` (``tf.cond``
     names it in the cond's name scope; the switches of the values a branch reads read it) and
-    the op it copies (the switch of the branches' pivots reads that); empty if not found."""
+    the op it copies (the switch of the branches' pivots reads that); empty if not found, or
+    if the scope holds a second cond (``tf.cond(..., name="blk/")`` twice: an inner guard's
+    Merge was taken for the outer cond's, its predicate skipped, and a cond decided per tower
+    claimed exact, 1.61 off; review 49 S1)."""
     scope = node.name.rsplit("/", 1)[0] if "/" in node.name else ""
     pred = f"{scope}/pred_id" if scope else "pred_id"
     found = ctx.ir.nodes.get(pred)
-    if found is None or found.op != "Identity" or not found.inputs:
+    if found is None or found.op != "Identity" or not found.inputs or f"{pred}_1" in ctx.ir.nodes:
         return frozenset()
     return frozenset({pred, node_of(found.inputs[0])})
 
