@@ -598,3 +598,34 @@ def test_a_state_update_in_a_cond_tower_0_runs_does_not_hold_the_next_micro_batc
     # were, silently: the loss, fetched, showed it)
     cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
     assert cmp.per_variable["w"] < 1e-5, cmp.per_variable      # only the update is inexact
+
+
+def test_a_constant_a_branch_returns_under_an_assertion_is_in_the_branch():
+    """A TF1 cond on a fed flag whose branches return a constant under
+    ``assert_non_negative(y)`` (a TF1 cond itself: the assertion's guard). The walk that finds
+    branch ops stopped at the guard's Merge, so the constant was taken for outside the branch,
+    and the next micro-batch's gate waited for it: dead in a step the other branch takes, the
+    step failed where one device runs (claimed exact; review 49 C1)."""
+    v1 = tf.compat.v1
+    g = tf.Graph()
+    with bm.control_flow_v1(), g.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+
+        def branch(value):
+            def make():
+                with tf.control_dependencies([tf.debugging.assert_non_negative(y)]):
+                    return tf.constant(value)
+            return make
+        scale = tf.cond(v1.placeholder_with_default(True, [], name="flag"), branch(1.0), branch(3.0))
+        loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
+        v1.train.GradientDescentOptimizer(0.4).minimize(loss, name="train")
+    res = replicate.transform(g, CPUS[:3], accumulate=2)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(2)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 6, 5)]
+    feeds[1]["flag:0"] = False
+    cmp = compare(g, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp

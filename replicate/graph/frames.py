@@ -17,7 +17,7 @@ import dataclasses
 
 from replicate.graph.ir import IR, node_of
 
-__all__ = ["Frame", "frames", "opening", "in_branch"]
+__all__ = ["Frame", "frames", "opening", "in_branch", "cond_predicate"]
 
 _ENTER = ("Enter", "RefEnter")
 _EXIT = ("Exit", "RefExit")
@@ -139,3 +139,18 @@ def in_branch(ir: IR, name: str) -> bool:
         return sorted({ref for s in switches for ref in list(ir.nodes[s].inputs) + list(ir.nodes[s].control)})
 
     return _back(ir, name, lambda node: node.op in _SWITCH, lambda node: False, past) is not None
+
+
+def cond_predicate(nodes: dict, merge) -> frozenset:
+    """The predicate of the TF1 cond whose ``Merge`` is ``merge`` (``nodes``: name -> node, each
+    with ``op`` and ``inputs``): its ``pred_id`` (``tf.cond`` names it in the cond's name
+    scope; the switches of the values a branch reads read it) and the op it copies (the switch
+    of the branches' pivots reads that). Empty if not found, or if the scope holds a second
+    cond (``tf.cond(..., name="blk/")`` twice: a guard's Merge was taken for the outer cond's
+    and a cond decided per tower claimed exact, 1.61 off; review 49 S1)."""
+    scope = merge.name.rsplit("/", 1)[0] if "/" in merge.name else ""
+    pred = f"{scope}/pred_id" if scope else "pred_id"
+    found = nodes.get(pred)
+    if found is None or found.op != "Identity" or not found.inputs or f"{pred}_1" in nodes:
+        return frozenset()
+    return frozenset({pred, node_of(found.inputs[0])})

@@ -45,6 +45,7 @@ from tensorflow.python.framework import dtypes
 
 from replicate.batchflow.effects import writes as state_writes
 from replicate.graph import ops
+from replicate.graph.frames import cond_predicate
 from replicate.graph.ir import IR, node_of, parse_tensor
 from replicate.passes.pipeline import PassResult
 
@@ -208,20 +209,33 @@ class Accumulate:
 def in_branches(ir: IR, names: set[str]) -> set[str]:
     """The nodes of ``names`` that run only in one branch of a TF1 cond: reached from a
     ``Switch`` without passing a ``Merge`` (or a loop's ``Exit``, after which a loop's
-    ``Switch`` no longer decides); and the switches themselves, one of whose outputs is dead
-    (the controller's copy of a cond's ``Switch`` that the rewire pass merges is one: waited
-    for by a micro-batch's gate, it put every later micro-batch in a branch)."""
+    ``Switch`` no longer decides) of a cond that is not itself in a branch; and the switches
+    themselves, one of whose outputs is dead (the controller's copy of a cond's ``Switch``
+    that the rewire pass merges is one: waited for by a micro-batch's gate, it put every later
+    micro-batch in a branch). A cond in a branch (an assertion's guard) ends nowhere: a
+    constant a branch returns under it was taken for outside the branch, a gate waited for
+    it, dead in a step the other branch takes (review 49 C1)."""
     if not any(n.op in ("Switch", "RefSwitch") for n in ir):
         return set()
     seen: set[str] = {n.name for n in ir if n.op in ("Switch", "RefSwitch")}
-    work = [n.name for n in ir if n.op in ("Switch", "RefSwitch")]
+    work, held = [n.name for n in ir if n.op in ("Switch", "RefSwitch")], set()
     while work:
-        cur = work.pop()
-        for reader in ir.consumers(cur):
-            if reader.name not in seen and reader.op not in ("Merge", "RefMerge", "Exit",
-                                                             "RefExit"):
+        while work:
+            cur = work.pop()
+            for reader in ir.consumers(cur):
+                if reader.name in seen:
+                    continue
+                if reader.op in ("Merge", "RefMerge", "Exit", "RefExit"):
+                    held.add(reader.name)
+                    continue
                 seen.add(reader.name)
                 work.append(reader.name)
+        for merge in sorted(held):      # a Merge of a cond whose predicate is in a branch
+            if ir.nodes[merge].op in ("Merge", "RefMerge") and \
+                    cond_predicate(ir.nodes, ir.nodes[merge]) & seen:
+                held.discard(merge)
+                seen.add(merge)
+                work.append(merge)
     return seen & names
 
 

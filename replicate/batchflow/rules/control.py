@@ -13,6 +13,7 @@ from __future__ import annotations
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, SHARED, Fact, join, mixed, shared
 from replicate.batchflow.rules.common import condition, taint_of
+from replicate.graph.frames import cond_predicate
 from replicate.graph.ir import Node, node_of
 
 __all__ = ["merge", "switch", "array_new", "array_write", "array_read", "array_gather",
@@ -97,7 +98,7 @@ def _predicates(ctx: Context, node: Node) -> set[str] | None:
             work.append((node_of(back.inputs[1]), passed))  # made in an outer branch, it leads there
             continue
         if back.op in ("Merge", "RefMerge") and not _looping(ctx, back):
-            own = _own_predicate(ctx, back)
+            own = cond_predicate(ctx.ir.nodes, back)
             passed = passed + (own,) if own and own not in passed else passed
         work.extend((node_of(r), passed) for r in back.inputs)
         work.extend((c, passed) for c in back.control)
@@ -108,21 +109,6 @@ def _looping(ctx: Context, node: Node) -> bool:
     """A loop's ``Merge`` (it joins the value of the previous iteration)."""
     return any(ctx.ir.nodes[node_of(r)].op in ("NextIteration", "RefNextIteration")
                for r in node.inputs if node_of(r) in ctx.ir.nodes)
-
-
-def _own_predicate(ctx: Context, node: Node) -> frozenset:
-    """The predicate of the TF1 cond whose ``Merge`` is ``node``: its ``pred_id`` (``tf.cond``
-    names it in the cond's name scope; the switches of the values a branch reads read it) and
-    the op it copies (the switch of the branches' pivots reads that); empty if not found, or
-    if the scope holds a second cond (``tf.cond(..., name="blk/")`` twice: an inner guard's
-    Merge was taken for the outer cond's, its predicate skipped, and a cond decided per tower
-    claimed exact, 1.61 off; review 49 S1)."""
-    scope = node.name.rsplit("/", 1)[0] if "/" in node.name else ""
-    pred = f"{scope}/pred_id" if scope else "pred_id"
-    found = ctx.ir.nodes.get(pred)
-    if found is None or found.op != "Identity" or not found.inputs or f"{pred}_1" in ctx.ir.nodes:
-        return frozenset()
-    return frozenset({pred, node_of(found.inputs[0])})
 
 
 #: How far back a cond's ``Merge`` looks for its ``Switch`` nodes (review 47: 64 missed the
