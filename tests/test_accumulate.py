@@ -568,6 +568,15 @@ def test_normalized_v1_loss_does_not_close_a_cycle(micro):
     assert compare(graph, res.graph, "train", feeds).max_rel <= 1e-5
 
 
+def _tf1_classifier():
+    """Placeholders ``x`` [None, 4] and ``y`` [None] and a linear classifier's per-example loss."""
+    v1 = tf.compat.v1
+    x = v1.placeholder(tf.float32, [None, 4], name="x")
+    y = v1.placeholder(tf.int64, [None], name="y")
+    w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+    return x, y, tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+
+
 @pytest.mark.parametrize("options", [{}, {"batch_norm": "sync"}])
 def test_a_state_update_in_a_cond_tower_0_runs_does_not_hold_the_next_micro_batch(options):
     """``cond(tf.shape(x)[0] > 4, assign(ema, ...), assign(ema, ema + 100))`` beside the SGD
@@ -578,10 +587,7 @@ def test_a_state_update_in_a_cond_tower_0_runs_does_not_hold_the_next_micro_batc
     v1 = tf.compat.v1
     g = tf.Graph()
     with bm.control_flow_v1(), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, y, ce = _tf1_classifier()
         ema = v1.get_variable("ema", [], initializer=v1.zeros_initializer(), trainable=False)
         update = tf.cond(tf.shape(x)[0] > 4,
                          lambda: ema.assign(0.5 * ema + tf.reduce_mean(tf.stop_gradient(ce))),
@@ -609,10 +615,7 @@ def test_a_constant_a_branch_returns_under_an_assertion_is_in_the_branch():
     v1 = tf.compat.v1
     g = tf.Graph()
     with bm.control_flow_v1(), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, y, ce = _tf1_classifier()
 
         def branch(value):
             def make():

@@ -59,6 +59,14 @@ def _graph(predicate: str, branches: str = "constants", v1_cond: bool = True) ->
     return g
 
 
+def _classifier():
+    """Placeholders ``x`` [None, 4] and ``y`` [None], a weight ``w`` and the per-example loss."""
+    x = v1.placeholder(tf.float32, [None, 4], name="x")
+    y = v1.placeholder(tf.int64, [None], name="y")
+    w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+    return x, y, w, tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+
+
 def _feeds(batches):
     rng = np.random.default_rng(0)
     return [{"x:0": rng.normal(size=(b, 4)).astype(np.float32), "y:0": rng.integers(0, 3, b)}
@@ -130,10 +138,7 @@ def test_a_loss_guarded_against_an_empty_batch_is_exact(guard, options):
     it could not synchronize. An empty tower (batch 2 on 3 towers) included."""
     g = tf.Graph()
     with control_flow_v1(), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, y, w, ce = _classifier()
         if guard == "size_positive":
             loss = tf.cond(tf.shape(x)[0] > 0, lambda: tf.reduce_mean(ce), lambda: tf.constant(0.0))
         else:
@@ -216,10 +221,7 @@ def test_conds_sharing_a_name_scope_keep_the_outer_predicate():
     per tower: claimed exact, 0.31 off (review 49 S1). Two conds in a scope: no skipping."""
     g = tf.Graph()
     with control_flow_v1(), g.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, y, w, ce = _classifier()
         with tf.name_scope("blk") as scope:
             pass
 
