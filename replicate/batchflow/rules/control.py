@@ -40,8 +40,7 @@ def _decided(ctx: Context, node: Node, out: Fact | None) -> Fact | None:
     cond's ``Switch`` carry that already; values made in a branch (constants, waiting for the
     branch's pivot by control edge only) do not, yet which one the ``Merge`` gives is the
     predicate's choice (review 46: ``mean * cond(argmax(c) > 2, 1.0, 3.0)`` claimed exact)."""
-    if out is None or out.kind == MIXED or any(
-            ctx.ir.nodes[node_of(r)].op in ("NextIteration", "RefNextIteration") for r in node.inputs):
+    if out is None or out.kind == MIXED or _looping(ctx, node):
         return None         # a loop's Merge: its condition decides through its Switch
     if node.name not in ctx.cond_predicates:
         ctx.cond_predicates[node.name] = _predicates(ctx, node)
