@@ -221,3 +221,66 @@ def test_an_iterator_read_inside_a_body_is_taken_once_per_step(where):
     res, result = _run(_build(body), 3, 7)
     assert res.report.exact == (where == "cond"), str(res.report)
     assert (result.max_rel < 1e-5) == res.report.exact, result.per_variable
+
+
+def _counted(predicate, control_flow_v1):
+    """``cnt += 2`` in a cond on ``predicate(x, ce)``; the loss is scaled by ``cnt`` read after
+    it, so a step that skips the update trains differently (review 49 S2)."""
+    graph = tf.Graph()
+    with models.control_flow_v1(control_flow_v1), graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        cnt = v1.get_variable("cnt", [], initializer=v1.ones_initializer(), trainable=False,
+                              use_resource=True)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        done = tf.cond(predicate(x, tf.stop_gradient(ce)), lambda: tf.identity(cnt.assign_add(2.0)),
+                       lambda: tf.identity(cnt.read_value()))
+        with tf.control_dependencies([done]):
+            scale = tf.identity(cnt.read_value())
+        loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return graph
+
+
+@pytest.mark.parametrize("control_flow_v1", [True, False], ids=["tf1_cond", "cond_v2"])
+@pytest.mark.parametrize("options", [{}, {"accumulate": 2}], ids=["plain", "accumulate"])
+def test_a_state_update_the_batch_size_decides_runs_as_the_global_size_decides(control_flow_v1, options):
+    """``cond(tf.shape(x)[0] > 5, cnt.assign_add(2), ...)`` at batches 7, 6, 5 over 3 towers
+    (3, 2, 2 examples each): one device updates every step, no tower ever would by its own
+    count. The batch size a write reads (here through the cond's Switch of the variable's
+    handle) is synchronized like one a loss reads (review 49 S2: claimed exact, cnt 0.89 off
+    and the weights 0.6)."""
+    graph = _counted(lambda x, ce: tf.shape(x)[0] > 5, control_flow_v1)
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], **options)
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(3)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 6, 5)]
+    cmp = compare(graph, res.graph, "train", feeds, fetch=("loss:0",))
+    assert cmp.max_rel < 1e-5, cmp.per_variable
+
+
+def test_a_state_update_a_batch_max_decides_is_synchronized_or_said():
+    """The same update decided by a batch max: each tower's own max by default (inexact,
+    naming the max and what it decides), the batch's under batch_norm='sync' (exact)."""
+    graph = _counted(lambda x, ce: tf.reduce_max(tf.abs(x)) > 2.0, True)
+    rng = np.random.RandomState(4)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 6, 5)]
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert any("(Max) decides a state update" in r.what for r in res.report.reasons), \
+        res.report.reasons
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], batch_norm="sync")
+    assert res.report.exact, res.report.reasons
+    assert compare(graph, res.graph, "train", feeds, fetch=("loss:0",)).max_rel < 1e-5
+
+
+def test_a_state_update_each_tower_decides_and_the_towers_wait_for_is_refused_saying_so():
+    """Decided by an argmax over the batch (per example, no synchronized value can decide it)
+    with the towers reading the variable after the update: the update runs once, the towers
+    would wait for it where tower 0 decided otherwise, so the step failed. Refused, saying what
+    to do (review 49 L1: the message spoke of a handle computed per tower)."""
+    graph = _counted(lambda x, ce: tf.argmax(ce) > 2, True)
+    with pytest.raises(AnalysisError, match="TF1 cond whose condition each tower decides") as err:
+        replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert "move the state update out of the cond" in str(err.value)

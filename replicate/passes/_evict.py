@@ -136,9 +136,13 @@ def _reads_global(ir: IR, flow, node, harmless: set[str], region: set[str]) -> b
     order (the final state a stateful RNN stores back), and no unsynchronized coupling feeds
     it."""
     for ref in node.inputs:
-        if ir.is_handle(ref):
-            continue
         fact = flow.fact(ref)
+        if ir.is_handle(ref):
+            # the variable's handle: what it carries is the predicate of a cond the write is
+            # in, through the Switch it passes (review 49 S2)
+            if fact is not None and fact.taint - harmless:
+                return False
+            continue
         if fact is not None and fact.kind == PART and _mergeable(ir, flow, ref) \
                 and not fact.taint - harmless and _forward(ir, flow, ref, region):
             continue            # per-example rows in order: the merged value is the batch's

@@ -24,7 +24,7 @@ from replicate.batchflow.table import behind, value_only
 from replicate.graph.ir import IR, node_of
 from replicate.graph.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
 
-__all__ = ["collect", "unmergeable", "size_like", "size_coupling", "two_routes"]
+__all__ = ["collect", "unmergeable", "size_like", "size_coupling", "two_routes", "deciding_writes"]
 
 #: A batch size a batch statistic is combined with into per-example values: what, then the fix.
 SIZE_COUPLING = ("the batch size (tf.shape / tf.size) is combined with a batch statistic into "
@@ -50,6 +50,26 @@ def size_like(ir: IR, name: str, flow) -> bool:
     fact = flow.fact(f"{name}:0")
     return node.op in ("Max", "Min", "Sum", "Size") and ir.output_dtype(f"{name}:0") in _INTS \
         or fact is not None and batch_size(fact) and value_only(ir, name)
+
+
+def deciding_writes(ir: IR, flow, in_grad: set[str]) -> list[str]:
+    """Forward batch reductions that a state write reads, a resource handle included: the
+    predicate of the TF1 cond a write is in reaches it through the ``Switch`` its variable's
+    handle passes. They are couplings as much as those a loss reads: each tower's value must be
+    the batch's, or the write does what tower 0's slice decides (review 49 S2: ``cnt += 2`` in
+    ``tf.cond(tf.shape(x)[0] > 5, ...)`` never ran with 3 towers of a batch of 7, and the
+    rewrite was claimed exact). A write's inputs also feed the optimizer's kernels, whose
+    gradients' own reductions are gradient code, not forward statistics."""
+    found: dict[str, None] = {}
+    for node in ir:
+        if node.name in in_grad or not writes(ir, node):
+            continue
+        for ref in node.inputs:
+            fact = flow.fact(ref) if node_of(ref) not in in_grad else None
+            for src in sorted(fact.taint if fact is not None else ()):
+                if src not in in_grad:
+                    found.setdefault(src, None)
+    return list(found)
 
 
 def deciding_bodies(ir: IR, flow, in_bodies: list[str], loss_syncs) -> set[str]:
@@ -193,7 +213,14 @@ def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[s
     reasons = []
     for t in tensors:
         readers = [c.name for c, _ in ir.data_consumers(t) if c.name not in region]
-        if any(r in training for r in readers):
+        if any(r in training for r in readers) and ir.nodes[node_of(t)].op in ("Switch", "RefSwitch"):
+            reasons.append(Reason(readers[0], f"'{readers[0]}' reads a variable in a TF1 cond "
+                                  "whose condition each tower decides for itself; it runs as "
+                                  "tower 0's slice decides, once per step", "decide the cond "
+                                  "from a value every tower shares (a fed flag, the batch size, "
+                                  "a batch sum under batch_norm='sync'), or move the state update "
+                                  "out of the cond"))
+        elif any(r in training for r in readers):
             reasons.append(Reason(node_of(t), f"'{t}' is read by '{readers[0]}' outside the towers "
                                   "and cannot be merged across towers; tower 0's value is used",
                                   "compute it from merged values or outside the model"))
@@ -240,9 +267,17 @@ def collect(ir: IR, analysis: Analysis) -> None:
         reasons.append(Reason(name, f"state update{where} in the replicated region runs on tower "
                               "0's slice of the batch only", fix))
     inner = tuple(s.prefix + "/" for s in analysis.scopes)
+    of_losses = set(analysis.flow.couplings()) if analysis.flow is not None else set()
     for name in analysis.couplings:
         if size_coupling(analysis, name):
             reasons.append(Reason(name, *SIZE_COUPLING))
+            continue
+        if name not in of_losses:       # :func:`deciding_writes`
+            reasons.append(Reason(name, f"batch reduction ({ir.nodes[name].op}) decides a state "
+                                  "update (the value written, or the cond the write is in); "
+                                  "each tower sees its own slice's value",
+                                  "use batch_norm='sync' (--batch-norm sync) to compute it over "
+                                  "the global batch"))
             continue
         if name.startswith(inner):
             # a gradient computed in the model and used there (MAML's adaptation step): sync

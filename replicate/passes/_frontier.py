@@ -134,6 +134,17 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             if red.kind == "none" and fact is not None and fact.kind == "shared":
                 merged[t] = Frontier(t, "first", False)     # one resource, passed through a
                 return                                      # loop: every tower's is the same
+            if red.kind == "none" and _switched_handle(ir, flow, t, inside):
+                unmergeable.append(t)       # the variable's, switched as tower 0 decides: a reason
+                merged[t] = Frontier(t, "first", False)
+                return
+            if red.kind == "none" and _switched_handle(ir, flow, t, set()):
+                raise AnalysisError(f"'{t}' passes a variable into a TF1 cond whose condition each "
+                                    f"tower decides for itself ({fact.why} at '{fact.src}'), and "
+                                    "the towers wait for the state update there, which runs once: "
+                                    "decide the cond from a value every tower shares (a fed flag, "
+                                    "the batch size, a batch sum under batch_norm='sync'), or move "
+                                    "the state update out of the cond")
             if red.kind == "none":
                 why = f" ({fact.why} at '{fact.src}')" if fact is not None and fact.kind == "mixed" else ""
                 raise AnalysisError(f"'{t}' is a handle computed per tower{why} and read by a shared "
@@ -180,6 +191,24 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     merged = {t: f for t, f in merged.items() if f.role == "recompute" or node_of(t) not in recomputed}
     return (frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable,
             [t for t, _ in doubtful], forward_only)
+
+
+def _switched_handle(ir: IR, flow, t: str, region: set[str]) -> bool:
+    """``t`` is the handle of a variable every tower shares, passed by the ``Switch`` of a TF1
+    cond whose predicate each tower decides for itself (an argmax over the batch): the same
+    resource in every tower, live as tower 0 decides. A shared op that reads it (a state write
+    in the branch) runs as tower 0 decides, which is a reason, not a refusal (review 49 L1).
+    Unless a tower's op waits for that reader: in a tower that decides otherwise than tower 0,
+    it waited for an op that never ran, and the step failed ("Retval[0] does not have value");
+    that stays a refusal."""
+    node = ir.nodes[node_of(t)]
+    data = flow.fact(node.inputs[0]) if node.op in ("Switch", "RefSwitch") else None
+    if data is None or data.kind != "shared":
+        return False
+    if not region:
+        return True
+    readers = [c.name for c, _ in ir.data_consumers(t) if c.name not in region]
+    return not any(c.name in region for r in readers for c in ir.consumers(r))
 
 
 def _untainted(flow, ref: str, syncs: frozenset) -> bool:

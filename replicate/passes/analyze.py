@@ -184,7 +184,7 @@ class Analyze:
             flow.losses.update(with_statistics_synced(flow.ctx, flow.losses))
         reasons += _weights.assign(grad_scopes, flow, primary)
         reasons += _custom.settle(ir, flow, region, grad_scopes)
-        couplings = flow.couplings()
+        couplings = list(dict.fromkeys(flow.couplings() + _exactness.deciding_writes(ir, flow, in_grad)))
         in_bodies = [c for c in couplings if INSIDE in c]     # reasons once eviction is known
         couplings = [c for c in couplings if INSIDE not in c]
         looped = [c for c in couplings if flow.depths.get(c, 0)]
