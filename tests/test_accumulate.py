@@ -612,12 +612,14 @@ def test_a_state_update_in_a_cond_tower_0_runs_does_not_hold_the_next_micro_batc
     assert not exact or cmp.per_variable["ema"] < 1e-5, cmp.per_variable
 
 
-def test_a_constant_a_branch_returns_under_an_assertion_is_in_the_branch():
+@pytest.mark.parametrize("guard", ["assertion", "size_cond"])
+def test_a_constant_a_branch_returns_under_an_assertion_is_in_the_branch(guard):
     """A TF1 cond on a fed flag whose branches return a constant under
     ``assert_non_negative(y)`` (a TF1 cond itself: the assertion's guard). The walk that finds
     branch ops stopped at the guard's Merge, so the constant was taken for outside the branch,
     and the next micro-batch's gate waited for it: dead in a step the other branch takes, the
-    step failed where one device runs (claimed exact; review 49 C1)."""
+    step failed where one device runs (claimed exact; review 49 C1). The same under a cond on
+    the batch size, whose ``pred_id`` the towers' copies do not keep (it switches nothing)."""
     v1 = tf.compat.v1
     g = tf.Graph()
     with bm.control_flow_v1(), g.as_default():
@@ -625,7 +627,9 @@ def test_a_constant_a_branch_returns_under_an_assertion_is_in_the_branch():
 
         def branch(value):
             def make():
-                with tf.control_dependencies([tf.debugging.assert_non_negative(y)]):
+                held = tf.debugging.assert_non_negative(y) if guard == "assertion" else \
+                    tf.cond(tf.shape(x)[0] > 5, lambda: tf.constant(value), lambda: tf.constant(0.0))
+                with tf.control_dependencies([held]):
                     return tf.constant(value)
             return make
         scale = tf.cond(v1.placeholder_with_default(True, [], name="flag"), branch(1.0), branch(3.0))

@@ -147,10 +147,24 @@ def cond_predicate(nodes: dict, merge) -> frozenset:
     scope; the switches of the values a branch reads read it) and the op it copies (the switch
     of the branches' pivots reads that). Empty if not found, or if the scope holds a second
     cond (``tf.cond(..., name="blk/")`` twice: a guard's Merge was taken for the outer cond's
-    and a cond decided per tower claimed exact, 1.61 off; review 49 S1)."""
+    and a cond decided per tower claimed exact, 1.61 off; review 49 S1).
+
+    A cond whose branches read nothing from outside has its ``pred_id`` pruned from the
+    towers' copies: then the switch of its pivots (``Switch(pred, pred)``, named ``Switch`` in
+    the scope) gives the predicate (review 49 C1: a cond on the batch size in a branch,
+    gating the constant the branch returns, was taken for the end of the branch, and with
+    ``accumulate=2`` the next micro-batch waited for it, dead in a step the other branch
+    takes)."""
     scope = merge.name.rsplit("/", 1)[0] if "/" in merge.name else ""
     pred = f"{scope}/pred_id" if scope else "pred_id"
     found = nodes.get(pred)
+    if found is None and f"{pred}_1" not in nodes:
+        pivots = f"{scope}/Switch" if scope else "Switch"
+        switch = nodes.get(pivots)
+        if switch is not None and switch.op in ("Switch", "RefSwitch") and len(switch.inputs) == 2 \
+                and switch.inputs[0] == switch.inputs[1] and f"{pivots}_1" not in nodes:
+            return frozenset({node_of(switch.inputs[1])})
+        return frozenset()
     if found is None or found.op != "Identity" or not found.inputs or f"{pred}_1" in nodes:
         return frozenset()
     return frozenset({pred, node_of(found.inputs[0])})
