@@ -48,6 +48,10 @@ def _graph(predicate: str, branches: str = "constants", v1_cond: bool = True) ->
         ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
         decides = {"mean": lambda: tf.reduce_mean(tf.stop_gradient(ce)) > 1.1,
                    "size": lambda: tf.shape(x)[0] > 4,
+                   # other functions of the batch size (review 48 L1: inexact, 0.17-0.56 off)
+                   "size_parity": lambda: tf.equal(tf.shape(x)[0] % 2, 0),
+                   "size_sqrt": lambda: tf.sqrt(tf.cast(tf.shape(x)[0], tf.float32)) > 2.5,
+                   "size_min": lambda: tf.minimum(tf.shape(x)[0], 5) > 4,
                    "argmax": lambda: tf.argmax(tf.stop_gradient(ce)) > 2,
                    # two reductions: under sync, both (review 47: the mean only, 2.4 off)
                    "mean_and_sum": lambda: tf.logical_and(tf.reduce_mean(tf.stop_gradient(ce)) > 1.0,
@@ -90,11 +94,13 @@ SYNC = {"batch_norm": "sync"}
     ("mean", "constants", True, SYNC), ("size", "constants", True, {}),
     ("size", "constants", True, {"accumulate": 2}), ("size", "chain", True, {}),
     ("size", "nested", True, {"accumulate": 2}), ("mean_and_sum", "constants", True, SYNC),
-    ("mean_and_sum", "constants", False, SYNC)])
+    ("mean_and_sum", "constants", False, SYNC), ("size_parity", "constants", True, {}),
+    ("size_sqrt", "constants", True, {"accumulate": 2}), ("size_min", "chain", True, {})])
 def test_constant_branches_on_a_synchronized_value_are_exact(predicate, branches, v1_cond, options):
     """The value the predicate reads is a coupling like any other: a batch mean (or two
-    reductions) under sync, the batch size always (claimed exact before, 0.71 off one device):
-    every tower reads the batch's, chooses one device's branch, and trains as one device."""
+    reductions) under sync, the batch size always (claimed exact before, 0.71 off one device),
+    and so any function of it (``B % 2``): every tower reads the batch's, chooses one device's
+    branch, and trains as one device."""
     graph = _graph(predicate, branches, v1_cond)
     res = replicate.transform(graph, DEVICES, **options)
     assert res.report.exact, res.report.reasons

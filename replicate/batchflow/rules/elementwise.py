@@ -58,6 +58,9 @@ def unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         if node.op in _LINEAR_UNARY:
             merge = {"max": "min", "min": "max"}.get(f.merge, f.merge) if node.op == "Neg" else f.merge
             return [f.with_(merge=merge)]
+        synced = _sizes_synchronized(ctx, node.inputs[:1], ins)
+        if synced is not None:          # sqrt(B): of the batch's B, which every tower reads
+            return [shared(None, synced[0].taint)]
         return [f.with_(merge="other", why=f"'{node.name}': {node.op} of a batch-reduced value")]
     return [shared(f.value if node.op in _VALUE_UNARY else None, f.taint)]
 
@@ -121,11 +124,17 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         return [mixed(node.name, "the batch size used as a value in per-example arithmetic: each "
                       "tower reads its own count", taint_of(ins))]
     if not ps:
-        synced = _sizes_synchronized(ctx, refs, ins) if node.op in _COMPARISONS and reds(ins) else None
-        if synced is not None:          # a cond decided by the batch size (``n > 4``)
+        synced = _sizes_synchronized(ctx, refs, ins) if reds(ins) else None
+        if synced is not None and node.op in _COMPARISONS:  # a cond decided by the batch size (``n > 4``)
             return broadcast(ctx, node, synced)
         if reds(ins):
-            return [_reduced_algebra(ctx, node, refs, ins)]
+            out = _reduced_algebra(ctx, node, refs, ins)
+            if synced is not None and (out.kind != RED or out.merge != "size"):
+                # ``B % 2``, ``min(B, 5)``: no multiple of the batch size, so no tower's own
+                # value adds up to the batch's; each tower reads the batch's B instead, a
+                # value only (review 48 L1: a cond on it was inexact, 0.17-0.56 off)
+                return broadcast(ctx, node, synced)
+            return [out]
         values = [f.value for f in ins]
         value = arith(node.op, values) if all(v is not None for v in values) else None
         return [size_fact(value, taint_of(ins)) if value is not None else shared(None, taint_of(ins))]
