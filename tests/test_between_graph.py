@@ -242,10 +242,11 @@ def test_checkpoint_by_the_chief_restores_into_the_single_device_graph(local, tm
 
 
 def test_a_worker_that_never_comes_up_is_named_within_the_timeout():
+    # a port held bound and never listened on refuses every connection; a port closed again
+    # could be taken by another test's server meanwhile (it was, once, under -n 3)
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     free = holder.getsockname()[1]
-    holder.close()
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -259,6 +260,7 @@ def test_a_worker_that_never_comes_up_is_named_within_the_timeout():
         assert time.monotonic() - start < 5
     finally:
         listener.close()
+        holder.close()
 
 
 def test_template_is_pinned_per_task_and_checked():
