@@ -223,18 +223,19 @@ def test_an_iterator_read_inside_a_body_is_taken_once_per_step(where):
     assert (result.max_rel < 1e-5) == res.report.exact, result.per_variable
 
 
-def _counted(predicate, control_flow_v1):
+def _counted(predicate, control_flow_v1, resource=True):
     """``cnt += 2`` in a cond on ``predicate(x, ce)``; the loss is scaled by ``cnt`` read after
-    it, so a step that skips the update trains differently (review 49 S2)."""
+    it, so a step that skips the update trains differently (review 49 S2). ``resource=False``:
+    a reference variable, which a TF1 cond passes by a ``RefSwitch``."""
     graph = tf.Graph()
     with models.control_flow_v1(control_flow_v1), graph.as_default():
         x = v1.placeholder(tf.float32, [None, 4], name="x")
         y = v1.placeholder(tf.int64, [None], name="y")
         w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
         cnt = v1.get_variable("cnt", [], initializer=v1.ones_initializer(), trainable=False,
-                              use_resource=True)
+                              use_resource=resource)
         ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
-        done = tf.cond(predicate(x, tf.stop_gradient(ce)), lambda: tf.identity(cnt.assign_add(2.0)),
+        done = tf.cond(predicate(x, tf.stop_gradient(ce)), lambda: tf.identity(v1.assign_add(cnt, 2.0)),
                        lambda: tf.identity(cnt.read_value()))
         with tf.control_dependencies([done]):
             scale = tf.identity(cnt.read_value())
@@ -243,15 +244,24 @@ def _counted(predicate, control_flow_v1):
     return graph
 
 
-@pytest.mark.parametrize("control_flow_v1", [True, False], ids=["tf1_cond", "cond_v2"])
+COUNTS = {"size": lambda x, ce: tf.shape(x)[0] > 5,
+          "mask_count": lambda x, ce: tf.reduce_sum(tf.cast(ce > 1.0, tf.int32)) > 2}
+
+
+@pytest.mark.parametrize("control_flow_v1,count,resource", [
+    (True, "size", True), (False, "size", True), (True, "size", False), (True, "mask_count", False)],
+    ids=["tf1_cond", "cond_v2", "tf1_cond_ref", "tf1_cond_ref_count"])
 @pytest.mark.parametrize("options", [{}, {"accumulate": 2}], ids=["plain", "accumulate"])
-def test_a_state_update_the_batch_size_decides_runs_as_the_global_size_decides(control_flow_v1, options):
+def test_a_state_update_the_batch_size_decides_runs_as_the_global_size_decides(
+        control_flow_v1, count, resource, options):
     """``cond(tf.shape(x)[0] > 5, cnt.assign_add(2), ...)`` at batches 7, 6, 5 over 3 towers
     (3, 2, 2 examples each): one device updates every step, no tower ever would by its own
     count. The batch size a write reads (here through the cond's Switch of the variable's
     handle) is synchronized like one a loss reads (review 49 S2: claimed exact, cnt 0.89 off
-    and the weights 0.6)."""
-    graph = _counted(lambda x, ce: tf.shape(x)[0] > 5, control_flow_v1)
+    and the weights 0.6). So is an integer count. A reference variable passes the cond by a
+    ``RefSwitch``: the size that decides one was taken for a shape and the write refused, and
+    the controller's copy of the switch, merged by value, did not import (review 50 F1, F3)."""
+    graph = _counted(COUNTS[count], control_flow_v1, resource)
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"], **options)
     assert res.report.exact, res.report.reasons
     rng = np.random.RandomState(3)

@@ -259,7 +259,7 @@ def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
 
 #: Conds, whose boolean predicate decides a branch (as one device decides it, if it is the
 #: batch's).
-_DECIDERS = frozenset({"If", "StatelessIf", "Switch"})
+_DECIDERS = frozenset({"If", "StatelessIf", "Switch", "RefSwitch"})
 
 #: Ops that read only a tensor's shape, never its values.
 SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})

@@ -176,9 +176,14 @@ class Rewire:
                 count += 1
                 continue
             outputs, types = [], []
+            refs = [is_ref for _, is_ref in ir.output_types(ir.nodes[copies[0][name]])]
             for i in range(arity[name]):
                 tensor = f"{name}:{i}"
-                if i in roles:
+                if i in roles and roles[i].role == "first" and i < len(refs) and refs[i]:
+                    # a reference variable passed by a cond's RefSwitch: an Identity of it is
+                    # no reference any more, and the write it feeds did not import (review 50 F1)
+                    outputs.append(f"{copies[0][name]}:{i}")
+                elif i in roles:
                     outputs.append(combine(ir, towers, f"{name}_merged/output_{i}",
                                            [f"{copies[k][name]}:{i}" for k in range(n)], roles[i].role,
                                            out_types[tensor], self.controller, self.controller,
