@@ -244,15 +244,16 @@ def test_one_table_read_by_batch_ids_and_shared_ids(variant):
     assert outcome(graph, feed) == "exact"
 
 
-@pytest.mark.parametrize("use,exact", [("add", False), ("divide_then_sum", True), ("fill", False),
+@pytest.mark.parametrize("use,exact", [("add", True), ("divide_then_sum", True), ("fill", False),
                                        ("also_a_shape", False), ("float_position", False)])
 def test_the_batch_size_used_as_a_value(use, exact):
     """``tf.shape(x)[0]`` as a number in per-example arithmetic: each tower read its own count
     (an independent review: claimed exact, 0.24 to 0.99 off), then it was inexact. Now the
-    towers read the batch's size, synchronized, where the size is only a value; a size also
-    read as a shape (``tf.reshape(h, [n, -1])``, where the tower's own count is right) or
-    scaled before it meets the examples (``0.1 * B``), filled in (``tf.fill``), or cast back
-    to a position, is not synchronized and stays a reason (the rewrite runs)."""
+    towers read the batch's size, synchronized, where the size is only a value, scaled
+    before it meets the examples (``0.1 * B``) or not; a size also read as a shape
+    (``tf.reshape(h, [n, -1])``, where the tower's own count is right), filled in
+    (``tf.fill``), or cast back to a position, is not synchronized and stays a reason (the
+    rewrite runs)."""
     graph = tf.Graph()
     with graph.as_default():
         x = v1.placeholder(tf.float32, [None, D], name="x")

@@ -32,7 +32,7 @@ from replicate.batchflow.context import Context
 from replicate.batchflow.facts import Reason
 from replicate.batchflow.fixes import fix_for
 from replicate.batchflow.lattice import INSIDE, MIXED, PART, RED, SHARED, Sym, batch_size
-from replicate.batchflow.table import behind, value_only
+from replicate.batchflow.table import behind, size_root, value_only
 from replicate.graph import ops
 from replicate.graph.ir import IR, node_of, parse_tensor, tensor_name
 
@@ -294,8 +294,9 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
         if fact.kind == RED and name in synced:
             sources.append(name)        # synchronized already (batch norm under 'sync')
             continue
-        if fact.kind == RED and batch_size(fact) and value_only(ir, name):
-            sources.append(name)        # a batch size (tf.shape(x)[0]): the towers' sizes add up
+        root = node_of(size_root(ir, cur)) if fact.kind == RED and batch_size(fact) else None
+        if root is not None and root in ir.nodes and value_only(ir, root):
+            sources.append(root)        # a batch size (tf.shape(x)[0]): the towers' sizes add up
             if cls is None:
                 cls = ctx.classes.find(fact.cls) if fact.cls is not None else None
             continue

@@ -257,6 +257,23 @@ def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
     return tensor_name(*parse_tensor(ref))
 
 
+#: What a batch size passes unchanged (a cast, into a TF1 cond's branch) after the op that
+#: makes it.
+_SIZE_PASS = frozenset({"Identity", "Switch", "RefSwitch", "Cast"})
+
+
+def size_root(ir, ref: str) -> str:
+    """The op that makes the batch size ``ref`` holds, behind casts and a TF1 cond's
+    ``Switch``: each size is synchronized once, where it is made. Named after a cast of it
+    too, ``tf.cast(B)`` was summed again after ``B`` (N times the batch's), and a copy of it
+    switched into a branch was no size op the sync pass could replace (review 50 F2, F3)."""
+    return behind(ir, ref, _SIZE_PASS)
+
+
+#: TF1 cond ops that pass a value on as it is (into a branch, out of it): a batch size a
+#: branch reads from outside is switched in (review 50 F2, F3).
+_PASSING = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge"})
+
 #: Conds, whose boolean predicate decides a branch (as one device decides it, if it is the
 #: batch's).
 _DECIDERS = frozenset({"If", "StatelessIf", "Switch", "RefSwitch"})
@@ -277,10 +294,12 @@ def value_only(ir, name: str, limit: int = 64) -> bool:
     while work:
         current = work.pop()
         floating = ir.output_dtype(f"{current}:0") in FLOAT_TYPES
-        for consumer, _ in ir.data_consumers(f"{current}:0"):
+        outputs = (0, 1) if ir.nodes[current].op in ("Switch", "RefSwitch") else (0,)
+        for consumer, pos in [c for k in outputs for c in ir.data_consumers(f"{current}:{k}")]:
             if consumer.op in SHAPE_READERS:
                 continue
-            if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES:
+            passed = consumer.op in _PASSING and (pos == 0 or consumer.op in ("Merge", "RefMerge"))
+            if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES and not passed:
                 if floating or consumer.op in _DECIDERS and ir.output_dtype(f"{current}:0") == types_pb2.DT_BOOL:
                     continue        # a float value, or a cond's predicate: no shape, no position
                 return False        # an integer (or boolean) read otherwise: maybe one

@@ -127,14 +127,13 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
         synced = _sizes_synchronized(ctx, refs, ins) if reds(ins) else None
         if synced is not None and node.op in _COMPARISONS:  # a cond decided by the batch size (``n > 4``)
             return broadcast(ctx, node, synced)
+        if synced is not None:
+            # ``B % 2``, ``min(B, 5)``, ``B - 1``: each tower reads the batch's B, a value
+            # only (review 48 L1: a cond on it was inexact, 0.17-0.56 off; review 50 F2: a
+            # state update that wrote ``B - 1`` ran as tower 0's count)
+            return broadcast(ctx, node, synced)
         if reds(ins):
-            out = _reduced_algebra(ctx, node, refs, ins)
-            if synced is not None and (out.kind != RED or out.merge != "size"):
-                # ``B % 2``, ``min(B, 5)``: no multiple of the batch size, so no tower's own
-                # value adds up to the batch's; each tower reads the batch's B instead, a
-                # value only (review 48 L1: a cond on it was inexact, 0.17-0.56 off)
-                return broadcast(ctx, node, synced)
-            return [out]
+            return [_reduced_algebra(ctx, node, refs, ins)]
         values = [f.value for f in ins]
         value = arith(node.op, values) if all(v is not None for v in values) else None
         return [size_fact(value, taint_of(ins)) if value is not None else shared(None, taint_of(ins))]
@@ -246,7 +245,7 @@ def _sizes_synchronized(ctx: Context, refs: list[str], ins: list[Fact]) -> list[
     out = []
     for ref, f in zip(refs, ins):
         if f.kind == RED:
-            name, index = parse_tensor(ref)
+            name, index = parse_tensor(_table.size_root(ctx.ir, ref))
             if not batch_size(f) or index or INSIDE in name or not _table.value_only(ctx.ir, name):
                 return None
             f = shared(taint=f.taint | {name})
