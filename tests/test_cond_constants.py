@@ -52,6 +52,11 @@ def _graph(predicate: str, branches: str = "constants", v1_cond: bool = True) ->
                    "size_parity": lambda: tf.equal(tf.shape(x)[0] % 2, 0),
                    "size_sqrt": lambda: tf.sqrt(tf.cast(tf.shape(x)[0], tf.float32)) > 2.5,
                    "size_min": lambda: tf.minimum(tf.shape(x)[0], 5) > 4,
+                   # beside another reduction (review 48 L1, review 50 F3: refused or inexact)
+                   "size_and_count": lambda: tf.cast(tf.shape(x)[0], tf.float32) > 2.0 * tf.reduce_sum(
+                       tf.cast(y > 0, tf.float32)),
+                   "size_times_mean": lambda: tf.cast(tf.shape(x)[0], tf.float32) * tf.reduce_mean(
+                       tf.abs(x)) > 4.5,
                    "argmax": lambda: tf.argmax(tf.stop_gradient(ce)) > 2,
                    # two reductions: under sync, both (review 47: the mean only, 2.4 off)
                    "mean_and_sum": lambda: tf.logical_and(tf.reduce_mean(tf.stop_gradient(ce)) > 1.0,
@@ -95,7 +100,8 @@ SYNC = {"batch_norm": "sync"}
     ("size", "constants", True, {"accumulate": 2}), ("size", "chain", True, {}),
     ("size", "nested", True, {"accumulate": 2}), ("mean_and_sum", "constants", True, SYNC),
     ("mean_and_sum", "constants", False, SYNC), ("size_parity", "constants", True, {}),
-    ("size_sqrt", "constants", True, {"accumulate": 2}), ("size_min", "chain", True, {})])
+    ("size_sqrt", "constants", True, {"accumulate": 2}), ("size_min", "chain", True, {}),
+    ("size_and_count", "constants", True, {}), ("size_times_mean", "constants", True, {})])
 def test_constant_branches_on_a_synchronized_value_are_exact(predicate, branches, v1_cond, options):
     """The value the predicate reads is a coupling like any other: a batch mean (or two
     reductions) under sync, the batch size always (claimed exact before, 0.71 off one device),

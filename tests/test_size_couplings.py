@@ -281,3 +281,39 @@ def test_an_axis_sized_by_a_value_of_the_batch_size_is_a_reason_and_runs(kind):
     # 7 examples (3, 2, 2: widths 3 and 2) and 2 (a tower with none): every step runs and fetches
     cmp = compare(g, res.graph, "train", _feeds((7, 2)), fetch=("loss:0", "sized:0"))
     assert np.isfinite(cmp.max_rel)
+
+
+@pytest.mark.parametrize("form", ["casts", "switched", "functions"])
+@pytest.mark.parametrize("v1_cond", [True, False], ids=["tf1_cond", "cond_v2"])
+def test_a_batch_size_is_synchronized_once(form, v1_cond):
+    """One batch size read in several forms: ``ce / tf.cast(B)`` (a cast of it), a cond on
+    ``B > 5``, and ``B - 1`` inside that cond's branch. Each form had named its own op for the
+    sync pass, which summed the towers' copies of the cast of a size already synchronized: N
+    times the batch's (``casts``: claimed exact, 0.36 off one device, before this round). The
+    size is now synchronized once, at the op that makes it. A v2 cond's branch that reads the
+    size is a function body, where the towers' arguments cannot be synchronized: a reason."""
+    graph = tf.Graph()
+    with graph.as_default():
+        if v1_cond:
+            v1.disable_control_flow_v2()
+        try:
+            x = v1.placeholder(tf.float32, [None, D], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            w = v1.get_variable("w", [D, C], initializer=v1.glorot_uniform_initializer(seed=1))
+            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+            n = tf.shape(x)[0]
+            scale = {"casts": lambda: tf.cond(n > 5, lambda: tf.constant(1.0), lambda: tf.constant(2.0)),
+                     "switched": lambda: tf.cond(n > 5, lambda: tf.cast(n, tf.float32) - 1.0,
+                                                 lambda: tf.constant(2.0)),
+                     "functions": lambda: tf.sqrt(tf.cast(n % 4 + 2 * n, tf.float32))}[form]()
+            loss = tf.identity(tf.reduce_sum(ce / tf.cast(n, tf.float32)) * scale, name="loss")
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        finally:
+            v1.enable_control_flow_v2()
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    cmp = compare(graph, res.graph, "train", _feeds((7, 6, 5)), fetch=("loss:0",))
+    if form == "switched" and not v1_cond:
+        assert not res.report.exact and cmp.max_rel > 1e-3, (res.report.reasons, cmp.max_rel)
+        return
+    assert res.report.exact, res.report.reasons
+    assert cmp.max_rel < 1e-5, cmp

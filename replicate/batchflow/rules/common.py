@@ -5,6 +5,7 @@ from __future__ import annotations
 from replicate.batchflow.context import Context
 from replicate.batchflow.lattice import MIXED, PART, RED, Fact, Sym, mixed, part, red, shared
 from replicate.graph.ir import Node, node_of
+from replicate.batchflow.table import size_root
 
 __all__ = ["taint_of", "first_mixed", "parts", "reds", "couple", "data_refs", "shift", "combine_parts",
            "passthrough", "value_or_none"]
@@ -91,7 +92,7 @@ def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
         if fact.src == name and fact.merge != "size":
             found.add(name)
         elif fact.merge == "size" and cur != ref:
-            found.add(name)
+            found.add(node_of(size_root(ctx.ir, cur)))     # where it is made, not a cast of it
             continue
         node = ctx.ir.nodes.get(name)
         if node is not None:

@@ -133,7 +133,13 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
             # state update that wrote ``B - 1`` ran as tower 0's count)
             return broadcast(ctx, node, synced)
         if reds(ins):
-            return [_reduced_algebra(ctx, node, refs, ins)]
+            out = _reduced_algebra(ctx, node, refs, ins)
+            mixes = _sizes_synchronized(ctx, refs, ins, others=True) if out.merge == "other" else None
+            if mixes is not None:
+                # a batch size beside another reduction (``B * mean(x)``, ``B + sum``): the
+                # batch's B, and what the other one is (review 50 F3: refused even under sync)
+                return [_reduced_algebra(ctx, node, refs, mixes)]
+            return [out]
         values = [f.value for f in ins]
         value = arith(node.op, values) if all(v is not None for v in values) else None
         return [size_fact(value, taint_of(ins)) if value is not None else shared(None, taint_of(ins))]
@@ -234,23 +240,26 @@ def _counted(ctx: Context, node: Node, ins: list[Fact]) -> bool:
     return any(f.kind == RED and (f.merge == "size" or not f.src) for f in ins)
 
 
-def _sizes_synchronized(ctx: Context, refs: list[str], ins: list[Fact]) -> list[Fact] | None:
+def _sizes_synchronized(ctx: Context, refs: list[str], ins: list[Fact], others: bool = False
+                        ) -> list[Fact] | None:
     """``ins`` with each batch size among them (:func:`batch_size`) read as the batch's, a
     value shared by the towers once synchronized: a coupling named after the op that gives
     it, which the sync pass synchronizes (a sum of the towers' sizes). None when another
-    batch-reduced operand is no such size, or the size is also read as a shape or a bound, or
-    the op is in a function body (whose arguments, seeded, the sync pass cannot reach)."""
+    batch-reduced operand is no such size (unless ``others``: then they stay as they are, and
+    None when there is no size), or the size is also read as a shape or a bound, or the op is
+    in a function body (whose arguments, seeded, the sync pass cannot reach)."""
     if ctx.seeds:
         return None
-    out = []
+    out, sizes = [], 0
     for ref, f in zip(refs, ins):
-        if f.kind == RED:
+        if f.kind == RED and not (others and not batch_size(f)):
             name, index = parse_tensor(_table.size_root(ctx.ir, ref))
             if not batch_size(f) or index or INSIDE in name or not _table.value_only(ctx.ir, name):
                 return None
             f = shared(taint=f.taint | {name})
+            sizes += 1
         out.append(f)
-    return out
+    return out if sizes else None
 
 
 def _symbolic(value: tuple | None, values: list) -> bool:
