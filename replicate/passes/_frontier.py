@@ -139,12 +139,19 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                 merged[t] = Frontier(t, "first", False)
                 return
             if red.kind == "none" and _switched_handle(ir, flow, t, set()):
+                sized = "batch size" in (fact.why or "")
                 raise AnalysisError(f"'{t}' passes a variable into a TF1 cond whose condition each "
                                     f"tower decides for itself ({fact.why} at '{fact.src}'), and "
                                     "the towers wait for the state update there, which runs once: "
-                                    "decide the cond from a value every tower shares (a fed flag, "
-                                    "the batch size, a batch sum under batch_norm='sync'), or move "
-                                    "the state update out of the cond")
+                                    + ("replicate synchronizes a batch size only where it is used "
+                                       "as a number alone (not also as a shape, a position or in a "
+                                       "function body), and not every count of selected rows: "
+                                       "compute the condition from a tf.shape(x)[0] of its own, or "
+                                       "count with tf.reduce_sum of a mask, "
+                                       if sized else
+                                       "decide the cond from a value every tower shares (a fed flag, "
+                                       "the batch size, a batch sum under batch_norm='sync'), ")
+                                    + "or move the state update out of the cond")
             if red.kind == "none":
                 why = f" ({fact.why} at '{fact.src}')" if fact is not None and fact.kind == "mixed" else ""
                 raise AnalysisError(f"'{t}' is a handle computed per tower{why} and read by a shared "
