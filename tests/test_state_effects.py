@@ -294,6 +294,31 @@ def test_a_batch_size_a_state_update_writes_is_the_batch_s(value):
     assert compare(graph, res.graph, "train", feeds, fetch=("loss:0",)).max_rel < 1e-5
 
 
+@pytest.mark.parametrize("control_flow_v1", [True, False], ids=["tf1_cond", "cond_v2"])
+def test_a_state_update_writes_what_a_cond_on_the_batch_size_chose(control_flow_v1):
+    """``cnt += cond(B > 5, 3.0, 1.0)`` outside the cond: the cond's value is the same in
+    every tower once B is synchronized, which no data edge of a TF1 cond's Merge of constants
+    leads back to (review 50: inexact, "tower 0's value is used", though it trained exactly)."""
+    graph = tf.Graph()
+    with models.control_flow_v1(control_flow_v1), graph.as_default():
+        x = v1.placeholder(tf.float32, [None, 4], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+        cnt = v1.get_variable("cnt", [], initializer=v1.ones_initializer(), trainable=False,
+                              use_resource=True)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        step = tf.cond(tf.shape(x)[0] > 5, lambda: tf.constant(3.0), lambda: tf.constant(1.0))
+        with tf.control_dependencies([cnt.assign_add(step)]):
+            scale = tf.identity(cnt.read_value())
+        loss = tf.identity(tf.reduce_mean(ce) * scale, name="loss")
+        v1.train.GradientDescentOptimizer(0.05).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    rng = np.random.RandomState(6)
+    feeds = [{"x:0": rng.randn(b, 4).astype(np.float32), "y:0": rng.randint(0, 3, b)} for b in (7, 6, 5)]
+    assert compare(graph, res.graph, "train", feeds, fetch=("loss:0",)).max_rel < 1e-5
+
+
 def test_a_state_update_a_batch_max_decides_is_synchronized_or_said():
     """The same update decided by a batch max: each tower's own max by default (inexact,
     naming the max and what it decides), the batch's under batch_norm='sync' (exact)."""

@@ -287,6 +287,12 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
             return None
         if fact.kind == SHARED and not fact.taint:
             continue
+        if fact.kind == SHARED and fact.taint <= synced:
+            # the same in every tower once they are synchronized: a TF1 cond's Merge of
+            # constants that a synchronized batch size chooses (review 50: a write of it was
+            # inexact, tower 0's value used), whose predicate no data edge leads back to
+            sources.extend(sorted(fact.taint))
+            continue
         name = node_of(cur)
         node = ir.nodes.get(name)
         if node is None or INSIDE in name:
