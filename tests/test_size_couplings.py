@@ -283,7 +283,7 @@ def test_an_axis_sized_by_a_value_of_the_batch_size_is_a_reason_and_runs(kind):
     assert np.isfinite(cmp.max_rel)
 
 
-@pytest.mark.parametrize("form", ["casts", "switched", "functions"])
+@pytest.mark.parametrize("form", ["casts", "switched", "functions", "stopped"])
 @pytest.mark.parametrize("v1_cond", [True, False], ids=["tf1_cond", "cond_v2"])
 def test_a_batch_size_is_synchronized_once(form, v1_cond):
     """One batch size read in several forms: ``ce / tf.cast(B)`` (a cast of it), a cond on
@@ -302,11 +302,15 @@ def test_a_batch_size_is_synchronized_once(form, v1_cond):
             w = v1.get_variable("w", [D, C], initializer=v1.glorot_uniform_initializer(seed=1))
             ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
             n = tf.shape(x)[0]
-            scale = {"casts": lambda: tf.cond(n > 5, lambda: tf.constant(1.0), lambda: tf.constant(2.0)),
+            divisor = tf.cast(n, tf.float32)
+            if form == "stopped":       # review 51 F1: behind it, the size was summed again
+                divisor = tf.debugging.check_numerics(tf.stop_gradient(divisor), "size")
+            scale = {"stopped": lambda: tf.cond(n > 5, lambda: tf.constant(1.0), lambda: tf.constant(2.0)),
+                     "casts": lambda: tf.cond(n > 5, lambda: tf.constant(1.0), lambda: tf.constant(2.0)),
                      "switched": lambda: tf.cond(n > 5, lambda: tf.cast(n, tf.float32) - 1.0,
                                                  lambda: tf.constant(2.0)),
                      "functions": lambda: tf.sqrt(tf.cast(n % 4 + 2 * n, tf.float32))}[form]()
-            loss = tf.identity(tf.reduce_sum(ce / tf.cast(n, tf.float32)) * scale, name="loss")
+            loss = tf.identity(tf.reduce_sum(ce / divisor) * scale, name="loss")
             v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
         finally:
             v1.enable_control_flow_v2()
@@ -317,3 +321,36 @@ def test_a_batch_size_is_synchronized_once(form, v1_cond):
         return
     assert res.report.exact, res.report.reasons
     assert cmp.max_rel < 1e-5, cmp
+
+
+@pytest.mark.parametrize("use", ["reshape", "tile", "range"])
+def test_a_float_copy_of_the_batch_size_used_as_a_length_is_no_value(use):
+    """A float copy of the batch size moved by an ``ExpandDims`` and cast back to an integer
+    shape (``tf.reshape``, ``tf.tile``), or a ``tf.range`` of it, is a length: each tower needs
+    its own. Taken for a value only, every tower read the batch's size there and the rewrite,
+    claimed exact, failed at step 1 (review 51 F2, F3). Now inexact, and it runs."""
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.disable_control_flow_v2()
+        try:
+            x = v1.placeholder(tf.float32, [None, D], name="x")
+            y = v1.placeholder(tf.int64, [None], name="y")
+            w = v1.get_variable("w", [D, C], initializer=v1.glorot_uniform_initializer(seed=1))
+            h = tf.matmul(x, w)
+            ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h)
+            n = tf.shape(x)[0]
+            length = tf.cast(tf.expand_dims(tf.cast(n, tf.float32), 0), tf.int32)
+            if use == "reshape":
+                extra = tf.reduce_mean(tf.square(tf.reshape(h, tf.concat([length, [-1]], 0))))
+            elif use == "tile":
+                extra = tf.reduce_mean(tf.square(h + tf.tile(tf.ones([1, C]), tf.concat([length, [1]], 0))))
+            else:
+                extra = tf.reduce_sum(ce * tf.range(tf.cast(n, tf.float32))) * 0.01 / tf.cast(n, tf.float32)
+            loss = tf.reduce_mean(ce) + 0.1 * extra
+            loss = tf.identity(tf.cond(n > 5, lambda: loss * 1.5, lambda: loss), name="loss")
+            v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        finally:
+            v1.enable_control_flow_v2()
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert not res.report.exact
+    assert compare(graph, res.graph, "train", _feeds((7, 2, 5)), fetch=("loss:0",)).max_rel > 1e-4

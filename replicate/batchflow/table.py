@@ -257,18 +257,40 @@ def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
     return tensor_name(*parse_tensor(ref))
 
 
-#: What a batch size passes unchanged (a cast, into a TF1 cond's branch) after the op that
-#: makes it.
-_SIZE_PASS = frozenset({"Identity", "Switch", "RefSwitch", "Cast"})
+#: Ops a batch size passes through on one value (not the op that makes it from a shape).
+_SIZE_PASS = UNARY | IDENTITIES | _THROUGH | frozenset({"Switch", "RefSwitch", "Merge", "RefMerge",
+                                                       "EnsureShape", "PreventGradient"})
 
 
-def size_root(ir, ref: str) -> str:
-    """The op that makes the batch size ``ref`` holds, behind casts and a TF1 cond's
-    ``Switch``: each size is synchronized once, where it is made. Named after a cast of it
-    too, ``tf.cast(B)`` was summed again after ``B`` (N times the batch's), and a copy of it
-    switched into a branch was no size op the sync pass could replace (review 50 F2, F3)."""
-    return behind(ir, ref, _SIZE_PASS)
+def size_root(ir, ref: str, fact_of, depth: int = 32) -> str:
+    """The op that makes the batch size ``ref`` holds (``fact_of``: tensor -> its fact): behind
+    every op whose batch-size inputs all lead to one such op (a cast, ``tf.stop_gradient``,
+    ``check_numerics``, a TF1 cond's ``Switch`` and ``Merge``): each size is synchronized
+    once, where it is made. Named after a cast of it too, ``tf.cast(B)`` was summed again after
+    ``B``, N times the batch's (claimed exact, 0.36 off; behind a ``stop_gradient``, review 51
+    F1, 0.41-0.65 off), and a copy of it switched into a branch was no size op the sync pass
+    could replace (review 50 F2, F3)."""
+    from replicate.batchflow.lattice import batch_size
 
+    ref = tensor_name(*parse_tensor(ref))
+    node = ir.nodes.get(node_of(ref))
+    if node is None or depth <= 0 or node.op not in _SIZE_PASS:
+        return ref      # what makes it: a slice of a shape, a Size
+    sized = [r for r in node.inputs if not r.startswith("^")
+             and (lambda f: f is not None and batch_size(f))(fact_of(r))]
+    roots = {size_root(ir, r, fact_of, depth - 1) for r in sized}
+    return roots.pop() if len(roots) == 1 else ref
+
+
+#: Ops that move values around (into another shape, beside others, summed) without computing
+#: on them: a float copy of a batch size is followed through them, since what comes out can be
+#: cast back to an integer shape.
+_MOVES = frozenset({"Reshape", "ExpandDims", "Squeeze", "Pack", "Unpack", "ConcatV2", "Concat",
+                    "Tile", "Transpose", "BroadcastTo", "Fill", "Slice", "StridedSlice", "Gather",
+                    "GatherV2", "Split", "SplitV", "ReverseV2", "Sum", "Max", "Min", "Mean",
+                    "Prod", "PlaceholderWithDefault"})
+#: Ops that read a value of any type as a length.
+_LENGTHS = frozenset({"Range", "LinSpace"})
 
 #: TF1 cond ops that pass a value on as it is (into a branch, out of it): a batch size a
 #: branch reads from outside is switched in (review 50 F2, F3).
@@ -282,23 +304,31 @@ _DECIDERS = frozenset({"If", "StatelessIf", "Switch", "RefSwitch"})
 SHAPE_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
-def value_only(ir, name: str, limit: int = 64) -> bool:
+def value_only(ir, name: str, limit: int = 128) -> bool:
     """Every use of ``name``'s output (a batch size) is as a value: elementwise arithmetic,
     casts included, ends in float values that no op reads as a shape, a bound or a position
     (``tf.reshape(h, [n, -1])``, ``tf.range(n)``, ``x[int(0.7 * (n - 1))]``), where the
     tower's own count is the right one and the batch's cannot replace it. Ops that read only
-    a shape do not count. Followed through at most ``limit`` ops."""
+    a shape do not count. A float copy is followed through the ops that move values around
+    (an ``ExpandDims`` of it cast back to an integer shape, review 51 F2: claimed exact, the
+    rewrite failed), and a ``tf.range`` of it is a length (review 51 F3). Followed through at
+    most ``limit`` ops."""
     from replicate.batchflow.roles import FLOAT_TYPES
 
     work, seen = [name], {name}
     while work:
         current = work.pop()
         floating = ir.output_dtype(f"{current}:0") in FLOAT_TYPES
-        outputs = (0, 1) if ir.nodes[current].op in ("Switch", "RefSwitch") else (0,)
+        op = ir.nodes[current].op
+        outputs = (0, 1) if op in ("Switch", "RefSwitch") else \
+            range(max(1, len(ir.output_types(ir.nodes[current])))) if op in _MOVES else (0,)
         for consumer, pos in [c for k in outputs for c in ir.data_consumers(f"{current}:{k}")]:
             if consumer.op in SHAPE_READERS:
                 continue
-            passed = consumer.op in _PASSING and (pos == 0 or consumer.op in ("Merge", "RefMerge"))
+            if consumer.op in _LENGTHS:
+                return False        # of any type, a length
+            passed = consumer.op in _PASSING and (pos == 0 or consumer.op in ("Merge", "RefMerge")) \
+                or floating and consumer.op in _MOVES
             if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES and not passed:
                 if floating or consumer.op in _DECIDERS and ir.output_dtype(f"{current}:0") == types_pb2.DT_BOOL:
                     continue        # a float value, or a cond's predicate: no shape, no position
