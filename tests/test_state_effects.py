@@ -223,18 +223,24 @@ def test_an_iterator_read_inside_a_body_is_taken_once_per_step(where):
     assert (result.max_rel < 1e-5) == res.report.exact, result.per_variable
 
 
+def _counter_model(resource=True):
+    """In the current graph: placeholders ``x`` [None, 4] and ``y`` [None], a linear
+    classifier's per-example loss and a counter ``cnt`` starting at 1 (not trained)."""
+    x = v1.placeholder(tf.float32, [None, 4], name="x")
+    y = v1.placeholder(tf.int64, [None], name="y")
+    w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
+    cnt = v1.get_variable("cnt", [], initializer=v1.ones_initializer(), trainable=False,
+                          use_resource=resource)
+    return x, cnt, tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+
+
 def _counted(predicate, control_flow_v1, resource=True, value=lambda x: 2.0):
     """``cnt += 2`` in a cond on ``predicate(x, ce)``; the loss is scaled by ``cnt`` read after
     it, so a step that skips the update trains differently (review 49 S2). ``resource=False``:
     a reference variable, which a TF1 cond passes by a ``RefSwitch``."""
     graph = tf.Graph()
     with models.control_flow_v1(control_flow_v1), graph.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        cnt = v1.get_variable("cnt", [], initializer=v1.ones_initializer(), trainable=False,
-                              use_resource=resource)
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, cnt, ce = _counter_model(resource)
         done = tf.cond(predicate(x, tf.stop_gradient(ce)), lambda: tf.identity(v1.assign_add(cnt, value(x))),
                        lambda: tf.identity(cnt.read_value()))
         with tf.control_dependencies([done]):
@@ -301,12 +307,7 @@ def test_a_state_update_writes_what_a_cond_on_the_batch_size_chose(control_flow_
     leads back to (review 50: inexact, "tower 0's value is used", though it trained exactly)."""
     graph = tf.Graph()
     with models.control_flow_v1(control_flow_v1), graph.as_default():
-        x = v1.placeholder(tf.float32, [None, 4], name="x")
-        y = v1.placeholder(tf.int64, [None], name="y")
-        w = v1.get_variable("w", [4, 3], initializer=v1.glorot_uniform_initializer(seed=1))
-        cnt = v1.get_variable("cnt", [], initializer=v1.ones_initializer(), trainable=False,
-                              use_resource=True)
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        x, cnt, ce = _counter_model()
         step = tf.cond(tf.shape(x)[0] > 5, lambda: tf.constant(3.0), lambda: tf.constant(1.0))
         with tf.control_dependencies([cnt.assign_add(step)]):
             scale = tf.identity(cnt.read_value())
