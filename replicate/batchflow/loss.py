@@ -300,7 +300,8 @@ def sync_sources(ctx: Context, ref: str, limit: int = 400, synced: frozenset = f
         if fact.kind == RED and name in synced:
             sources.append(name)        # synchronized already (batch norm under 'sync')
             continue
-        root = node_of(size_root(ir, cur, ctx.fact)) if fact.kind == RED and batch_size(fact) else None
+        root = size_root(ir, cur, ctx.fact) if fact.kind == RED and batch_size(fact) else None
+        root = node_of(root) if root is not None else None
         if root is not None and root in ir.nodes and value_only(ir, root):
             sources.append(root)        # a batch size (tf.shape(x)[0]): the towers' sizes add up
             if cls is None:

@@ -257,29 +257,30 @@ def behind(ir, ref: str, through: frozenset = _THROUGH) -> str:
     return tensor_name(*parse_tensor(ref))
 
 
-#: Ops a batch size passes through on one value (not the op that makes it from a shape).
-_SIZE_PASS = UNARY | IDENTITIES | _THROUGH | frozenset({"Switch", "RefSwitch", "Merge", "RefMerge",
-                                                       "EnsureShape", "PreventGradient"})
-
-
-def size_root(ir, ref: str, fact_of, depth: int = 32) -> str:
-    """The op that makes the batch size ``ref`` holds (``fact_of``: tensor -> its fact): behind
-    every op whose batch-size inputs all lead to one such op (a cast, ``tf.stop_gradient``,
-    ``check_numerics``, a TF1 cond's ``Switch`` and ``Merge``): each size is synchronized
-    once, where it is made. Named after a cast of it too, ``tf.cast(B)`` was summed again after
-    ``B``, N times the batch's (claimed exact, 0.36 off; behind a ``stop_gradient``, review 51
-    F1, 0.41-0.65 off), and a copy of it switched into a branch was no size op the sync pass
-    could replace (review 50 F2, F3)."""
+def size_root(ir, ref: str, fact_of, depth: int = 32) -> str | None:
+    """The op that makes the batch size ``ref`` holds (``fact_of``: tensor -> its fact), behind
+    every op whose batch-size inputs all lead to it (a cast, ``tf.stop_gradient``, ``x + 0.0``,
+    a reshape, a stack and an index into it, a TF1 cond's ``Switch`` and ``Merge``): each size
+    is synchronized once, where it is made, since the ops after it then read the batch's.
+    Named after a cast of it too, ``tf.cast(B)`` was summed again after ``B``, N times the
+    batch's (claimed exact, 0.36 off; behind ``stop_gradient``, ``+ 0.0`` or a reshape, review
+    51 F1 and review 52 F1, 0.28-0.66 off), and a copy of it switched into a branch was no size
+    op the sync pass could replace (review 50 F2, F3). What makes a size reads a shape (a
+    slice of ``tf.shape(x)``, ``tf.size(y)``). None when sizes made by different ops meet
+    (``tf.shape(x)[0] + tf.shape(z)[0]``): no one op to synchronize."""
     from replicate.batchflow.lattice import batch_size
 
     ref = tensor_name(*parse_tensor(ref))
     node = ir.nodes.get(node_of(ref))
-    if node is None or depth <= 0 or node.op not in _SIZE_PASS:
-        return ref      # what makes it: a slice of a shape, a Size
-    sized = [r for r in node.inputs if not r.startswith("^")
+    if node is None or depth <= 0 or node.op in SHAPE_READERS:
+        return ref
+    sized = [r for r in node.inputs if not r.startswith("^") and node_of(r) in ir.nodes
+             and ir.nodes[node_of(r)].op not in SHAPE_READERS
              and (lambda f: f is not None and batch_size(f))(fact_of(r))]
+    if not sized:
+        return ref      # what makes it: a slice of a shape
     roots = {size_root(ir, r, fact_of, depth - 1) for r in sized}
-    return roots.pop() if len(roots) == 1 else ref
+    return roots.pop() if len(roots) == 1 else None
 
 
 #: Ops that move values around (into another shape, beside others, summed) without computing
@@ -288,9 +289,36 @@ def size_root(ir, ref: str, fact_of, depth: int = 32) -> str:
 _MOVES = frozenset({"Reshape", "ExpandDims", "Squeeze", "Pack", "Unpack", "ConcatV2", "Concat",
                     "Tile", "Transpose", "BroadcastTo", "Fill", "Slice", "StridedSlice", "Gather",
                     "GatherV2", "Split", "SplitV", "ReverseV2", "Sum", "Max", "Min", "Mean",
-                    "Prod", "PlaceholderWithDefault"})
+                    "Prod", "PlaceholderWithDefault", "IdentityN", "StopGradient", "CheckNumerics",
+                    "EnsureShape", "Snapshot", "PreventGradient", "Print", "Cumsum", "Cumprod"})
 #: Ops that read a value of any type as a length.
 _LENGTHS = frozenset({"Range", "LinSpace"})
+#: Calls of function bodies.
+_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
+                    "StatefulPartitionedCall"})
+_INTEGERS = frozenset({types_pb2.DT_INT8, types_pb2.DT_INT16, types_pb2.DT_INT32, types_pb2.DT_INT64,
+                       types_pb2.DT_UINT8, types_pb2.DT_UINT16, types_pb2.DT_UINT32, types_pb2.DT_UINT64})
+
+
+def _lengths_in_bodies(ir, attrs, depth: int = 8) -> bool:
+    """Whether a function body that ``attrs`` name (nested bodies included) could make a float
+    it is passed into a length: it casts to an integer, or has a ``tf.range``. A float size
+    passed into a ``tf.function`` and cast back to a shape there was taken for a value
+    (review 52 F2: claimed exact, the rewrite failed or trained 0.91 off); a v2 cond's branch
+    that only computes with it (``tf.cond(B > 5, lambda: loss * 1.5, ...)``) is a value."""
+    for value in attrs.values():
+        kind = value.WhichOneof("value")
+        names = [value.func.name] if kind == "func" else \
+            [f.name for f in value.list.func] if kind == "list" else []
+        for name in names:
+            fdef = ir.function(name) if name else None
+            if fdef is None or depth <= 0:
+                return bool(name)       # a body not in the library: it could
+            for nd in fdef.node_def:
+                if nd.op in _LENGTHS or nd.op == "Cast" and nd.attr["DstT"].type in _INTEGERS \
+                        or nd.op in _CALLS and _lengths_in_bodies(ir, nd.attr, depth - 1):
+                    return True
+    return False
 
 #: TF1 cond ops that pass a value on as it is (into a branch, out of it): a batch size a
 #: branch reads from outside is switched in (review 50 F2, F3).
@@ -327,6 +355,8 @@ def value_only(ir, name: str, limit: int = 128) -> bool:
                 continue
             if consumer.op in _LENGTHS:
                 return False        # of any type, a length
+            if floating and consumer.op in _CALLS and _lengths_in_bodies(ir, consumer.attrs):
+                return False
             passed = consumer.op in _PASSING and (pos == 0 or consumer.op in ("Merge", "RefMerge")) \
                 or floating and consumer.op in _MOVES
             if consumer.op not in UNARY | BROADCAST | SAME_SHAPE | IDENTITIES and not passed:

@@ -92,7 +92,7 @@ def reductions_of(ctx: Context, ref: str, limit: int = 200) -> frozenset:
         if fact.src == name and fact.merge != "size":
             found.add(name)
         elif fact.merge == "size" and cur != ref:
-            found.add(node_of(size_root(ctx.ir, cur, ctx.fact)))   # where it is made, not a cast of it
+            found.add(node_of(size_root(ctx.ir, cur, ctx.fact) or cur))    # where it is made
             continue
         node = ctx.ir.nodes.get(name)
         if node is not None:

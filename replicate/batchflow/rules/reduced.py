@@ -48,7 +48,10 @@ def sizes_synchronized(ctx: Context, refs: list[str], ins: list[Fact], others: b
     out, sizes = [], 0
     for ref, f in zip(refs, ins):
         if f.kind == RED and not (others and not batch_size(f)):
-            name, index = parse_tensor(_table.size_root(ctx.ir, ref, ctx.fact))
+            root = _table.size_root(ctx.ir, ref, ctx.fact)
+            if root is None:
+                return None
+            name, index = parse_tensor(root)
             if not batch_size(f) or index or INSIDE in name or not _table.value_only(ctx.ir, name):
                 return None
             f = shared(taint=f.taint | {name})
