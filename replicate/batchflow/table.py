@@ -320,6 +320,7 @@ def _lengths_in_bodies(ir, attrs, depth: int = 8) -> bool:
                     return True
     return False
 
+
 #: TF1 cond ops that pass a value on as it is (into a branch, out of it): a batch size a
 #: branch reads from outside is switched in (review 50 F2, F3).
 _PASSING = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge"})
