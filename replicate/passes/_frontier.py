@@ -134,11 +134,11 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             if red.kind == "none" and fact is not None and fact.kind == "shared":
                 merged[t] = Frontier(t, "first", False)     # one resource, passed through a
                 return                                      # loop: every tower's is the same
-            if red.kind == "none" and _switched_handle(ir, flow, t, inside):
+            if red.kind == "none" and _switched_handle(ir, flow, t) and not _awaited(ir, t, inside):
                 unmergeable.append(t)       # the variable's, switched as tower 0 decides: a reason
                 merged[t] = Frontier(t, "first", False)
                 return
-            if red.kind == "none" and _switched_handle(ir, flow, t, set()):
+            if red.kind == "none" and _switched_handle(ir, flow, t):
                 sized = "batch size" in (fact.why or "")
                 raise AnalysisError(f"'{t}' passes a variable into a TF1 cond whose condition each "
                                     f"tower decides for itself ({fact.why} at '{fact.src}'), and "
@@ -200,22 +200,23 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
             [t for t, _ in doubtful], forward_only)
 
 
-def _switched_handle(ir: IR, flow, t: str, region: set[str]) -> bool:
+def _switched_handle(ir: IR, flow, t: str) -> bool:
     """``t`` is the handle of a variable every tower shares, passed by the ``Switch`` of a TF1
     cond whose predicate each tower decides for itself (an argmax over the batch): the same
     resource in every tower, live as tower 0 decides. A shared op that reads it (a state write
-    in the branch) runs as tower 0 decides, which is a reason, not a refusal (review 49 L1).
-    Unless a tower's op waits for that reader: in a tower that decides otherwise than tower 0,
-    it waited for an op that never ran, and the step failed ("Retval[0] does not have value");
-    that stays a refusal."""
+    in the branch) runs as tower 0 decides, which is a reason, not a refusal (review 49 L1),
+    unless the towers wait for it (:func:`_awaited`)."""
     node = ir.nodes[node_of(t)]
     data = flow.fact(node.inputs[0]) if node.op in ("Switch", "RefSwitch") else None
-    if data is None or data.kind != "shared":
-        return False
-    if not region:
-        return True
+    return data is not None and data.kind == "shared"
+
+
+def _awaited(ir: IR, t: str, region: set[str]) -> bool:
+    """A tower's op waits for a shared reader of ``t``: in a tower that decides the cond
+    otherwise than tower 0 it waited for an op that never ran, and the step failed ("Retval[0]
+    does not have value")."""
     readers = [c.name for c, _ in ir.data_consumers(t) if c.name not in region]
-    return not any(c.name in region for r in readers for c in ir.consumers(r))
+    return any(c.name in region for r in readers for c in ir.consumers(r))
 
 
 def _untainted(flow, ref: str, syncs: frozenset) -> bool:
