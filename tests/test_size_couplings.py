@@ -368,3 +368,22 @@ def test_a_float_copy_of_the_batch_size_used_as_a_length_is_no_value(use):
     res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
     assert not res.report.exact
     assert compare(graph, res.graph, "train", _feeds((7, 2, 5)), fetch=("loss:0",)).max_rel > 1e-4
+
+
+def test_a_term_of_the_batch_size_is_the_batch_s_in_the_fetched_loss():
+    """``mean(ce) + 0.01 * tf.cast(B)``: claimed exact, and the fetched loss was 0.13 off one
+    device's, the term merged from each tower's own size. Each tower now reads the batch's B,
+    and the loss a driver fetches is one device's."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [None, D], name="x")
+        y = v1.placeholder(tf.int64, [None], name="y")
+        w = v1.get_variable("w", [D, C], initializer=v1.glorot_uniform_initializer(seed=1))
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=tf.matmul(x, w))
+        loss = tf.identity(tf.reduce_mean(ce) + 0.01 * tf.cast(tf.shape(x)[0], tf.float32), name="loss")
+        v1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    res = replicate.transform(graph, ["/cpu:1", "/cpu:2", "/cpu:3"])
+    assert res.report.exact, res.report.reasons
+    cmp = compare(graph, res.graph, "train", _feeds((7, 6, 5)), fetch=("loss:0",))
+    fetched = max(abs(float(a[0]) - float(b[0])) / abs(float(a[0])) for a, b in cmp.fetched)
+    assert cmp.max_rel < 1e-5 and fetched < 1e-5, (cmp.max_rel, fetched)
