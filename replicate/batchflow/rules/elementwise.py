@@ -38,7 +38,6 @@ UNARY_OR_BROADCAST = _table.UNARY | _table.BROADCAST | _table.SAME_SHAPE | {"Sel
 
 _LINEAR_UNARY = {"Identity", "Cast", "Neg", "Snapshot", "StopGradient"}
 _VALUE_UNARY = {"Cast", "Identity", "Snapshot", "StopGradient"}
-_COMPARISONS = {"Less", "LessEqual", "Greater", "GreaterEqual", "Equal", "NotEqual"}
 
 
 def unary(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
@@ -125,12 +124,10 @@ def broadcast(ctx: Context, node: Node, ins: list[Fact]) -> list[Fact]:
                       "tower reads its own count", taint_of(ins))]
     if not ps:
         synced = sizes_synchronized(ctx, refs, ins) if reds(ins) else None
-        if synced is not None and node.op in _COMPARISONS:  # a cond decided by the batch size (``n > 4``)
-            return broadcast(ctx, node, synced)
         if synced is not None:
-            # ``B % 2``, ``min(B, 5)``, ``B - 1``: each tower reads the batch's B, a value
-            # only (review 48 L1: a cond on it was inexact, 0.17-0.56 off; review 50 F2: a
-            # state update that wrote ``B - 1`` ran as tower 0's count)
+            # ``n > 4``, ``B % 2``, ``min(B, 5)``, ``B - 1``: each tower reads the batch's B,
+            # a value only (review 48 L1: a cond on it was inexact, 0.17-0.56 off; review 50
+            # F2: a state update that wrote ``B - 1`` ran as tower 0's count)
             return broadcast(ctx, node, synced)
         if reds(ins):
             out = reduced_algebra(ctx, node, refs, ins)
