@@ -274,9 +274,9 @@ def size_root(ir, ref: str, fact_of, depth: int = 32) -> str | None:
     node = ir.nodes.get(node_of(ref))
     if node is None or depth <= 0 or node.op in SHAPE_READERS:
         return ref
-    sized = [r for r in node.inputs if not r.startswith("^") and node_of(r) in ir.nodes
-             and ir.nodes[node_of(r)].op not in SHAPE_READERS
-             and (lambda f: f is not None and batch_size(f))(fact_of(r))]
+    facts = {r: fact_of(r) for r in node.inputs if not r.startswith("^") and node_of(r) in ir.nodes
+             and ir.nodes[node_of(r)].op not in SHAPE_READERS}
+    sized = [r for r, f in facts.items() if f is not None and batch_size(f)]
     if not sized:
         return ref      # what makes it: a slice of a shape
     roots = {size_root(ir, r, fact_of, depth - 1) for r in sized}

@@ -157,14 +157,16 @@ def cond_predicate(nodes: dict, merge) -> frozenset:
     takes)."""
     scope = merge.name.rsplit("/", 1)[0] if "/" in merge.name else ""
     pred = f"{scope}/pred_id" if scope else "pred_id"
+    if f"{pred}_1" in nodes:
+        return frozenset()
     found = nodes.get(pred)
-    if found is None and f"{pred}_1" not in nodes:
+    if found is None:
         pivots = f"{scope}/Switch" if scope else "Switch"
         switch = nodes.get(pivots)
         if switch is not None and switch.op in ("Switch", "RefSwitch") and len(switch.inputs) == 2 \
                 and switch.inputs[0] == switch.inputs[1] and f"{pivots}_1" not in nodes:
             return frozenset({node_of(switch.inputs[1])})
         return frozenset()
-    if found is None or found.op != "Identity" or not found.inputs or f"{pred}_1" in nodes:
+    if found.op != "Identity" or not found.inputs:
         return frozenset()
     return frozenset({pred, node_of(found.inputs[0])})

@@ -23,6 +23,7 @@ from replicate.batchflow.roles import FLOAT_TYPES
 from replicate.batchflow.table import behind, value_only
 from replicate.graph.ir import IR, node_of
 from replicate.graph.ops import BATCH_SOURCE_OPS, VARIABLE_OPS
+from replicate.passes._frontier import SWITCHED_FIX
 
 __all__ = ["collect", "unmergeable", "size_like", "size_coupling", "two_routes", "deciding_writes"]
 
@@ -216,10 +217,8 @@ def unmergeable(ir: IR, graph: nx.DiGraph, train_ops: list[str], tensors: list[s
         if any(r in training for r in readers) and ir.nodes[node_of(t)].op in ("Switch", "RefSwitch"):
             reasons.append(Reason(readers[0], f"'{readers[0]}' reads a variable in a TF1 cond "
                                   "whose condition each tower decides for itself; it runs as "
-                                  "tower 0's slice decides, once per step", "decide the cond "
-                                  "from a value every tower shares (a fed flag, the batch size, "
-                                  "a batch sum under batch_norm='sync'), or move the state update "
-                                  "out of the cond"))
+                                  "tower 0's slice decides, once per step",
+                                  SWITCHED_FIX + ", or move the state update out of the cond"))
         elif any(r in training for r in readers):
             reasons.append(Reason(node_of(t), f"'{t}' is read by '{readers[0]}' outside the towers "
                                   "and cannot be merged across towers; tower 0's value is used",

@@ -148,9 +148,7 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
                                        "function body), and not every count of selected rows: "
                                        "compute the condition from a tf.shape(x)[0] of its own, or "
                                        "count with tf.reduce_sum of a mask, "
-                                       if sized else
-                                       "decide the cond from a value every tower shares (a fed flag, "
-                                       "the batch size, a batch sum under batch_norm='sync'), ")
+                                       if sized else SWITCHED_FIX + ", ")
                                     + "or move the state update out of the cond")
             if red.kind == "none":
                 why = f" ({fact.why} at '{fact.src}')" if fact is not None and fact.kind == "mixed" else ""
@@ -198,6 +196,12 @@ def classify(ir: IR, region: list[str], dependent: set[str], in_grad: set[str],
     merged = {t: f for t, f in merged.items() if f.role == "recompute" or node_of(t) not in recomputed}
     return (frontier, [merged[t] for t in _sorted(ir, merged)], unmergeable,
             [t for t, _ in doubtful], forward_only)
+
+
+#: What to do about a state update in a TF1 cond each tower decides for itself (here and in
+#: the reason the analyze pass gives when nothing waits for it).
+SWITCHED_FIX = ("decide the cond from a value every tower shares (a fed flag, the batch size, a "
+                "batch sum under batch_norm='sync')")
 
 
 def _switched_handle(ir: IR, flow, t: str) -> bool:
